@@ -1,0 +1,289 @@
+"""The IR: a Module holds a Cluster, Models, data sources, run settings and one Graph.
+
+A Graph is a DAG of Stages connected by SSA Values, listed in a topological
+order (every value is defined before it is used — the verifier checks it). A
+stage's ``attrs`` are what the program asked for (semantics); its
+``annotations`` are what passes decided (how it runs: placement, overlap,
+streaming …). Passes add annotations, never hidden state: whatever a pass
+decides is in the printed IR.
+
+Cross-step parameter versions are explicit :class:`VersionEdge`s: a stage that
+reads a trained model's weights before that model's ``train`` stage in the step
+reads the version written one step earlier (``distance = 1``); one after it
+reads this step's (``distance = 0``).
+
+Stability: the classes and methods without a leading underscore are the public
+IR API for custom passes (stable within a minor version).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+
+from .arch import ARCH_FIELDS, param_count
+from .diagnostics import Loc
+from .types import ValueType
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A reference to a module-level entity (``@actor``) inside an attribute."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"@{self.name}"
+
+
+@dataclass
+class Cluster:
+    """Devices: ``nodes`` × ``per_node`` devices of kind ``device`` (``cpu`` or a GPU kind)."""
+
+    name: str
+    device: str = "cpu"
+    nodes: int = 1
+    per_node: int = 1
+    loc: Loc | None = None
+    annotations: dict = field(default_factory=dict)
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.per_node
+
+    def attrs(self) -> dict:
+        return {"device": self.device, "nodes": self.nodes, "per_node": self.per_node}
+
+
+@dataclass
+class Model:
+    """A model: architecture config, head, whether it trains, and how it is initialised.
+
+    ``init`` is ``"random"`` (seeded random weights), ``"pretrained"`` (from
+    ``source``, a local Hugging Face folder) or a :class:`Symbol` naming the model
+    whose weights it starts from (``copy(actor)``).
+    """
+
+    name: str
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    max_seq: int
+    head: str = "lm"
+    trainable: bool = False
+    init: object = "random"
+    source: str = ""
+    loc: Loc | None = None
+    annotations: dict = field(default_factory=dict)
+
+    def config(self) -> dict:
+        """Architecture fields only (what ``copy``/``like`` share)."""
+        return {k: getattr(self, k) for k in ("arch",) + ARCH_FIELDS}
+
+    def attrs(self) -> dict:
+        out = self.config()
+        out.update(head=self.head, trainable=self.trainable, init=self.init, source=self.source)
+        return out
+
+    @property
+    def params(self) -> int:
+        """Parameter count derived from the architecture."""
+        return param_count(self.arch, self.layers, self.hidden, self.heads, self.kv_heads,
+                           self.ffn, self.vocab, self.max_seq, self.head)
+
+
+@dataclass
+class DataSource:
+    """Where prompts come from: ``kind`` is ``synthetic`` or ``jsonl``; ``options`` its settings."""
+
+    name: str
+    kind: str
+    options: dict = field(default_factory=dict)
+    loc: Loc | None = None
+    annotations: dict = field(default_factory=dict)
+
+    def attrs(self) -> dict:
+        return {"kind": self.kind, **self.options}
+
+
+@dataclass
+class RunConfig:
+    """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level."""
+
+    steps: int = 10
+    seed: int = 0
+    checkpoint_every: int = 0
+    optimize: str = "O1"
+    loc: Loc | None = None
+
+    def attrs(self) -> dict:
+        return {"steps": self.steps, "seed": self.seed, "checkpoint_every": self.checkpoint_every,
+                "optimize": self.optimize}
+
+
+RUN_KEYS = tuple(f.name for f in fields(RunConfig) if f.name != "loc")
+
+
+@dataclass(eq=False)
+class Value:
+    """An SSA value: a unique ``name`` (printed ``%name``) and a :class:`ValueType`."""
+
+    name: str
+    type: ValueType
+
+    def __repr__(self) -> str:
+        return f"%{self.name}: {self.type}"
+
+
+@dataclass(eq=False)
+class Stage:
+    """One node of the per-step dataflow.
+
+    ``op`` names an :class:`~rlhfc.ir.ops.OpSpec`; ``target`` is the model or data
+    source it works on (or None); ``inputs``/``outputs`` are Values; ``attrs`` are the
+    program's settings; ``annotations`` the passes' decisions. A stage is named
+    after its first output (every stage has at least one).
+    """
+
+    op: str
+    target: str | None
+    inputs: list[Value]
+    outputs: list[Value]
+    attrs: dict = field(default_factory=dict)
+    annotations: dict = field(default_factory=dict)
+    loc: Loc | None = None
+
+    @property
+    def name(self) -> str:
+        return self.outputs[0].name
+
+    def __repr__(self) -> str:
+        return f"<Stage {self.name} = {self.op}>"
+
+
+@dataclass(frozen=True)
+class VersionEdge:
+    """Stage ``reader`` reads the weights of ``model`` that stage ``writer`` wrote ``distance`` steps earlier."""
+
+    model: str
+    writer: str
+    reader: str
+    distance: int
+
+
+@dataclass
+class Graph:
+    """The per-step dataflow. ``stages`` are in a topological order; ``params`` are pipeline parameters."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+    stages: list[Stage] = field(default_factory=list)
+    versions: list[VersionEdge] = field(default_factory=list)
+    loc: Loc | None = None
+
+    # -- queries -------------------------------------------------------------------------------
+    def values(self) -> dict[str, Value]:
+        return {v.name: v for s in self.stages for v in s.outputs}
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def producer(self, value: Value) -> Stage:
+        for s in self.stages:
+            if any(o is value for o in s.outputs):
+                return s
+        raise KeyError(value.name)
+
+    def users(self, value: Value) -> list[Stage]:
+        return [s for s in self.stages if any(i is value for i in s.inputs)]
+
+    def stages_on(self, model: str) -> list[Stage]:
+        return [s for s in self.stages if s.target == model]
+
+    def predecessors(self, stage: Stage) -> list[Stage]:
+        seen: list[Stage] = []
+        for v in stage.inputs:
+            p = self.producer(v)
+            if p not in seen:
+                seen.append(p)
+        return seen
+
+    # -- edits (keep the topological order valid) ------------------------------------------------
+    def insert(self, index: int, stage: Stage) -> Stage:
+        self.stages.insert(index, stage)
+        return stage
+
+    def remove(self, stage: Stage) -> None:
+        """Remove a stage whose outputs are unused (raises otherwise)."""
+        for v in stage.outputs:
+            if self.users(v):
+                raise ValueError(f"cannot remove stage %{stage.name}: %{v.name} is still used")
+        self.stages.remove(stage)
+        self.versions = [e for e in self.versions if stage.name not in (e.reader, e.writer)]
+
+    def replace_all_uses(self, old: Value, new: Value) -> None:
+        for s in self.stages:
+            s.inputs = [new if v is old else v for v in s.inputs]
+
+    def fresh_name(self, base: str) -> str:
+        """A value name not used yet: ``base``, else ``base_1``, ``base_2`` …"""
+        taken = set(self.values())
+        if base not in taken:
+            return base
+        i = 1
+        while f"{base}_{i}" in taken:
+            i += 1
+        return f"{base}_{i}"
+
+
+def derive_versions(graph: Graph, trainable: set[str]) -> list[VersionEdge]:
+    """The parameter-version edges the stage order implies (see module docstring).
+
+    For each trained model: stages reading it before its ``train`` stage read the
+    previous step's weights (distance 1); stages after it read this step's
+    (distance 0). A graph may have at most one train stage per model.
+    """
+    edges: list[VersionEdge] = []
+    for model in sorted(trainable):
+        on_model = graph.stages_on(model)
+        writers = [s for s in on_model if s.op == "train"]
+        if len(writers) != 1:
+            continue
+        writer = writers[0]
+        w_index = graph.stages.index(writer)
+        for s in on_model:
+            if s is writer:
+                continue
+            distance = 1 if graph.stages.index(s) < w_index else 0
+            edges.append(VersionEdge(model, writer.name, s.name, distance))
+    return edges
+
+
+@dataclass
+class Module:
+    """A whole compiled program."""
+
+    name: str
+    cluster: Cluster
+    models: dict[str, Model] = field(default_factory=dict)
+    data: dict[str, DataSource] = field(default_factory=dict)
+    graph: Graph = field(default_factory=lambda: Graph("main"))
+    run: RunConfig = field(default_factory=RunConfig)
+    annotations: dict = field(default_factory=dict)
+
+    def clone(self) -> "Module":
+        return copy.deepcopy(self)
+
+    def trainable_models(self) -> set[str]:
+        return {m.name for m in self.models.values() if m.trainable}
+
+    def refresh_versions(self) -> None:
+        """Recompute the version edges after a pass reordered or added stages."""
+        self.graph.versions = derive_versions(self.graph, self.trainable_models())

@@ -1,0 +1,210 @@
+"""Signatures of every stage op: operands, attributes and result types.
+
+One table serves the frontend (type checking a program) and the verifier
+(checking IR after every pass), so the two can never disagree. Passes that
+introduce new ops (``sync``, ``offload`` …) register their spec here with
+:func:`register_op`.
+
+An op is named ``family`` or ``family.kind`` (``generate``, ``forward.logprobs``,
+``compute.gae``). The language spells them as calls: ``actor.generate(...)`` →
+``generate``, ``actor.logprobs(...)`` → ``forward.logprobs``, ``gae(...)`` →
+``compute.gae``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .types import ValueType
+
+#: attribute kinds a program may write: int, float, str, bool, size (an int written ``4K``/``7B``)
+ATTR_KINDS = ("int", "float", "str", "bool")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A positional input. ``kinds``: the value types accepted; ``optional`` operands come last."""
+
+    name: str
+    kinds: tuple[str, ...]
+    optional: bool = False
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Attr:
+    """A keyword attribute. ``default`` None with ``required`` means the program must give it."""
+
+    name: str
+    kind: str
+    default: object = None
+    required: bool = False
+    choices: tuple = ()
+    min: float | None = None
+    max: float | None = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How an op is typed.
+
+    ``model``: ``None`` (no model), ``"model"`` (a model call) or ``"data"`` (a data source).
+    ``head``: the model head the op needs (``lm``/``value``/``score``), if any.
+    ``trains``: the op updates the model's weights (needs a ``trainable`` model).
+    ``results``: result type kinds; ``batch_from``: how result batch sizes follow
+    (``"operand0"`` — the first operand's; ``"attr:batch"`` — an attribute;
+    ``"operand0*attr:n"`` — first operand's batch times attribute ``n``).
+    ``pure``: no side effect, so the stage may be removed when its results are unused.
+    """
+
+    op: str
+    operands: tuple[Operand, ...]
+    attrs: tuple[Attr, ...]
+    results: tuple[str, ...]
+    model: str | None = None
+    head: str | None = None
+    trains: bool = False
+    batch_from: str = "operand0"
+    pure: bool = True
+    doc: str = ""
+    internal_attrs: tuple[str, ...] = field(default=())
+
+    @property
+    def family(self) -> str:
+        return self.op.split(".", 1)[0]
+
+    def attr(self, name: str) -> Attr | None:
+        return next((a for a in self.attrs if a.name == name), None)
+
+    def min_operands(self) -> int:
+        return sum(1 for o in self.operands if not o.optional)
+
+    def result_types(self, operand_types: list[ValueType], attrs: dict) -> list[ValueType]:
+        """The result types for these operands/attrs (call after operands are checked)."""
+        batch: int | None = None
+        if self.batch_from == "operand0" and operand_types:
+            batch = operand_types[0].batch
+        elif self.batch_from.startswith("attr:"):
+            batch = int(attrs[self.batch_from[5:]])
+        elif self.batch_from.startswith("operand0*attr:") and operand_types:
+            batch = (operand_types[0].batch or 0) * int(attrs.get(self.batch_from.split(":", 1)[1], 1))
+        return [ValueType(k, None if k == "Metrics" else batch) for k in self.results]
+
+
+_OPS: dict[str, OpSpec] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    """Make an op known to the frontend and verifier. Re-registering the same name replaces it."""
+    _OPS[spec.op] = spec
+    return spec
+
+
+def get_op(name: str) -> OpSpec | None:
+    return _OPS.get(name)
+
+
+def all_ops() -> dict[str, OpSpec]:
+    return dict(_OPS)
+
+
+_TF = ("TokenFloat",)
+_KL = Attr("estimator", "str", "k1", choices=("k1", "k2", "k3"),
+           doc="KL estimator: k1 = logp-ref, k2 = (logp-ref)^2/2, k3 = exp(ref-logp)-1-(ref-logp)")
+
+register_op(OpSpec(
+    "load", (), (Attr("batch", "int", required=True, min=1, doc="prompts per step"),),
+    ("Prompts",), model="data", batch_from="attr:batch",
+    doc="draw the next batch of prompts from a data source"))
+
+register_op(OpSpec(
+    "generate", (Operand("prompts", ("Prompts",)),),
+    (Attr("max_new_tokens", "int", 32, min=1, doc="longest response"),
+     Attr("temperature", "float", 1.0, min=0.0, doc="sampling temperature (0 = greedy)"),
+     Attr("top_p", "float", 1.0, min=0.0, max=1.0, doc="nucleus sampling mass"),
+     Attr("n", "int", 1, min=1, doc="samples per prompt (GRPO/RLOO groups)")),
+    ("Rollout",), model="model", head="lm", batch_from="operand0*attr:n",
+    doc="sample responses to prompts"))
+
+register_op(OpSpec(
+    "forward.logprobs", (Operand("rollout", ("Rollout",)),),
+    (Attr("temperature", "float", 1.0, min=0.0, doc="divide logits by this before log-softmax"),),
+    _TF, model="model", head="lm", doc="log-probability of each response token"))
+
+register_op(OpSpec(
+    "forward.values", (Operand("rollout", ("Rollout",)),), (),
+    _TF, model="model", head="value", doc="value estimate at each response token"))
+
+register_op(OpSpec(
+    "forward.score", (Operand("rollout", ("Rollout",)),), (),
+    ("SeqFloat",), model="model", head="score", doc="reward-model score of each sequence"))
+
+register_op(OpSpec(
+    "compute.rule", (Operand("rollout", ("Rollout",)),),
+    (Attr("fn", "str", required=True, doc="'module:function' taking (prompt, response) -> float"),),
+    ("SeqFloat",), doc="score each sequence with a Python rule function"))
+
+register_op(OpSpec(
+    "compute.kl_penalty",
+    (Operand("scores", ("SeqFloat",)), Operand("logp", _TF), Operand("ref_logp", _TF)),
+    (Attr("coef", "float", 0.05, min=0.0, doc="KL coefficient"), _KL),
+    _TF, doc="per-token rewards: -coef*KL on every token, plus the score on the last"))
+
+register_op(OpSpec(
+    "compute.gae",
+    (Operand("rewards", ("SeqFloat", "TokenFloat"), doc="sequence scores or per-token rewards"),
+     Operand("values", _TF),
+     Operand("logp", _TF, optional=True), Operand("ref_logp", _TF, optional=True)),
+    (Attr("gamma", "float", 1.0, min=0.0, max=1.0, doc="discount"),
+     Attr("lam", "float", 0.95, min=0.0, max=1.0, doc="GAE lambda"),
+     Attr("kl_coef", "float", 0.05, min=0.0, doc="KL penalty when logp/ref_logp are given"),
+     _KL,
+     Attr("whiten", "bool", True, doc="whiten advantages over the batch")),
+    ("TokenFloat", "TokenFloat"),
+    doc="generalised advantage estimation -> (advantages, returns)"))
+
+register_op(OpSpec(
+    "compute.group_advantages",
+    (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",))),
+    (Attr("method", "str", "grpo", choices=("grpo", "rloo"), doc="grpo: (s-mean)/std; rloo: leave-one-out baseline"),
+     Attr("normalize_std", "bool", True, doc="divide by the group std (grpo)"),
+     Attr("group", "int", 1, min=1, doc="samples per prompt; set from the generate stage's n")),
+    _TF, doc="group-relative advantages (GRPO / RLOO), broadcast to response tokens",
+    internal_attrs=("group",)))
+
+register_op(OpSpec(
+    "compute.ppo_clip",
+    (Operand("rollout", ("Rollout",)), Operand("logp", _TF), Operand("advantages", _TF),
+     Operand("ref_logp", _TF, optional=True, doc="adds a KL term to the loss (GRPO)")),
+    (Attr("clip", "float", 0.2, min=0.0, doc="ratio clip range"),
+     Attr("entropy_coef", "float", 0.0, min=0.0, doc="entropy bonus"),
+     Attr("kl_coef", "float", 0.0, min=0.0, doc="KL-in-loss coefficient (with ref_logp)"),
+     Attr("estimator", "str", "k3", choices=("k1", "k2", "k3"), doc="KL estimator for the loss term")),
+    ("PolicyLoss",), doc="clipped PPO policy loss"))
+
+register_op(OpSpec(
+    "compute.value_loss",
+    (Operand("rollout", ("Rollout",)), Operand("values", _TF), Operand("returns", _TF)),
+    (Attr("clip", "float", 0.2, min=0.0, doc="value clip range"),),
+    ("ValueLoss",), doc="clipped value loss"))
+
+register_op(OpSpec(
+    "train", (Operand("loss", ("PolicyLoss", "ValueLoss")),),
+    (Attr("lr", "float", 1e-5, min=0.0, doc="AdamW learning rate"),
+     Attr("epochs", "int", 1, min=1, doc="passes over the batch"),
+     Attr("minibatches", "int", 1, min=1, doc="optimizer steps per epoch"),
+     Attr("max_grad_norm", "float", 1.0, min=0.0, doc="gradient clipping (0 = off)"),
+     Attr("weight_decay", "float", 0.0, min=0.0, doc="AdamW weight decay")),
+    ("Metrics",), model="model", trains=True, pure=False, batch_from="none",
+    doc="update the model's weights on a loss"))
+
+#: which loss type trains which head
+LOSS_FOR_HEAD = {"lm": "PolicyLoss", "value": "ValueLoss"}
+
+#: language spelling -> op name
+METHOD_OPS = {"generate": "generate", "logprobs": "forward.logprobs", "values": "forward.values",
+              "score": "forward.score", "train": "train"}
+BUILTIN_OPS = {"rule": "compute.rule", "kl_penalty": "compute.kl_penalty", "gae": "compute.gae",
+               "group_advantages": "compute.group_advantages", "ppo_clip": "compute.ppo_clip",
+               "value_loss": "compute.value_loss"}

@@ -1,0 +1,16 @@
+"""Passes over the IR: base class, registry, manager and the -O pipelines.
+
+Built-in passes live one per file and are imported lazily by name.
+"""
+
+from .base import Pass, get_pass, load_plugin, parse_pipeline, register_lazy, register_pass, registered_passes
+from .manager import PassFailure, PassManager, PassRecord
+from .pipelines import PIPELINES, pipeline_for
+
+for _name, _module in {
+    "dce": "rlhfc.passes.dce",
+}.items():
+    register_lazy(_name, _module)
+
+__all__ = ["Pass", "PassManager", "PassRecord", "PassFailure", "register_pass", "registered_passes", "get_pass",
+           "parse_pipeline", "load_plugin", "PIPELINES", "pipeline_for"]

@@ -1,0 +1,33 @@
+"""The -O levels: which passes run, in order. Defined here and nowhere else.
+
+| level | meaning |
+| ----- | ------- |
+| O0    | no passes: the program runs exactly as written, one stage at a time |
+| O1    | cleanups that cannot change results |
+| O2    | O1 + the exact performance passes (overlap, placement, reallocation) |
+| O3    | O2 + passes that change which samples a step trains on (opt-in) |
+
+The overlap passes (``parallelize``, ``stream``; O2), ``overcommit`` (O3) and
+the placement/reallocation passes (O2) are added to these lists as they land.
+"""
+
+from __future__ import annotations
+
+from .base import Pass, parse_pipeline
+
+PIPELINES: dict[str, list[str]] = {
+    "O0": [],
+    "O1": ["dce"],
+    "O2": ["dce"],
+    "O3": ["dce"],
+}
+
+
+def pipeline_for(level: str) -> list[Pass]:
+    """The configured passes of an -O level (``"O2"`` or ``"2"``)."""
+    key = level if level.startswith("O") else f"O{level}"
+    if key not in PIPELINES:
+        from rlhfc.ir import error
+
+        raise error(f"unknown optimisation level '{level}'", None, f"levels: {', '.join(PIPELINES)}")
+    return parse_pipeline(",".join(PIPELINES[key]))

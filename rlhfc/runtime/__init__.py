@@ -1,0 +1,83 @@
+"""What a compiled rlhfc job imports: models, tokenizers, generation, PPO math, data.
+
+The runtime imports no compiler code (``rlhfc.frontend``, ``ir``, ``passes``,
+``codegen``, ``cli``): a job runs with only this package installed.
+
+Modules:
+
+* ``models``     build a policy / value / score model from a dict spec; weights in/out.
+* ``tokenizer``  the built-in character tokenizer and a Hugging Face wrapper.
+* ``generation`` KV-cached sampling (plain and streaming) and rollout forwards.
+* ``ppo``        KL, rewards, GAE, whitening, PPO/value losses, GRPO/RLOO, train loop.
+* ``data``       prompt sources (synthetic task, JSONL) with a checkpointable cursor.
+* ``rewards``    rule rewards ``fn(prompt, response) -> float`` and their resolver.
+"""
+
+from .data import JsonlPrompts, PromptSource, SyntheticPrompts, prompt_source_from_spec, repeat_each
+from .generation import (
+    FinishedSample,
+    RolloutBatch,
+    collate,
+    decode_prompts,
+    decode_responses,
+    encode_prompts,
+    entropy_from_logits,
+    generate,
+    generate_stream,
+    response_entropy,
+    response_logprobs,
+    response_logprobs_and_entropy,
+    response_values,
+    sequence_scores,
+)
+from .models import (
+    PolicyModel,
+    ScoreModel,
+    ValueModel,
+    build_model,
+    copy_weights,
+    get_weights,
+    load_weights,
+    normalize_spec,
+    save_weights,
+    set_weights,
+)
+from .rewards import resolve_rule, rule_scores
+from .tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "JsonlPrompts",
+    "PromptSource",
+    "SyntheticPrompts",
+    "prompt_source_from_spec",
+    "repeat_each",
+    "FinishedSample",
+    "RolloutBatch",
+    "collate",
+    "decode_prompts",
+    "decode_responses",
+    "encode_prompts",
+    "entropy_from_logits",
+    "generate",
+    "generate_stream",
+    "response_entropy",
+    "response_logprobs",
+    "response_logprobs_and_entropy",
+    "response_values",
+    "sequence_scores",
+    "PolicyModel",
+    "ScoreModel",
+    "ValueModel",
+    "build_model",
+    "copy_weights",
+    "get_weights",
+    "load_weights",
+    "normalize_spec",
+    "save_weights",
+    "set_weights",
+    "resolve_rule",
+    "rule_scores",
+    "CharTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+]
