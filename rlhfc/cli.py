@@ -88,8 +88,70 @@ def compile_cmd(
 
     if not out:
         raise CompileError([Diagnostic("error", "--emit job needs an output folder", None, "add -o job/")])
-    emit_job(module, out, source_path=file)
+    _emit(module, out, file, opt, passes)
     typer.echo(f"wrote {out}/main.py, {out}/plan.json", err=True)
+
+
+def _emit(module: Module, out: str, file: str, opt: str | None, passes: str | None) -> None:
+    from rlhfc.codegen import emit_job
+    from rlhfc.passes import PIPELINES
+
+    level = None if passes is not None else (opt if opt and opt.startswith("O") else f"O{opt}" if opt else
+                                            module.run.optimize)
+    names = [p.strip() for p in passes.split(",")] if passes is not None else PIPELINES[level]
+    emit_job(module, out, source_path=file, opt_level=level or "custom", passes=names)
+
+
+def _default_run_dir(name: str, resume: bool) -> str:
+    """runs/NAME for the first run, then runs/NAME-1, -2 …; --resume picks the newest existing one."""
+    candidates = [os.path.join("runs", name)] + [os.path.join("runs", f"{name}-{i}") for i in range(1, 1000)]
+    existing = [c for c in candidates if os.path.isdir(c) and os.listdir(c)]
+    if resume:
+        return existing[-1] if existing else candidates[0]
+    return next(c for c in candidates if not (os.path.isdir(c) and os.listdir(c)))
+
+
+@app.command()
+def run(
+    target: str = typer.Argument(..., help=".rlhf/.rlir program, or a job folder from `compile --emit job`"),
+    opt: Optional[str] = typer.Option(None, "-O", "--opt-level", help="optimisation level 0-3"),
+    passes: Optional[str] = typer.Option(None, "--passes", help="run exactly these passes"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="train this many steps in total"),
+    out: Optional[str] = typer.Option(None, "--out", help="run folder (default runs/<program>)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run folder's latest checkpoint"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="use an existing Ray cluster"),
+    plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+):
+    """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address."""
+    from rlhfc.runtime.job import JobError, run_job
+
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, "plan.json")):
+            raise CompileError([Diagnostic("error", f"{target} is not a job folder (no plan.json)", None,
+                                           "compile one with `rlhfc compile FILE --emit job -o DIR`")])
+        job_dir = target
+        name = os.path.basename(os.path.normpath(target))
+    else:
+        module, _ = _load(target, plugin)
+        module, _ = optimise(module, opt, passes)
+        name = module.name
+        out = out or _default_run_dir(name, resume)
+        job_dir = os.path.join(out, "job")
+        if resume and os.path.isfile(os.path.join(job_dir, "plan.json")):
+            with open(os.path.join(job_dir, "ir.rlir"), encoding="utf-8") as fh:
+                if fh.read() != print_module(module):
+                    typer.echo("rlhfc: note: the program changed since the checkpointed run; "
+                               "resuming with the new compiled job", err=True)
+        _emit(module, job_dir, target, opt, passes)
+    try:
+        run_job(job_dir, steps=steps, out=out or _default_run_dir(name, resume), resume=resume,
+                ray_address=ray_address, progress=not no_progress)
+    except JobError as exc:
+        typer.echo(f"rlhfc: error: {exc.message}", err=True)
+        if exc.hint:
+            typer.echo(f"  hint: {exc.hint}", err=True)
+        raise SystemExit(1)
 
 
 @app.command(name="passes")
@@ -103,9 +165,8 @@ def passes_cmd(plugin: List[str] = typer.Option([], "--plugin", help="also list 
         levels = [lvl for lvl, names in PIPELINES.items() if name in names]
         tag = "exact" if cls.exact else "changes training"
         typer.echo(f"{name:<20} {cls.description}  [{tag}; {', '.join(levels) or 'by name only'}]")
-        for f in cls.options():
-            default = f.default if f.default is not f.default_factory else "?"
-            typer.echo(f"    {f.name}: {getattr(f.type, '__name__', f.type)} = {default}")
+        for opt, kind, default, doc in cls.option_help():
+            typer.echo(f"    {opt}: {kind} = {default}" + (f"  — {doc}" if doc else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         app(args=argv, standalone_mode=False)
     except CompileError as exc:
         _emit_diagnostics(exc.diagnostics, exc.source_text)
+        if os.environ.get("RLHFC_DEBUG") and exc.__cause__ is not None:  # e.g. the traceback of a failing pass
+            import traceback
+
+            traceback.print_exception(exc.__cause__)
         return 2
     except SystemExit as exc:
         return int(exc.code or 0)

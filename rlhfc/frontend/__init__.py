@@ -16,7 +16,11 @@ def compile_source(text: str, file: str = "<input>") -> tuple[Module, list[Diagn
     sink = DiagnosticSink(text)
     module = lower(program, sink)
     sink.raise_if_errors()
-    verify(module)
+    try:
+        verify(module)
+    except CompileError as exc:
+        exc.source_text = text   # so the diagnostics show the source line even for text not on disk
+        raise
     return module, sink.warnings
 
 

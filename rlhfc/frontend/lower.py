@@ -21,12 +21,16 @@ from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, get_op
 from rlhfc.ir.verifier import check_attr_value
 
 from . import ast
+from .parser import end_of_code
 
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
 _DATA_CTORS = ("synthetic", "jsonl")
 _PIPELINE_PARAMS = {"batch": 8}
 _DEFAULT_MAX_SEQ = {"llama": 2048, "gpt2": 1024}
+_EXAMPLE_INT = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 256, "vocab": 96, "max_seq": 64,
+                "nodes": 2, "gpus_per_node": 8, "batch": 8, "count": 1024, "min_len": 4, "max_len": 16, "seed": 0,
+                "steps": 100, "checkpoint_every": 10}
 _LITERAL_KIND_NAMES = {"int": "an integer", "float": "a number", "size": "a size", "str": "a string",
                        "bool": "a bool", "ident": "a name", "device": "a device count"}
 
@@ -46,6 +50,7 @@ class _Lowerer:
         self.sink = sink
         self.base_dir = os.path.dirname(program.file) if program.file and not program.file.startswith("<") else "."
         self.names: dict[str, Loc] = {}   # every module-level and pipeline name -> where defined
+        self.failed_decls: set[str] = set()  # models/data whose declaration had an error (already reported)
 
     # -- entry -------------------------------------------------------------------------------
     def run(self) -> Module:
@@ -68,10 +73,16 @@ class _Lowerer:
         self.warn_unused()
         return module
 
+    def end_loc(self) -> Loc:
+        """Just after the last code of the file (where a missing declaration would go)."""
+        line, col, _ = end_of_code(self.p.text)
+        return Loc(self.p.file, line, col)
+
     def declare(self, name: str, loc: Loc) -> bool:
         if name in self.names:
             first = self.names[name]
-            self.sink.error(f"duplicate name '{name}'", loc, f"'{name}' is already defined at line {first.line}")
+            self.sink.error(f"duplicate name '{name}'", loc,
+                            f"'{name}' is already defined at line {first.line}; rename one of them")
             return False
         self.names[name] = loc
         return True
@@ -91,14 +102,17 @@ class _Lowerer:
                 self.sink.error(f"unknown cluster setting '{s.name}'", s.loc,
                                 did_you_mean(s.name, keys) or f"settings: {', '.join(keys)}")
             elif s.name in got:
-                self.sink.error(f"cluster setting '{s.name}' given twice", s.loc)
+                self.sink.error(f"cluster setting '{s.name}' given twice", s.loc,
+                                f"it is first set at line {got[s.name].loc.line}; remove one")
             else:
                 got[s.name] = s
         c = Cluster(decl.name, "cpu", 1, 1, decl.loc)
         if "devices" in got:
             s = got["devices"]
             if "gpu" in got or "gpus_per_node" in got:
-                self.sink.error("give either 'devices = cpu:N' or 'gpu'/'gpus_per_node', not both", s.loc)
+                self.sink.error("give either 'devices = cpu:N' or 'gpu'/'gpus_per_node', not both", s.loc,
+                                "devices = cpu:N describes a local CPU machine; gpu, nodes and gpus_per_node "
+                                "describe a GPU cluster")
             if s.value.kind != "device":
                 self.sink.error("devices must be written kind:count", s.value.loc, "e.g. devices = cpu:2")
                 return c
@@ -107,7 +121,7 @@ class _Lowerer:
                 self.sink.error(f"unknown device kind '{kind}'", s.value.loc,
                                 "local devices are cpu:N; for GPUs write gpu = \"H100-80GB\" and gpus_per_node = 8")
             if count < 1:
-                self.sink.error("a cluster needs at least one device", s.value.loc)
+                self.sink.error("a cluster needs at least one device", s.value.loc, "e.g. devices = cpu:2")
             c.per_node = max(count, 1)
             if "nodes" in got:
                 c.nodes = self.positive_int(got["nodes"].value, "nodes") or 1
@@ -123,7 +137,8 @@ class _Lowerer:
             self.sink.error("gpu must be a device kind name", g.loc, f"known kinds: {', '.join(GPU_KINDS)}")
         elif kind not in GPU_KINDS:
             self.sink.error(f"unknown device kind '{kind}'", g.loc,
-                            (did_you_mean(kind, GPU_KINDS) or "") + f" known kinds: {', '.join(GPU_KINDS)}")
+                            " ".join(filter(None, [did_you_mean(kind, GPU_KINDS),
+                                                   f"known kinds: {', '.join(GPU_KINDS)}"])))
         else:
             c.device = kind
         c.nodes = self.positive_int(got["nodes"].value, "nodes") if "nodes" in got else 1
@@ -133,7 +148,8 @@ class _Lowerer:
 
     def positive_int(self, lit: ast.Literal, what: str) -> int | None:
         if lit.kind not in ("int", "size") or lit.value < 1:
-            self.sink.error(f"{what} must be a positive integer", lit.loc)
+            self.sink.error(f"{what} must be a positive integer, got {_show(lit)}", lit.loc,
+                            f"e.g. {what} = {_EXAMPLE_INT.get(what, 1)}")
             return None
         return int(lit.value)
 
@@ -147,6 +163,7 @@ class _Lowerer:
                 shown = f"{ctor.receiver.name}.{ctor.name}" if ctor.receiver else ctor.name
                 self.sink.error(f"unknown model constructor '{shown}'", ctor.name_loc,
                                 did_you_mean(ctor.name, _MODEL_CTORS) or f"constructors: {', '.join(_MODEL_CTORS)}")
+                self.failed_decls.add(d.name)
                 continue
             if ctor.name in ("copy", "like"):
                 pending.append(d)
@@ -154,6 +171,8 @@ class _Lowerer:
             model = self.direct_model(d)
             if model is not None:
                 self.finish_model(d, model)
+            else:
+                self.failed_decls.add(d.name)
         # copy()/like() in dependency order
         progress = True
         while pending and progress:
@@ -161,12 +180,21 @@ class _Lowerer:
             for d in list(pending):
                 args = d.ctor.args
                 if len(args) != 1 or not isinstance(args[0], ast.Ref) or d.ctor.kwargs:
-                    self.sink.error(f"{d.ctor.name}() takes one model name", d.ctor.loc,
-                                    f"e.g. model ref = {d.ctor.name}(actor)")
+                    where = d.ctor.kwargs[0].loc if len(args) == 1 and isinstance(args[0], ast.Ref) else \
+                        (getattr(args[0], "loc", d.ctor.loc) if len(args) == 1 else d.ctor.loc)
+                    self.sink.error(f"{d.ctor.name}() takes one model name", where,
+                                    f"e.g. model ref = {d.ctor.name}(actor); set the head after the call: "
+                                    f"model critic = like(actor) head = value")
+                    self.failed_decls.add(d.name)
                     pending.remove(d)
+                    progress = True
                     continue
                 src_name = args[0].name
-                if src_name in self.module.models:
+                if src_name in self.failed_decls:
+                    self.failed_decls.add(d.name)   # its source already has an error
+                    pending.remove(d)
+                    progress = True
+                elif src_name in self.module.models:
                     src = self.module.models[src_name]
                     m = Model(d.name, **src.config(), head=src.head, loc=d.loc,
                               init=Symbol(src_name) if d.ctor.name == "copy" else "random")
@@ -174,17 +202,30 @@ class _Lowerer:
                     pending.remove(d)
                     progress = True
                 elif src_name not in decls:
-                    self.sink.error(f"unknown model '{src_name}'", args[0].loc,
-                                    did_you_mean(src_name, decls) or "declare it with `model NAME = llama(...)`")
+                    if any(x.name == src_name for x in self.p.data):
+                        msg, hint = f"'{src_name}' is a data source, not a model", "copy a model declared with `model`"
+                    else:
+                        msg = f"unknown model '{src_name}'"
+                        hint = did_you_mean(src_name, decls) or "declare it with `model NAME = llama(...)`"
+                    self.sink.error(msg, args[0].loc, hint)
+                    self.failed_decls.add(d.name)
                     pending.remove(d)
                     progress = True
+        # what is left copies a model that is itself still pending: a cycle, or a chain hanging off one
+        src_of = {d.name: d.ctor.args[0] for d in pending}
+        reported: set[str] = set()
         for d in pending:
-            if d.ctor.args and isinstance(d.ctor.args[0], ast.Ref) and d.ctor.args[0].name in decls \
-                    and d.ctor.args[0].name not in self.module.models and \
-                    not any(e.severity == "error" and e.loc == decls[d.ctor.args[0].name].ctor.loc
-                            for e in self.sink.diagnostics):
-                self.sink.error(f"model '{d.name}' is defined in terms of itself (a copy/like cycle)",
-                                d.ctor.args[0].loc, "start one model of the chain from llama(...), gpt2(...) or hf(...)")
+            self.failed_decls.add(d.name)
+            chain, cur = [d.name], src_of[d.name].name
+            while cur in src_of and cur not in chain:
+                chain.append(cur)
+                cur = src_of[cur].name
+            if cur == d.name and d.name not in reported:   # d is the first of a loop: report the loop once
+                reported.update(chain)
+                self.sink.error(f"model '{d.name}' is defined in terms of itself: "
+                                + " -> ".join(chain + [d.name]), src_of[d.name].loc,
+                                "copy()/like() cannot form a loop; start one model of the chain from "
+                                "llama(...), gpt2(...) or hf(...)")
         order = [d.name for d in self.p.models]
         self.module.models = {n: self.module.models[n] for n in order if n in self.module.models}
 
@@ -207,7 +248,7 @@ class _Lowerer:
                                 did_you_mean(kw.name, fields) or f"settings: {', '.join(fields)}")
                 ok = False
             elif kw.name in given or (kw.name == "size" and preset):
-                self.sink.error(f"'{kw.name}' given twice", kw.loc)
+                self.sink.error(f"'{kw.name}' given twice", kw.loc, "remove one")
                 ok = False
             elif kw.name == "size":
                 sizes = archs.PRESETS[arch]
@@ -230,12 +271,34 @@ class _Lowerer:
         missing = [f for f in ("layers", "hidden", "heads", "vocab") if f not in cfg]
         if missing:
             self.sink.error(f"{arch}() needs {', '.join(missing)}", ctor.loc,
-                            f"give them, or a published size: {arch}(size = {next(iter(archs.PRESETS[arch]))})")
+                            f"add {', '.join(f'{f} = {_EXAMPLE_INT[f]}' for f in missing)}, or use a published size: "
+                            f"{arch}(size = {next(iter(archs.PRESETS[arch]))})")
             return None
         cfg.setdefault("kv_heads", cfg["heads"])
         cfg.setdefault("ffn", archs.default_ffn(arch, cfg["hidden"]))
         cfg.setdefault("max_seq", _DEFAULT_MAX_SEQ[arch])
+        given_at = {kw.name: kw.value.loc for kw in ctor.kwargs}
+        if not self.check_shape(cfg, lambda f: given_at.get(f, ctor.loc)):
+            return None
         return Model(d.name, arch, loc=d.loc, **{k: cfg[k] for k in archs.ARCH_FIELDS})
+
+    def check_shape(self, cfg: dict, where) -> bool:
+        """Attention shapes must divide evenly (checked here so the error points at the setting)."""
+        ok = True
+        if cfg["hidden"] % cfg["heads"]:
+            divisors = [h for h in range(1, min(cfg["hidden"], 128) + 1) if cfg["hidden"] % h == 0]
+            near = sorted(divisors, key=lambda h: (abs(h - cfg["heads"]), h))[:3]
+            self.sink.error(f"hidden ({cfg['hidden']}) is not divisible by heads ({cfg['heads']})", where("heads"),
+                            f"each head gets hidden / heads dimensions; try heads = "
+                            f"{' or '.join(map(str, sorted(near)))}")
+            ok = False
+        if cfg["heads"] % cfg["kv_heads"]:
+            self.sink.error(f"heads ({cfg['heads']}) is not divisible by kv_heads ({cfg['kv_heads']})",
+                            where("kv_heads"),
+                            "grouped-query attention shares each key/value head among heads / kv_heads query "
+                            "heads; choose kv_heads that divides heads")
+            ok = False
+        return ok
 
     def hf_model(self, d: ast.ModelDecl) -> Model | None:
         ctor = d.ctor
@@ -259,6 +322,10 @@ class _Lowerer:
             self.sink.error(f"cannot read {cfg_path}: {exc.__class__.__name__}", lit.loc,
                             "a Hugging Face model folder has a config.json")
             return None
+        if not isinstance(cfg, dict):
+            self.sink.error(f"{cfg_path} is not a model config", lit.loc,
+                            "the folder must hold a Hugging Face config.json (a JSON object)")
+            return None
         mt = cfg.get("model_type")
         try:
             if mt == "llama":
@@ -275,22 +342,45 @@ class _Lowerer:
                 self.sink.error(f"unsupported model_type {mt!r} in {cfg_path}", lit.loc,
                                 f"supported: {', '.join(archs.ARCHS)}")
                 return None
-        except KeyError as exc:
-            self.sink.error(f"{cfg_path} lacks {exc.args[0]!r}", lit.loc)
+        except (KeyError, TypeError) as exc:
+            self.sink.error(f"{cfg_path} lacks {exc.args[0]!r}" if isinstance(exc, KeyError) else
+                            f"{cfg_path} is not a model config", lit.loc,
+                            "the folder must hold a Hugging Face config.json for a llama or gpt2 model")
+            return None
+        bad = [k for k, v in fields.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:
+            self.sink.error(f"{cfg_path}: '{bad[0]}' is {fields[bad[0]]!r}, not a positive integer", lit.loc,
+                            "fix the model's config.json")
+            return None
+        if not self.check_shape(fields, lambda f: lit.loc):
             return None
         return Model(d.name, mt, loc=d.loc, init="pretrained", source=path, **fields)
 
     def finish_model(self, d: ast.ModelDecl, m: Model) -> None:
+        ok = True
+        seen: set[str] = set()
         for opt in d.options:
             if opt.name != "head":
                 self.sink.error(f"unknown model option '{opt.name}'", opt.loc,
                                 did_you_mean(opt.name, ["head"]) or "options: head = lm|value|score")
+                ok = False
                 continue
+            if opt.name in seen:
+                self.sink.error(f"'{opt.name}' given twice", opt.loc, "a model has one head; remove one")
+                ok = False
+                continue
+            seen.add(opt.name)
             head = opt.value.value
             if opt.value.kind not in ("ident", "str") or head not in archs.HEADS:
-                self.sink.error(f"unknown head {head!r}", opt.value.loc, f"heads: {', '.join(archs.HEADS)}")
+                self.sink.error(f"unknown head '{_show(opt.value)}'", opt.value.loc,
+                                did_you_mean(str(head), archs.HEADS) or
+                                "heads: lm (a policy), value (a critic), score (a reward model)")
+                ok = False
                 continue
             m.head = head
+        if not ok:   # leave it undeclared so later uses do not repeat the error
+            self.failed_decls.add(d.name)
+            return
         m.trainable = d.flag == "trainable"
         self.module.models[m.name] = m
 
@@ -301,6 +391,7 @@ class _Lowerer:
             if c.receiver is not None or c.name not in _DATA_CTORS:
                 self.sink.error(f"unknown data source '{c.name}'", c.name_loc,
                                 did_you_mean(c.name, _DATA_CTORS) or f"sources: {', '.join(_DATA_CTORS)}")
+                self.failed_decls.add(d.name)
                 continue
             if c.name == "synthetic":
                 src = self.synthetic(d)
@@ -308,6 +399,8 @@ class _Lowerer:
                 src = self.jsonl(d)
             if src is not None:
                 self.module.data[d.name] = src
+            else:
+                self.failed_decls.add(d.name)
 
     def synthetic(self, d: ast.DataDecl) -> DataSource | None:
         c = d.ctor
@@ -321,12 +414,17 @@ class _Lowerer:
                 self.sink.error(f"unknown synthetic setting '{kw.name}'", kw.loc,
                                 did_you_mean(kw.name, opts) or f"settings: {', '.join(opts)}")
                 return None
-            if kw.value.kind not in ("int", "size") or (kw.value.value < (0 if kw.name == "seed" else 1)):
-                self.sink.error(f"'{kw.name}' must be a positive integer", kw.value.loc)
+            lo = 0 if kw.name == "seed" else 1
+            if kw.value.kind not in ("int", "size") or kw.value.value < lo:
+                self.sink.error(f"'{kw.name}' must be {'a positive' if lo else 'a non-negative'} integer, "
+                                f"got {_show(kw.value)}", kw.value.loc, f"e.g. {kw.name} = {_EXAMPLE_INT[kw.name]}")
                 return None
             opts[kw.name] = int(kw.value.value)
         if opts["min_len"] > opts["max_len"]:
-            self.sink.error(f"min_len ({opts['min_len']}) is larger than max_len ({opts['max_len']})", c.loc)
+            at = {kw.name: kw.value.loc for kw in c.kwargs}
+            self.sink.error(f"min_len ({opts['min_len']}) is larger than max_len ({opts['max_len']})",
+                            at.get("min_len", at.get("max_len", c.loc)),
+                            "prompt lengths are drawn from min_len to max_len; make min_len <= max_len")
             return None
         return DataSource(d.name, "synthetic", opts, d.loc)
 
@@ -341,7 +439,7 @@ class _Lowerer:
                 self.sink.error(f"unknown jsonl setting '{kw.name}'", kw.loc, "settings: field")
                 return None
             if kw.value.kind not in ("str", "ident"):
-                self.sink.error("field must be a string", kw.value.loc)
+                self.sink.error("field must be a string", kw.value.loc, 'the JSON key holding the prompt, e.g. field = "prompt"')
                 return None
             field = str(kw.value.value)
         lit = c.args[0]
@@ -358,7 +456,8 @@ class _Lowerer:
         if not self.p.runs:
             return rc
         for extra in self.p.runs[1:]:
-            self.sink.error("a program has one run block", extra.loc)
+            self.sink.error("a program has one run block", extra.loc,
+                            f"merge its settings into the run block at line {self.p.runs[0].loc.line}")
         decl = self.p.runs[0]
         rc.loc = decl.loc
         seen = set()
@@ -368,19 +467,21 @@ class _Lowerer:
                                 did_you_mean(s.name, RUN_KEYS) or f"settings: {', '.join(RUN_KEYS)}")
                 continue
             if s.name in seen:
-                self.sink.error(f"run setting '{s.name}' given twice", s.loc)
+                self.sink.error(f"run setting '{s.name}' given twice", s.loc, "remove one")
                 continue
             seen.add(s.name)
             v = s.value
             if s.name == "optimize":
                 if v.kind not in ("ident", "str") or v.value not in _OPT_LEVELS:
-                    self.sink.error(f"optimize must be one of {', '.join(_OPT_LEVELS)}", v.loc)
+                    self.sink.error(f"optimize must be one of {', '.join(_OPT_LEVELS)}, got {_show(v)}", v.loc,
+                                    "O0 runs no passes, O2 is the default; e.g. optimize = O2")
                 else:
                     rc.optimize = v.value
                 continue
             lo = 1 if s.name == "steps" else 0
             if v.kind not in ("int", "size") or v.value < lo:
-                self.sink.error(f"{s.name} must be an integer >= {lo}", v.loc)
+                self.sink.error(f"{s.name} must be an integer >= {lo}, got {_show(v)}", v.loc,
+                                f"e.g. {s.name} = {_EXAMPLE_INT.get(s.name, lo)}")
                 continue
             setattr(rc, s.name, int(v.value))
         return rc
@@ -388,7 +489,7 @@ class _Lowerer:
     # -- pipeline ----------------------------------------------------------------------------
     def pipeline(self) -> Graph:
         if not self.p.pipelines:
-            self.sink.error("the program has no pipeline", Loc(self.p.file, 1, 1),
+            self.sink.error("the program has no pipeline", self.end_loc(),
                             "add `pipeline ppo(batch = 8) { roll = actor.generate(prompts) ... }`")
             return Graph("main")
         for extra in self.p.pipelines[1:]:
@@ -402,7 +503,8 @@ class _Lowerer:
                                 did_you_mean(kw.name, _PIPELINE_PARAMS) or "parameters: batch")
                 continue
             if kw.value.kind not in ("int", "size") or kw.value.value < 1:
-                self.sink.error("batch must be a positive integer", kw.value.loc)
+                self.sink.error(f"batch must be a positive integer, got {_show(kw.value)}", kw.value.loc,
+                                "the number of prompts per step, e.g. pipeline ppo(batch = 32)")
                 continue
             params[kw.name] = int(kw.value.value)
         self.graph = Graph(decl.name, params, loc=decl.loc)
@@ -410,6 +512,7 @@ class _Lowerer:
         self.failed: set[str] = set()
         self.bound_at: dict[str, Loc] = {}
         self.loads: dict[str, Value] = {}
+        self.trained: dict[str, Loc] = {}
         order = self.order_statements(decl.stmts)
         for stmt in order:
             try:
@@ -426,7 +529,8 @@ class _Lowerer:
             seen_here = set()
             for t in s.targets:
                 if t.name in seen_here:
-                    self.sink.error(f"'{t.name}' is bound twice in one statement", t.loc)
+                    self.sink.error(f"'{t.name}' is bound twice in one statement", t.loc,
+                                    "give each result its own name, e.g. adv, ret = gae(...)")
                     continue
                 seen_here.add(t.name)
                 if not self.declare(t.name, t.loc):
@@ -462,11 +566,12 @@ class _Lowerer:
         names = [t.name for t in stmt.targets]
         stage = self.call(stmt.call, names, stmt)
         if names and len(names) != len(stage.outputs):
-            spec = get_op(stage.op)
-            self.sink.error(f"{stmt.call.name} returns {len(stage.outputs)} value"
-                            f"{'s' if len(stage.outputs) != 1 else ''} but {len(names)} "
-                            f"name{'s are' if len(names) != 1 else ' is'} bound", stmt.loc,
-                            f"write {', '.join(_result_names(spec))} = {stmt.call.name}(...)")
+            n = len(stage.outputs)
+            wanted = (names + _result_names(get_op(stage.op))[len(names):])[:n]
+            where = stmt.targets[n].loc if len(names) > n else stmt.targets[0].loc
+            self.sink.error(f"{_callee_text(stmt.call)} returns {n} value{'s' if n != 1 else ''} but "
+                            f"{len(names)} name{'s are' if len(names) != 1 else ' is'} bound", where,
+                            f"write {', '.join(wanted)} = {_callee_text(stmt.call)[:-1]}...)")
             raise _Failed
 
     def call(self, call: ast.Call, names: list[str], stmt: ast.Stmt) -> Stage:
@@ -481,16 +586,25 @@ class _Lowerer:
             fn = positional.pop(0)
             mod, _, func = fn.value.partition(":")
             if not mod or not func or not all(p.isidentifier() for p in mod.split(".")) or not func.isidentifier():
-                self.sink.error(f'rule function must be written "module:function", got {fn.value!r}', fn.loc)
+                self.sink.error(f'rule function must be written "module:function", got {json.dumps(fn.value)}',
+                                fn.loc, 'name an importable Python module and a function in it, e.g. '
+                                '"rlhfc.runtime.rewards:vowel_fraction"')
                 raise _Failed
             attrs_from_args["fn"] = fn.value
         lo, hi = spec.min_operands(), len(spec.operands)
         shown = _callee_text(call)
         if not lo <= len(positional) <= hi:
-            want = str(lo) if lo == hi else f"{lo} to {hi}"
+            shift = 1 if spec.op == "compute.rule" else 0   # the rule function was popped above
+            want = str(lo + shift) if lo == hi else f"{lo + shift} to {hi + shift}"
             names_text = ", ".join(o.name + ("?" if o.optional else "") for o in spec.operands)
-            self.sink.error(f"{shown} takes {want} positional argument{'s' if hi != 1 else ''}, got {len(positional)}",
-                            call.loc, f"arguments: ({names_text})")
+            if spec.op == "compute.rule":
+                names_text = '"module:function", ' + names_text
+            extra = positional[hi] if len(positional) > hi else None
+            self.sink.error(f"{shown} takes {want} positional argument{'s' if hi + shift != 1 else ''}, "
+                            f"got {len(positional) + shift}",
+                            _arg_loc(extra) if extra is not None else call.loc,
+                            f"write {shown[:-1]}{names_text})" +
+                            (" (? marks an optional argument)" if lo != hi else ""))
             raise _Failed
         inputs: list[Value] = []
         for i, (arg, operand) in enumerate(zip(positional, spec.operands)):
@@ -543,6 +657,8 @@ class _Lowerer:
             return get_op(op), None
         recv = call.receiver.name
         if recv not in self.module.models:
+            if recv in self.failed_decls and any(d.name == recv for d in self.p.models):
+                raise _Failed   # its declaration already has an error
             if recv in self.values or recv in self.bound_at:
                 self.sink.error(f"'{recv}' is a value, not a model", call.receiver.loc,
                                 f"methods ({', '.join(METHOD_OPS)}) are called on models")
@@ -564,8 +680,9 @@ class _Lowerer:
         if isinstance(arg, ast.Call):
             stage = self.call(arg, [], stmt)
             if len(stage.outputs) != 1:
-                self.sink.error(f"{arg.name} returns {len(stage.outputs)} values; bind them to names first",
-                                arg.loc, f"e.g. {', '.join(_result_names(get_op(stage.op)))} = {arg.name}(...)")
+                self.sink.error(f"{_callee_text(arg)} returns {len(stage.outputs)} values; bind them to names first",
+                                arg.loc, f"e.g. {', '.join(_result_names(get_op(stage.op)))} = "
+                                f"{_callee_text(arg)[:-1]}...), then pass one of them")
                 raise _Failed
             return stage.outputs[0]
         if isinstance(arg, ast.Literal):
@@ -613,19 +730,19 @@ class _Lowerer:
                 ok = False
                 continue
             if kw.name in attrs:
-                self.sink.error(f"setting '{kw.name}' given twice", kw.loc)
+                self.sink.error(f"setting '{kw.name}' given twice", kw.loc, "remove one")
                 ok = False
                 continue
             value = _coerce(kw.value, a.kind)
             if value is None:
                 self.sink.error(f"'{kw.name}' expects {_LITERAL_KIND_NAMES['int' if a.kind == 'int' else a.kind if a.kind != 'str' else 'str']}, "
                                 f"got {_LITERAL_KIND_NAMES.get(kw.value.kind, kw.value.kind)} {_show(kw.value)}",
-                                kw.value.loc, a.doc or None)
+                                kw.value.loc, _attr_hint(kw.name, a))
                 ok = False
                 continue
             why = check_attr_value(a, value)
             if why:
-                self.sink.error(f"'{kw.name}' {why}", kw.value.loc, a.doc or None)
+                self.sink.error(f"'{kw.name}' {why}", kw.value.loc, _attr_hint(kw.name, a))
                 ok = False
                 continue
             attrs[kw.name] = value
@@ -633,7 +750,7 @@ class _Lowerer:
             if a.name in attrs:
                 continue
             if a.required:
-                self.sink.error(f"{_callee_text(call)} needs '{a.name}'", call.loc, a.doc or None)
+                self.sink.error(f"{_callee_text(call)} needs '{a.name}'", call.loc, _attr_hint(a.name, a))
                 ok = False
                 continue
             attrs[a.name] = a.default
@@ -646,8 +763,9 @@ class _Lowerer:
             return
         m = self.module.models[target]
         if spec.head and m.head != spec.head:
-            self.sink.error(f"{target}.{call.name}() needs a model with an '{spec.head}' head, but '{target}' "
-                            f"has a '{m.head}' head", call.name_loc, _head_hint(spec.head))
+            self.sink.error(f"{target}.{call.name}() needs a model with {_a(spec.head)} '{spec.head}' head, but "
+                            f"'{target}' has {_a(m.head)} '{m.head}' head", call.name_loc,
+                            self.head_hint(spec.head, call.name))
             raise _Failed
         if spec.trains:
             if not m.trainable:
@@ -662,9 +780,24 @@ class _Lowerer:
                 raise _Failed
             if got != want:
                 fix = "ppo_clip(...)" if want == "PolicyLoss" else "value_loss(...)"
-                self.sink.error(f"'{target}' has a '{m.head}' head and trains on a {want}, got a {got}",
+                self.sink.error(f"'{target}' has {_a(m.head)} '{m.head}' head and trains on a {want}, got a {got}",
                                 _arg_loc(call.args[0]), f"train it with {fix}")
                 raise _Failed
+            if target in self.trained:
+                self.sink.error(f"model '{target}' is trained twice in one step", call.loc,
+                                f"it is already trained at line {self.trained[target].line}; train each model once "
+                                "per step, and raise epochs or minibatches for more updates")
+                raise _Failed
+            self.trained[target] = call.loc
+
+    def head_hint(self, head: str, method: str) -> str:
+        have = [m.name for m in self.module.models.values() if m.head == head]
+        if have:
+            return f"call it on a model with {_a(head)} '{head}' head: " + " or ".join(f"{n}.{method}(...)" for n in have)
+        return {"lm": "declare a policy model (head = lm, the default), e.g. model actor = llama(size = 7B) trainable",
+                "value": "declare a critic, e.g. model critic = like(actor) head = value trainable",
+                "score": "declare a reward model, e.g. model reward = llama(size = 7B) head = score frozen, "
+                         "or score with rule(\"module:function\", roll)"}.get(head, f"declare a model with head = {head}")
 
     # -- warnings ----------------------------------------------------------------------------
     def warn_unused(self) -> None:
@@ -732,6 +865,26 @@ def _size_text(lit: ast.Literal) -> str:
     return str(lit.value)
 
 
+def _attr_hint(name: str, a) -> str:
+    """What a setting means and a valid way to write it."""
+    if a.choices:
+        allowed, example = f"one of {', '.join(map(str, a.choices))}", a.choices[0]
+    elif a.kind == "bool":
+        allowed, example = "true or false", "true"
+    else:
+        bounds = [f">= {a.min}" if a.min is not None else "", f"<= {a.max}" if a.max is not None else ""]
+        allowed = {"float": "a number", "int": "an integer", "str": "a string"}.get(a.kind, a.kind)
+        allowed += " " + " and ".join(filter(None, bounds)) if any(bounds) else ""
+        example = a.default if a.default is not None else (a.min if a.min is not None else 1)
+        if a.kind == "str":
+            example = json.dumps(str(example))
+    return f"{a.doc + ' ' if a.doc else ''}({allowed}); e.g. {name} = {example}"
+
+
+def _a(word: str) -> str:
+    return "an" if word[:1] in "aeiou" or word == "lm" else "a"
+
+
 def _callee_text(call: ast.Call) -> str:
     return f"{call.receiver.name}.{call.name}()" if call.receiver else f"{call.name}()"
 
@@ -762,10 +915,7 @@ _PRODUCERS = {
 
 
 def _type_hint(wanted: tuple[str, ...], got: str) -> str:
-    return "a " + " or a ".join(f"{w} comes from {_PRODUCERS.get(w, '?')}" for w in wanted)
+    return "; ".join(f"{_a(w)} {w} comes from {_PRODUCERS.get(w, 'another stage')}" for w in wanted)
 
 
-def _head_hint(head: str) -> str:
-    return {"lm": "declare the model with head = lm (the default)",
-            "value": "use a critic declared with head = value, e.g. model critic = like(actor) head = value trainable",
-            "score": "use a reward model declared with head = score"}[head]
+

@@ -6,9 +6,9 @@ import functools
 from importlib import resources
 
 from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedInput, VisitError
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-from rlhfc.ir.diagnostics import CompileError, Loc, error
+from rlhfc.ir.diagnostics import CompileError, Diagnostic, Loc, error
 from rlhfc.ir.larkdiag import syntax_diagnostic
 
 from . import ast
@@ -28,7 +28,7 @@ def parse_program(text: str, file: str = "<input>") -> ast.Program:
     try:
         tree = parser.parse(text)
     except UnexpectedInput as exc:
-        raise CompileError([syntax_diagnostic(exc, parser, file, text)], text) from None
+        raise CompileError([_syntax_error(exc, parser, file, text)], text) from None
     try:
         decls = _ToAst(file).transform(tree)
     except VisitError as exc:
@@ -41,6 +41,132 @@ def parse_program(text: str, file: str = "<input>") -> ast.Program:
         {ast.ClusterDecl: prog.clusters, ast.ModelDecl: prog.models, ast.DataDecl: prog.data,
          ast.PipelineDecl: prog.pipelines, ast.RunDecl: prog.runs}[type(d)].append(d)
     return prog
+
+
+#: words the grammar reserves; a program cannot use them as names
+_KEYWORDS = ("cluster", "model", "data", "pipeline", "run", "true", "false", "trainable", "frozen")
+_DECL_KEYWORDS = ("cluster", "model", "data", "pipeline", "run")
+_CLOSERS = {"(": ")", "{": "}"}
+
+
+def _syntax_error(exc: UnexpectedInput, parser: Lark, file: str, text: str) -> Diagnostic:
+    """lark's error made specific: where the file really ends, unclosed brackets, keywords used as names."""
+    base = syntax_diagnostic(exc, parser, file, text)
+    at_end = isinstance(exc, UnexpectedEOF) or (isinstance(exc, UnexpectedToken) and exc.token.type == "$END")
+    if at_end:
+        line, col, pos = end_of_code(text)
+        unclosed = _unclosed(text, pos)
+        if unclosed:
+            ch, oline, ocol = unclosed[-1]
+            return Diagnostic("error", f"unexpected end of file: '{ch}' opened at line {oline} is never closed",
+                              Loc(file, line, col), f"add '{_CLOSERS[ch]}'; {base.hint}" if base.hint else
+                              f"add '{_CLOSERS[ch]}'")
+        return Diagnostic("error", base.message, Loc(file, line, col), base.hint)
+    if isinstance(exc, UnexpectedCharacters):
+        ch = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        if ch == '"':
+            return Diagnostic("error", "unterminated string", base.loc,
+                              'close it with " on the same line (strings cannot span lines; write \\" for a quote)')
+        hint = base.hint or "remove it"
+        if ch in ")}":
+            hint = f"there is no matching '{'(' if ch == ')' else '{'}' for it; {hint}"
+        elif ch in "+*/%":
+            hint = "the language has no arithmetic; write the value itself (e.g. 2e-3)"
+        return Diagnostic("error", base.message, base.loc, _with_unclosed(hint, text, exc.pos_in_stream, exc.line))
+    if isinstance(exc, UnexpectedToken):
+        tok = exc.token
+        expected = set(exc.accepts or exc.expected or ())
+        hint = base.hint or ""
+        pos = tok.start_pos if tok.start_pos is not None else len(text)
+        after = text[pos + len(str(tok)):].lstrip(" \t")[:1]
+        if str(tok) in _KEYWORDS and "NAME" in expected and (after in "=,.()" or str(tok) not in _DECL_KEYWORDS):
+            return Diagnostic("error", f"'{tok}' is a keyword and cannot be used as a name", base.loc,
+                              f"rename it, e.g. {tok}_1 (keywords: {', '.join(_KEYWORDS)})")
+        if str(tok) == "=" and text[:pos].rstrip(" \t")[-1:] == "=":
+            return Diagnostic("error", "unexpected '=='", base.loc, "settings are written with one '=': name = value")
+        unclosed = _unclosed(text, pos)
+        if str(tok) in _DECL_KEYWORDS and unclosed and unclosed[-1][1] < tok.line:
+            ch, oline, ocol = unclosed[-1]
+            return Diagnostic("error", f"missing '{_CLOSERS[ch]}' before '{tok}'", base.loc,
+                              f"the '{ch}' at line {oline}, column {ocol} is not closed; add '{_CLOSERS[ch]}' "
+                              f"where it ends")
+        if "COMMA" in expected and tok.type in ("NAME", "INT", "FLOAT", "SIZE", "STRING", "MINUS") \
+                and tok.line == _prev_code_line(text, tok.start_pos):
+            hint = f"a ',' may be missing before '{tok}'; {hint}"
+        return Diagnostic("error", base.message, base.loc, _with_unclosed(hint, text, pos, tok.line))
+    return base
+
+
+def _with_unclosed(hint: str, text: str, pos: int, line: int | None) -> str:
+    """Prefix the hint with the innermost '(' left open on an earlier line, if any (an open '{' is normal
+    inside a block; a declaration keyword inside one is handled by the caller)."""
+    unclosed = _unclosed(text, pos)
+    if unclosed and line is not None and unclosed[-1][1] < line and unclosed[-1][0] == "(":
+        ch, oline, ocol = unclosed[-1]
+        return f"the '{ch}' at line {oline}, column {ocol} is not closed (add '{_CLOSERS[ch]}'); {hint}"
+    return hint
+
+
+def _scan(text: str, end: int):
+    """Yield (index, char, line, col) of code characters before ``end``: comments and the inside of strings
+    are skipped (a string's quotes are yielded)."""
+    line, col, i = 1, 1, 0
+    in_str = in_comment = False
+    while i < min(end, len(text)):
+        ch = text[i]
+        if in_comment:
+            in_comment = ch != "\n"
+        elif in_str:
+            if ch == "\\" and i + 1 < len(text) and text[i + 1] != "\n":
+                i, col = i + 1, col + 1
+            elif ch == '"':
+                in_str = False
+                yield i, ch, line, col
+            elif ch == "\n":
+                in_str = False
+        elif ch == "#":
+            in_comment = True
+        elif ch == '"':
+            in_str = True
+            yield i, ch, line, col
+        else:
+            yield i, ch, line, col
+        if ch == "\n":
+            line, col = line + 1, 1
+        else:
+            col += 1
+        i += 1
+
+
+def _unclosed(text: str, end: int) -> list[tuple[str, int, int]]:
+    """Brackets opened before ``end`` and not closed: [(char, line, col)], innermost last."""
+    stack: list[tuple[str, int, int]] = []
+    for _, ch, line, col in _scan(text, end):
+        if ch in _CLOSERS:
+            stack.append((ch, line, col))
+        elif ch in ")}" and stack and _CLOSERS[stack[-1][0]] == ch:
+            stack.pop()
+    return stack
+
+
+def end_of_code(text: str) -> tuple[int, int, int]:
+    """(line, col, index) just after the last character of code (not whitespace or a comment)."""
+    last = None
+    for i, ch, line, col in _scan(text, len(text)):
+        if not ch.isspace():
+            last = (line, col + 1, i + 1)
+    return last if last is not None else (1, 1, 0)
+
+
+def _prev_code_line(text: str, pos: int | None) -> int | None:
+    """The line of the last code character before ``pos``."""
+    if pos is None:
+        return None
+    found = None
+    for _, ch, line, _col in _scan(text, pos):
+        if not ch.isspace():
+            found = line
+    return found
 
 
 @v_args(meta=True)
@@ -113,8 +239,9 @@ class _ToAst(Transformer):
             if isinstance(a, ast.KwArg):
                 seen_kw = True
             elif seen_kw:
+                first_kw = next(k for k in args if isinstance(k, ast.KwArg))
                 raise error("positional argument after keyword argument", getattr(a, "loc", self._loc(meta)),
-                            "put positional arguments first")
+                            f"move positional arguments before the first keyword argument ('{first_kw.name} = ...')")
         return ast.Call(str(name_tok), receiver, positional, kwargs, self._loc(meta), self._tok(name_tok))
 
     def method_call(self, meta, items):

@@ -4,21 +4,21 @@ This package imports nothing else of rlhfc; every other stage of the compiler im
 """
 
 from .arch import ARCHS, HEADS, PRESETS, human_count, param_count
-from .core import (Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol, Value, VersionEdge,
-                   derive_versions)
+from .core import (DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol, Value,
+                   VersionEdge, derive_versions)
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, Loc, error
 from .ops import Attr, Operand, OpSpec, all_ops, get_op, register_op
 from .parser import parse_ir
 from .printer import print_module
 from .types import ValueType
-from .verifier import VerificationError, register_check, verify
+from .verifier import VerificationError, register_check, verify, where
 
 __all__ = [
     "ARCHS", "HEADS", "PRESETS", "human_count", "param_count",
     "Cluster", "DataSource", "Graph", "Model", "Module", "RunConfig", "Stage", "Symbol", "Value", "VersionEdge",
-    "derive_versions", "DEVICE_MEMORY", "GPU_KINDS",
+    "derive_versions", "DATA_OPTIONS", "DEVICE_MEMORY", "GPU_KINDS",
     "CompileError", "Diagnostic", "DiagnosticSink", "Loc", "error",
     "Attr", "Operand", "OpSpec", "all_ops", "get_op", "register_op",
-    "parse_ir", "print_module", "ValueType", "VerificationError", "register_check", "verify",
+    "parse_ir", "print_module", "ValueType", "VerificationError", "register_check", "verify", "where",
 ]

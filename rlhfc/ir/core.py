@@ -46,6 +46,8 @@ class Cluster:
     per_node: int = 1
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
+    #: where this entity stood in the ``.rlir`` text it was parsed from (diagnostics only; never printed)
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_devices(self) -> int:
@@ -79,6 +81,7 @@ class Model:
     source: str = ""
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     def config(self) -> dict:
         """Architecture fields only (what ``copy``/``like`` share)."""
@@ -96,6 +99,13 @@ class Model:
                            self.ffn, self.vocab, self.max_seq, self.head)
 
 
+#: Options of each data-source kind, in canonical order, with their Python type.
+DATA_OPTIONS: dict[str, dict[str, type]] = {
+    "synthetic": {"count": int, "min_len": int, "max_len": int, "seed": int},
+    "jsonl": {"path": str, "field": str},
+}
+
+
 @dataclass
 class DataSource:
     """Where prompts come from: ``kind`` is ``synthetic`` or ``jsonl``; ``options`` its settings."""
@@ -105,9 +115,13 @@ class DataSource:
     options: dict = field(default_factory=dict)
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     def attrs(self) -> dict:
-        return {"kind": self.kind, **self.options}
+        """``kind`` first, then the options in :data:`DATA_OPTIONS` order (others sorted after)."""
+        known = DATA_OPTIONS.get(self.kind, ())
+        order = [k for k in known if k in self.options] + sorted(k for k in self.options if k not in known)
+        return {"kind": self.kind, **{k: self.options[k] for k in order}}
 
 
 @dataclass
@@ -119,13 +133,15 @@ class RunConfig:
     checkpoint_every: int = 0
     optimize: str = "O1"
     loc: Loc | None = None
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     def attrs(self) -> dict:
         return {"steps": self.steps, "seed": self.seed, "checkpoint_every": self.checkpoint_every,
                 "optimize": self.optimize}
 
 
-RUN_KEYS = tuple(f.name for f in fields(RunConfig) if f.name != "loc")
+#: The settings of a run block (every field of RunConfig but the locations).
+RUN_KEYS = tuple(f.name for f in fields(RunConfig) if f.name not in ("loc", "ir_loc"))
 
 
 @dataclass(eq=False)
@@ -156,6 +172,7 @@ class Stage:
     attrs: dict = field(default_factory=dict)
     annotations: dict = field(default_factory=dict)
     loc: Loc | None = None
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -177,13 +194,21 @@ class VersionEdge:
 
 @dataclass
 class Graph:
-    """The per-step dataflow. ``stages`` are in a topological order; ``params`` are pipeline parameters."""
+    """The per-step dataflow.
+
+    ``params``: pipeline parameters (``batch``); ``stages``: in a topological order;
+    ``versions``: the cross-step parameter-version edges (exactly those
+    :func:`derive_versions` gives — call :meth:`Module.refresh_versions` after
+    reordering, adding or removing stages); ``annotations``: graph-wide pass decisions.
+    """
 
     name: str
     params: dict = field(default_factory=dict)
     stages: list[Stage] = field(default_factory=list)
     versions: list[VersionEdge] = field(default_factory=list)
     loc: Loc | None = None
+    annotations: dict = field(default_factory=dict)
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     # -- queries -------------------------------------------------------------------------------
     def values(self) -> dict[str, Value]:

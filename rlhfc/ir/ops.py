@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .types import ValueType
+from .types import ALL_KINDS, ValueType
 
-#: attribute kinds a program may write: int, float, str, bool, size (an int written ``4K``/``7B``)
+#: attribute kinds (a ``float`` attribute holds a Python float; the language also accepts sizes like ``4K`` for ints)
 ATTR_KINDS = ("int", "float", "str", "bool")
 
 
@@ -96,7 +96,23 @@ _OPS: dict[str, OpSpec] = {}
 
 
 def register_op(spec: OpSpec) -> OpSpec:
-    """Make an op known to the frontend and verifier. Re-registering the same name replaces it."""
+    """Make an op known to the frontend and verifier. Re-registering the same name replaces it.
+
+    Raises ValueError for a malformed spec (unknown attribute kind, result type
+    or ``model`` value, a required operand after an optional one).
+    """
+    for a in spec.attrs:
+        if a.kind not in ATTR_KINDS:
+            raise ValueError(f"op {spec.op}: attribute '{a.name}' has unknown kind {a.kind!r} "
+                             f"(kinds: {', '.join(ATTR_KINDS)})")
+    for k in spec.results + tuple(t for o in spec.operands for t in o.kinds):
+        if k not in ALL_KINDS:
+            raise ValueError(f"op {spec.op}: unknown value type {k!r} (types: {', '.join(ALL_KINDS)})")
+    if spec.model not in (None, "model", "data"):
+        raise ValueError(f"op {spec.op}: model must be None, 'model' or 'data', got {spec.model!r}")
+    optional = [o.optional for o in spec.operands]
+    if optional != sorted(optional):
+        raise ValueError(f"op {spec.op}: optional operands must come last")
     _OPS[spec.op] = spec
     return spec
 

@@ -1,8 +1,14 @@
-"""Parse the canonical IR text (``.rlir``) back into a :class:`Module`.
+"""Parse IR text (``.rlir``) back into a :class:`Module`.
 
-``print_module(parse_ir(text)) == text`` for any text the printer produced.
-Errors (syntax, unknown keys, undefined values) are :class:`CompileError`s located
-in the ``.rlir`` file. Semantic checks are the verifier's job.
+``print_module(parse_ir(text)) == text`` for any text the printer produced;
+hand-written text (other whitespace, ``//`` comments, version edges or keys in
+another order) parses to the same module and prints canonically.
+
+Errors (syntax, unknown or missing keys, undefined values, duplicates) are
+:class:`CompileError`s located at the offending token of the ``.rlir`` file.
+Semantic checks are the verifier's job; so that its messages can point into
+the ``.rlir`` file too, every parsed entity records its position in ``ir_loc``
+(never printed).
 """
 
 from __future__ import annotations
@@ -11,14 +17,16 @@ import functools
 import json
 from importlib import resources
 
-from lark import Lark, Token, Transformer, Tree, v_args
+from lark import Lark, Token, Transformer, Tree
 from lark.exceptions import UnexpectedInput, VisitError
 
-from .core import RUN_KEYS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol, Value, VersionEdge
-from .diagnostics import CompileError, Diagnostic, Loc, error
+from .core import (DATA_OPTIONS, RUN_KEYS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol,
+                   Value, VersionEdge)
+from .diagnostics import CompileError, Diagnostic, Loc, did_you_mean
 from .larkdiag import syntax_diagnostic
 from .types import ValueType
 
+_CLUSTER_KEYS = ("device", "nodes", "per_node")
 _MODEL_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq",
                "head", "trainable", "init", "source")
 
@@ -27,6 +35,12 @@ _MODEL_KEYS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", 
 def _parser() -> Lark:
     grammar = resources.files("rlhfc.ir").joinpath("rlir.lark").read_text()
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+class _KeyedDict(dict):
+    """A parsed ``{k = v, ...}``: a dict that remembers the token of each key (for error locations)."""
+
+    key_tokens: dict
 
 
 class _Attrs(Transformer):
@@ -57,25 +71,29 @@ class _Attrs(Transformer):
         return (str(items[0]), items[1], items[0])
 
     def dict(self, items):
-        out: dict = {}
+        out = _KeyedDict()
+        out.key_tokens = {}
         for item in items:
             if item is None:
                 continue
             key, value, tok = item
             if key in out:
-                raise _Fail(f"duplicate key '{key}'", tok)
+                raise _Fail(f"duplicate key '{key}'", tok, "give each key once")
             out[key] = value
+            out.key_tokens[key] = tok
         return out
 
 
 class _Fail(Exception):
-    def __init__(self, message: str, tok=None, hint: str | None = None):
+    """A located parse error: ``where`` is a Token or a Tree (its first position is used)."""
+
+    def __init__(self, message: str, where=None, hint: str | None = None):
         super().__init__(message)
-        self.message, self.tok, self.hint = message, tok, hint
+        self.message, self.where, self.hint = message, where, hint
 
 
 def parse_ir(text: str, file: str = "<ir>") -> Module:
-    """Parse ``.rlir`` text into a Module (raises CompileError)."""
+    """Parse ``.rlir`` text into a Module (raises CompileError). The module is not verified."""
     parser = _parser()
     try:
         tree = parser.parse(text)
@@ -93,11 +111,27 @@ def parse_ir(text: str, file: str = "<ir>") -> Module:
         raise _to_error(exc, file, text) from None
 
 
+def _position(where) -> tuple[int, int] | None:
+    if isinstance(where, Token) and getattr(where, "line", None):
+        return where.line, where.column
+    if isinstance(where, Tree) and not where.meta.empty:
+        return where.meta.line, where.meta.column
+    return None
+
+
 def _to_error(exc: _Fail, file: str, text: str) -> CompileError:
-    loc = None
-    if exc.tok is not None and getattr(exc.tok, "line", None):
-        loc = Loc(file, exc.tok.line, exc.tok.column)
+    pos = _position(exc.where)
+    loc = Loc(file, *pos) if pos else None
     return CompileError([Diagnostic("error", exc.message, loc, exc.hint)], text)
+
+
+def _plain(d) -> dict:
+    """A parsed dict as a plain dict (nested ones too), without key tokens."""
+    if isinstance(d, dict):
+        return {k: _plain(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_plain(v) for v in d]
+    return d
 
 
 class _Builder:
@@ -106,42 +140,46 @@ class _Builder:
 
     def build(self, tree: Tree) -> Module:
         sym, annot, *items = tree.children
-        module = Module(name=str(sym)[1:], cluster=None, annotations=annot or {})  # type: ignore[arg-type]
+        module = Module(name=str(sym)[1:], cluster=None, annotations=self.annot(annot))  # type: ignore[arg-type]
         cluster_seen = run_seen = graph_seen = False
         for item in items:
             kind = item.data
             if kind == "cluster":
                 if cluster_seen:
-                    raise _Fail("a module has one cluster", item.children[0])
+                    raise _Fail("a module has one cluster", item.children[0], "merge the two cluster lines")
                 module.cluster = self.cluster(item)
                 cluster_seen = True
             elif kind == "model":
                 m = self.model(item)
                 if m.name in module.models:
-                    raise _Fail(f"duplicate model @{m.name}", item.children[0])
+                    raise _Fail(f"duplicate model @{m.name}", item.children[0], "rename one of them")
                 module.models[m.name] = m
             elif kind == "data":
                 d = self.data(item)
                 if d.name in module.data:
-                    raise _Fail(f"duplicate data source @{d.name}", item.children[0])
+                    raise _Fail(f"duplicate data source @{d.name}", item.children[0], "rename one of them")
                 module.data[d.name] = d
             elif kind == "run":
                 if run_seen:
-                    raise _Fail("a module has one run block")
+                    raise _Fail("a module has one run block", item, "merge the two run lines")
                 module.run = self.run(item)
                 run_seen = True
             elif kind == "graph":
                 if graph_seen:
-                    raise _Fail("a module has one graph", item.children[0])
+                    raise _Fail("a module has one graph", item.children[0], "merge the two graphs")
                 module.graph = self.graph(item)
                 graph_seen = True
         if not cluster_seen:
-            raise _Fail("module has no cluster", sym, "add `cluster @local {device = \"cpu\", nodes = 1, per_node = 1}`")
+            raise _Fail("module has no cluster", sym, 'add `cluster @local {device = "cpu", nodes = 1, per_node = 1}`')
         if not graph_seen:
-            raise _Fail("module has no graph", sym)
+            raise _Fail("module has no graph", sym, "add `graph @main {batch = 8} { ... }`")
         return module
 
     # -- helpers ---------------------------------------------------------------------------
+    def here(self, where) -> Loc | None:
+        pos = _position(where)
+        return Loc(self.file, *pos) if pos else None
+
     def loc(self, tree) -> Loc | None:
         if tree is None:
             return None
@@ -149,55 +187,67 @@ class _Builder:
         return Loc(json.loads(f), int(line), int(col))
 
     def annot(self, tree) -> dict:
-        return {} if tree is None else tree.children[0]
+        return {} if tree is None else _plain(tree.children[0])
 
-    def take(self, attrs: dict, keys, where: Token, kind: str) -> dict:
-        unknown = [k for k in attrs if k not in keys]
-        missing = [k for k in keys if k not in attrs]
-        if unknown:
-            raise _Fail(f"unknown key '{unknown[0]}' in {kind}", where, f"{kind} keys: {', '.join(keys)}")
-        if missing:
-            raise _Fail(f"{kind} is missing '{missing[0]}'", where)
-        return attrs
+    def take(self, attrs: _KeyedDict, keys, where: Token, kind: str) -> dict:
+        """Check that ``attrs`` has exactly ``keys``; point at the first unknown key, else at ``where``."""
+        for k in attrs:
+            if k not in keys:
+                raise _Fail(f"unknown key '{k}' in {kind}", attrs.key_tokens[k],
+                            did_you_mean(k, keys) or f"{kind} keys: {', '.join(keys)}")
+        for k in keys:
+            if k not in attrs:
+                raise _Fail(f"{kind} {where} is missing '{k}'", where, f"add `{k} = ...`; {kind} keys: {', '.join(keys)}")
+        return {k: _plain(attrs[k]) for k in keys}
 
     # -- entities --------------------------------------------------------------------------
     def cluster(self, tree) -> Cluster:
         sym, attrs, annot, loc = tree.children
-        a = self.take(attrs, ("device", "nodes", "per_node"), sym, "cluster")
-        return Cluster(str(sym)[1:], a["device"], a["nodes"], a["per_node"], self.loc(loc), self.annot(annot))
+        a = self.take(attrs, _CLUSTER_KEYS, sym, "cluster")
+        return Cluster(str(sym)[1:], a["device"], a["nodes"], a["per_node"], self.loc(loc), self.annot(annot),
+                       ir_loc=self.here(sym))
 
     def model(self, tree) -> Model:
         sym, attrs, annot, loc = tree.children
         a = self.take(attrs, _MODEL_KEYS, sym, "model")
-        return Model(name=str(sym)[1:], loc=self.loc(loc), annotations=self.annot(annot), **a)
+        return Model(name=str(sym)[1:], loc=self.loc(loc), annotations=self.annot(annot), ir_loc=self.here(sym), **a)
 
     def data(self, tree) -> DataSource:
         sym, attrs, annot, loc = tree.children
         if "kind" not in attrs:
-            raise _Fail("data source is missing 'kind'", sym)
-        opts = dict(attrs)
+            raise _Fail(f"data source {sym} is missing 'kind'", sym,
+                        f"add `kind = \"synthetic\"` (kinds: {', '.join(DATA_OPTIONS)})")
+        opts = _plain(attrs)
         kind = opts.pop("kind")
-        return DataSource(str(sym)[1:], kind, opts, self.loc(loc), self.annot(annot))
+        return DataSource(str(sym)[1:], kind, opts, self.loc(loc), self.annot(annot), ir_loc=self.here(sym))
 
     def run(self, tree) -> RunConfig:
         attrs, loc = tree.children
-        unknown = [k for k in attrs if k not in RUN_KEYS]
-        if unknown:
-            raise _Fail(f"unknown run setting '{unknown[0]}'", None, f"run settings: {', '.join(RUN_KEYS)}")
-        return RunConfig(**attrs, loc=self.loc(loc))
+        for k in attrs:
+            if k not in RUN_KEYS:
+                raise _Fail(f"unknown run setting '{k}'", attrs.key_tokens[k],
+                            did_you_mean(k, RUN_KEYS) or f"run settings: {', '.join(RUN_KEYS)}")
+        return RunConfig(**_plain(attrs), loc=self.loc(loc), ir_loc=self.here(tree))
 
     def graph(self, tree) -> Graph:
-        sym, params, loc, *body = tree.children
-        g = Graph(str(sym)[1:], params, loc=self.loc(loc))
+        sym, params, annot, loc, *body = tree.children
+        g = Graph(str(sym)[1:], _plain(params), loc=self.loc(loc), annotations=self.annot(annot),
+                  ir_loc=self.here(sym))
         defined: dict[str, Value] = {}
+        stage_names: set[str] = set()
         for item in body:
             if item.data == "stage":
-                g.stages.append(self.stage(item, defined))
+                stage = self.stage(item, defined)
+                g.stages.append(stage)
+                stage_names.add(stage.name)
             else:
                 model, writer, reader, dist = item.children
                 for tok in (writer, reader):
-                    if str(tok)[1:] not in defined:
-                        raise _Fail(f"version edge names undefined stage {tok}", tok)
+                    name = str(tok)[1:]
+                    if name not in stage_names:
+                        hint = (f"{tok} is not the first result of its stage; stages are named after their first result"
+                                if name in defined else "version edges name stages defined above them")
+                        raise _Fail(f"version edge names unknown stage {tok}", tok, hint)
                 g.versions.append(VersionEdge(str(model)[1:], str(writer)[1:], str(reader)[1:], int(str(dist)[1:])))
         return g
 
@@ -208,24 +258,29 @@ class _Builder:
         result_toks = results.children
         type_toks = types.children
         if len(result_toks) != len(type_toks):
-            raise _Fail(f"{len(result_toks)} results but {len(type_toks)} types", opname)
+            raise _Fail(f"{len(result_toks)} results but {len(type_toks)} types", type_toks[0],
+                        "write one type per result, in the same order")
         inputs = []
         for tok in args:
             name = str(tok)[1:]
             if name not in defined:
-                raise _Fail(f"use of undefined value {tok}", tok, "values must be defined above their uses")
+                close = did_you_mean(name, defined)
+                raise _Fail(f"use of undefined value {tok}", tok,
+                            f"{close} (values must be defined above their uses)" if close
+                            else "values must be defined by a stage above their uses")
             inputs.append(defined[name])
         outputs = []
         for tok, ttok in zip(result_toks, type_toks):
             name = str(tok)[1:]
             if name in defined:
-                raise _Fail(f"value {tok} is defined twice", tok)
+                raise _Fail(f"value {tok} is defined twice", tok, "SSA values are defined once; rename one of them")
             try:
                 vt = ValueType.parse(str(ttok))
             except ValueError as exc:
-                raise _Fail(str(exc), ttok) from None
+                raise _Fail(str(exc), ttok, "types: Prompts[B], Rollout[B], TokenFloat[B], SeqFloat[B], "
+                            "PolicyLoss[B], ValueLoss[B], Metrics") from None
             v = Value(name, vt)
             defined[name] = v
             outputs.append(v)
         return Stage(str(opname), str(target)[1:] if target is not None else None, inputs, outputs,
-                     attrs, self.annot(annot), self.loc(loc))
+                     _plain(attrs), self.annot(annot), self.loc(loc), ir_loc=self.here(results))

@@ -1,18 +1,25 @@
 """The canonical text form of the IR (``.rlir``).
 
 One module prints one way: stage attributes in their op's declared order,
-annotation keys sorted, floats with Python's shortest round-tripping repr,
-strings JSON-quoted. ``parse(print(m))`` rebuilds an equal module and
-``print(parse(text)) == text`` for every printed text (CI checks both).
+model/cluster/run/data fields in a fixed order, annotation keys and graph
+parameters sorted, version edges sorted by (model, reader position), floats
+with Python's shortest round-tripping repr (``1.0``, ``1e-05``), strings
+JSON-quoted. ``parse(print(m))`` rebuilds an equal module and
+``print(parse(text)) == text`` for every printed text (the tests check both for
+every example at every -O level and every golden file).
+
+Comments (``// ...``) and whitespace are not part of the canonical form: the
+parser skips them, and the printer writes one comment of its own, the derived
+parameter count after each model.
 
 Shape::
 
     module @name {
       cluster @local {device = "cpu", nodes = 1, per_node = 2}
-      model @actor {arch = "llama", ..., head = "lm", trainable = true, init = "random", source = ""}  // 0.13M params
+      model @actor {arch = "llama", ..., head = "lm", trainable = true, init = "random", source = ""}  // 119K params
       data @prompts {kind = "synthetic", ...}
       run {steps = 50, seed = 0, checkpoint_every = 10, optimize = "O2"}
-      graph @ppo {batch = 32} {
+      graph @ppo {batch = 32} annot {...} {
         %roll = generate @actor(%prompts) {max_new_tokens = 48, ...} annot {...} : Rollout[32] loc("f.rlhf":14:3)
         version @actor %actor_train -> %roll [+1]
       }
@@ -87,6 +94,23 @@ def format_stage(stage: Stage) -> str:
             f"{_annot(stage.annotations)} : {types}{format_loc(stage.loc)}")
 
 
+def _params_comment(m) -> str:
+    """``  // 6.74B params``, or nothing when the architecture is invalid (the verifier says why)."""
+    try:
+        return f"  // {human_count(m.params)} params"
+    except (TypeError, ValueError, ZeroDivisionError):
+        return ""
+
+
+def _version_order(module: Module):
+    index = {s.name: i for i, s in enumerate(module.graph.stages) if s.outputs}
+
+    def key(e):
+        return (e.model, index.get(e.reader, len(index)), e.reader, e.writer, e.distance)
+
+    return key
+
+
 def print_module(module: Module) -> str:
     """The canonical text of a module (ends with a newline)."""
     out = [f"module @{module.name}{_annot(module.annotations)} {{"]
@@ -95,17 +119,17 @@ def print_module(module: Module) -> str:
     for m in module.models.values():
         attrs = m.attrs()
         out.append(f"  model @{m.name} {format_dict(attrs, list(attrs))}{_annot(m.annotations)}{format_loc(m.loc)}"
-                   f"  // {human_count(m.params)} params")
+                   f"{_params_comment(m)}")
     for d in module.data.values():
         attrs = d.attrs()
         out.append(f"  data @{d.name} {format_dict(attrs, list(attrs))}{_annot(d.annotations)}{format_loc(d.loc)}")
     r = module.run
     out.append(f"  run {format_dict(r.attrs(), list(r.attrs()))}{format_loc(r.loc)}")
     g = module.graph
-    out.append(f"  graph @{g.name} {format_dict(g.params, list(g.params))}{format_loc(g.loc)} {{")
+    out.append(f"  graph @{g.name} {format_dict(g.params)}{_annot(g.annotations)}{format_loc(g.loc)} {{")
     for s in g.stages:
         out.append(f"    {format_stage(s)}")
-    for e in g.versions:
+    for e in sorted(g.versions, key=_version_order(module)):
         out.append(f"    version @{e.model} %{e.writer} -> %{e.reader} [+{e.distance}]")
     out.append("  }")
     out.append("}")

@@ -3,7 +3,8 @@
 Built-in passes live one per file and are imported lazily by name.
 """
 
-from .base import Pass, get_pass, load_plugin, parse_pipeline, register_lazy, register_pass, registered_passes
+from .base import (Pass, get_pass, load_plugin, parse_pipeline, register_lazy, register_pass, registered_passes,
+                   unregister_pass)
 from .manager import PassFailure, PassManager, PassRecord
 from .pipelines import PIPELINES, pipeline_for
 
@@ -12,5 +13,6 @@ for _name, _module in {
 }.items():
     register_lazy(_name, _module)
 
-__all__ = ["Pass", "PassManager", "PassRecord", "PassFailure", "register_pass", "registered_passes", "get_pass",
+__all__ = ["Pass", "PassManager", "PassRecord", "PassFailure", "register_pass", "unregister_pass",
+           "registered_passes", "get_pass",
            "parse_pipeline", "load_plugin", "PIPELINES", "pipeline_for"]

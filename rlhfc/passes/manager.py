@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 from rlhfc.ir import CompileError, Module, print_module, verify
 from rlhfc.ir.diagnostics import Diagnostic
 
-from .base import Pass
+from .base import Pass, get_pass
 
 
 @dataclass
@@ -25,15 +26,26 @@ class PassRecord:
 
 
 class PassFailure(CompileError):
-    """A pass raised or left invalid IR."""
+    """A pass raised, or left IR the verifier rejects.
+
+    The first diagnostic reads ``pass X failed after [A, B]: ...``; the verifier's
+    diagnostics (or the pass's own CompileError diagnostics) follow.
+    """
+
+
+def _print_to_stderr(spec: str, text: str) -> None:
+    sys.stderr.write(f"// ----- IR after {spec} -----\n{text}")
 
 
 @dataclass
 class PassManager:
     """Runs ``passes`` in order on a module.
 
-    ``verify_each``: run the verifier after every pass (default; turn off only to debug a pass).
-    ``print_after``: pass names after which to hand the IR text to ``printer`` (``"*"`` for all).
+    ``verify_each``: verify the input and the IR after every pass (default; turn
+    off only to debug a pass). ``print_after``: pass names after which the IR
+    text goes to ``printer(spec, text)`` (``"*"``: after every pass; unknown
+    names are an error). ``printer`` defaults to writing to stderr.
+    ``records``: one :class:`PassRecord` per pass that ran.
     """
 
     passes: list[Pass]
@@ -42,34 +54,47 @@ class PassManager:
     printer: Callable[[str, str], None] | None = None
     records: list[PassRecord] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for name in self.print_after:
+            if name != "*":
+                get_pass(name)  # raises "unknown pass" with a hint
+
     def run(self, module: Module) -> Module:
         done: list[str] = []
+        if self.verify_each:
+            try:
+                verify(module)
+            except CompileError as exc:
+                raise PassFailure([Diagnostic("error", "the IR is invalid before the first pass", None,
+                                              "fix the input program; the diagnostics below say where")]
+                                  + exc.diagnostics, exc.source_text) from None
         text = print_module(module)
+        printer = self.printer or _print_to_stderr
         for p in self.passes:
             try:
                 result = p.run(module)
                 module = result if result is not None else module
             except CompileError as exc:
-                raise PassFailure(exc.diagnostics + [self._where(p, done)], exc.source_text) from None
+                head = Diagnostic("error", f"pass {p.spec()} failed after [{', '.join(done)}]", None, None)
+                raise PassFailure([head] + exc.diagnostics, exc.source_text) from None
             except Exception as exc:  # a bug in the pass: say which one, keep the cause
-                raise PassFailure([Diagnostic("error", f"pass {p.name} failed after [{', '.join(done)}]: "
+                raise PassFailure([Diagnostic("error", f"pass {p.spec()} failed after [{', '.join(done)}]: "
                                               f"{type(exc).__name__}: {exc}", None,
-                                              "this is a bug in the pass; rerun with --passes to isolate it")]) from exc
+                                              f"this is a bug in pass {p.name}; run it alone with "
+                                              f"--passes {p.spec()} and RLHFC_DEBUG=1 for the traceback")]) from exc
             if self.verify_each:
                 try:
                     verify(module)
                 except CompileError as exc:
-                    raise PassFailure(exc.diagnostics + [self._where(p, done, invalid=True)]) from None
+                    head = Diagnostic("error", f"pass {p.spec()} failed after [{', '.join(done)}]: "
+                                      "it left invalid IR", None,
+                                      f"the pass must leave valid IR; --print-after {p.name} --no-verify-each "
+                                      "shows what it produced")
+                    raise PassFailure([head] + exc.diagnostics) from None
             after = print_module(module)
             self.records.append(PassRecord(p.spec(), text, after))
-            if self.printer and (p.name in self.print_after or "*" in self.print_after):
-                self.printer(p.spec(), after)
+            if p.name in self.print_after or "*" in self.print_after:
+                printer(p.spec(), after)
             text = after
             done.append(p.spec())
         return module
-
-    @staticmethod
-    def _where(p: Pass, done: list[str], invalid: bool = False) -> Diagnostic:
-        what = "left invalid IR" if invalid else "failed"
-        return Diagnostic("note", f"pass {p.name} {what} after [{', '.join(done)}]", None,
-                          "run with --print-after-all to see the IR after each pass" if invalid else None)

@@ -13,6 +13,8 @@ the placement/reallocation passes (O2) are added to these lists as they land.
 
 from __future__ import annotations
 
+from rlhfc.ir import error
+
 from .base import Pass, parse_pipeline
 
 PIPELINES: dict[str, list[str]] = {
@@ -24,10 +26,10 @@ PIPELINES: dict[str, list[str]] = {
 
 
 def pipeline_for(level: str) -> list[Pass]:
-    """The configured passes of an -O level (``"O2"`` or ``"2"``)."""
-    key = level if level.startswith("O") else f"O{level}"
+    """The configured passes of an -O level (``"O2"``, ``"o2"`` or ``"2"``)."""
+    text = str(level).strip()
+    key = text.upper() if text[:1] in ("O", "o") else f"O{text}"
     if key not in PIPELINES:
-        from rlhfc.ir import error
-
-        raise error(f"unknown optimisation level '{level}'", None, f"levels: {', '.join(PIPELINES)}")
+        raise error(f"unknown optimisation level '{level}'", None,
+                    f"levels: {', '.join(PIPELINES)} (-O0 … -O{len(PIPELINES) - 1})")
     return parse_pipeline(",".join(PIPELINES[key]))

@@ -1,0 +1,133 @@
+"""Build ``plan.json``: everything the runtime needs, as plain JSON.
+
+The plan is the annotated IR flattened for the runtime — model specs, data
+specs, run settings, stages in schedule order, version edges — plus two
+derived sections: ``placement`` (Ray placement-group bundles and which bundle
+each model worker sits on) and ``metrics`` (which values are the reward, the KL
+pair, the policy and value train stats).
+
+Placement is data-driven: a model annotated ``placement = {bundle = i,
+share = f}`` by a placement pass lands where it says; without annotations the
+default is the flattened plan — every model on every device of node 0, each
+worker with an equal share of the node's CPUs (GPUs) and as many torch threads
+as the node has devices.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rlhfc.ir import Module, print_module
+
+
+def model_spec(m) -> dict:
+    return {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
+            "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head,
+            "source": os.path.abspath(m.source) if m.source else None}
+
+
+def _init(module: Module, m) -> dict:
+    from rlhfc.ir import Symbol
+
+    if isinstance(m.init, Symbol):
+        return {"kind": "copy", "from": m.init.name, "spec": model_spec(module.models[m.init.name])}
+    return {"kind": m.init}
+
+
+def placement(module: Module) -> dict:
+    c = module.cluster
+    gpu = c.device != "cpu"
+    used = [name for name in module.models if module.graph.stages_on(name)]
+    bundles = []
+    for _ in range(c.nodes):
+        bundles.append({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
+    workers: dict[str, dict] = {}
+    on_bundle: dict[int, list[str]] = {}
+    for name in used:
+        ann = module.models[name].annotations.get("placement", {})
+        b = int(ann.get("bundle", 0)) if isinstance(ann, dict) else 0
+        on_bundle.setdefault(b, []).append(name)
+    for b, names in on_bundle.items():
+        for name in names:
+            ann = module.models[name].annotations.get("placement", {})
+            share = float(ann.get("share", 1.0 / len(names))) if isinstance(ann, dict) else 1.0 / len(names)
+            res = c.per_node * share
+            workers[name] = {"bundle": b, "num_cpus": 0 if gpu else res, "num_gpus": res if gpu else 0,
+                             "threads": int(ann.get("threads", c.per_node)) if isinstance(ann, dict) else c.per_node}
+    return {"strategy": "PACK", "bundles": bundles, "workers": workers}
+
+
+def metric_roles(module: Module) -> dict:
+    """Which IR values the runtime reports as reward, KL, policy and value losses."""
+    g = module.graph
+    roles: dict = {}
+    gen = next((s for s in g.stages if s.op == "generate"), None)
+    if gen:
+        roles["rollout"] = gen.outputs[0].name
+    for s in g.stages:
+        if s.op in ("compute.gae", "compute.kl_penalty", "compute.group_advantages"):
+            seq = next((v for v in s.inputs if v.type.kind == "SeqFloat"), None)
+            if seq is not None and "reward" not in roles:
+                roles["reward"] = seq.name
+            if s.op == "compute.gae" and len(s.inputs) == 4:
+                roles["kl"] = [s.inputs[2].name, s.inputs[3].name]
+            if s.op == "compute.kl_penalty":
+                roles["kl"] = [s.inputs[1].name, s.inputs[2].name]
+        if s.op == "compute.ppo_clip" and len(s.inputs) == 4 and "kl" not in roles:
+            roles["kl"] = [s.inputs[1].name, s.inputs[3].name]
+    if "reward" not in roles:
+        seq = next((v for s in g.stages for v in s.outputs if v.type.kind == "SeqFloat"), None)
+        if seq is not None:
+            roles["reward"] = seq.name
+    for s in g.stages:
+        if s.op == "train":
+            head = module.models[s.target].head
+            roles["policy_train" if head == "lm" else "value_train"] = s.name
+    return roles
+
+
+def build_plan(module: Module, *, source: str | None, opt_level: str | None, passes: list[str]) -> dict:
+    g = module.graph
+    stages = []
+    for s in g.stages:
+        stages.append({"name": s.name, "op": s.op, "target": s.target, "inputs": [v.name for v in s.inputs],
+                       "outputs": [v.name for v in s.outputs], "types": [str(v.type) for v in s.outputs],
+                       "attrs": s.attrs, "annotations": _jsonable(s.annotations),
+                       "loc": str(s.loc) if s.loc else None})
+    data = {}
+    for d in module.data.values():
+        spec = {"kind": d.kind, **d.options}
+        if d.kind == "jsonl":
+            spec["path"] = os.path.abspath(spec["path"])
+        data[d.name] = spec
+    return {
+        "format": 1,
+        "module": module.name,
+        "source": source,
+        "opt_level": opt_level,
+        "passes": passes,
+        "cluster": {"name": module.cluster.name, **module.cluster.attrs()},
+        "models": {m.name: {"spec": model_spec(m), "init": _init(module, m), "trainable": m.trainable,
+                            "params": m.params} for m in module.models.values()},
+        "data": data,
+        "run": module.run.attrs(),
+        "graph": {"name": g.name, "params": g.params, "stages": stages,
+                  "stages_by_name": {s["name"]: {"op": s["op"], "target": s["target"]} for s in stages},
+                  "versions": [{"model": e.model, "writer": e.writer, "reader": e.reader, "distance": e.distance}
+                               for e in g.versions]},
+        "placement": placement(module),
+        "metrics": metric_roles(module),
+        "ir": print_module(module),
+    }
+
+
+def _jsonable(value):
+    from rlhfc.ir import Symbol
+
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Symbol):
+        return f"@{value.name}"
+    return value

@@ -1,0 +1,184 @@
+"""The Ray actor that hosts one model: generation, forwards, training, weights, checkpoints.
+
+A job creates one ``ModelWorker`` per (model, placement) with
+``ray.remote(...)(ModelWorker)``; the class itself is plain Python so tests can
+use it in-process. All randomness comes from two ``torch.Generator``s seeded
+from the run seed and the model name (sampling, minibatch shuffling), whose
+states are checkpointed, so runs are reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import ppo
+from .generation import (encode_prompts, decode_responses, generate, response_logprobs, response_values,
+                         sequence_scores)
+from .models import build_model, copy_weights, get_weights, set_weights
+from .tokenizer import load_tokenizer
+from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput
+
+
+def derive_seed(seed: int, *parts: str) -> int:
+    """A stable 31-bit seed from the run seed and names (same on every machine and Python)."""
+    return zlib.crc32(":".join([str(seed), *parts]).encode()) & 0x7FFFFFFF
+
+
+def tokenizer_id(spec: dict) -> str:
+    return f"hf:{spec['source']}" if spec.get("source") else f"char:{spec['vocab']}"
+
+
+class ModelWorker:
+    """Hosts model ``name`` built from ``spec``.
+
+    ``init``: ``{"kind": "random"}``, ``{"kind": "pretrained"}`` (``spec["source"]``) or
+    ``{"kind": "copy", "from": NAME, "spec": SRC_SPEC}`` — start from the initial
+    weights of model NAME (built here from the same seed, so no transfer is needed).
+    """
+
+    def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu"):
+        torch.set_num_threads(max(1, int(threads)))
+        torch.manual_seed(derive_seed(seed, name, "global"))
+        self.name = name
+        self.device = device
+        self.spec = spec
+        if init.get("kind") == "copy":
+            src_name = init["from"]
+            src = build_model(init["spec"], seed=derive_seed(seed, src_name, "init"), device=device)
+            self.model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
+            copy_weights(src, self.model)
+            del src
+        else:
+            self.model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
+        self.tokenizer = load_tokenizer(self.model.spec)
+        self.tok_id = tokenizer_id(self.model.spec)
+        self.sample_gen = torch.Generator().manual_seed(derive_seed(seed, name, "sample"))
+        self.train_gen = torch.Generator().manual_seed(derive_seed(seed, name, "train"))
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.version = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def ready(self) -> dict:
+        return {"name": self.name, "params": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
+                "threads": torch.get_num_threads(), "device": self.device}
+
+    def get_version(self) -> int:
+        return self.version
+
+    def _check_tokens(self, rollout: Rollout) -> None:
+        if rollout.tokenizer != self.tok_id:
+            raise ValueError(f"model '{self.name}' uses tokenizer {self.tok_id} but the rollout was made with "
+                             f"{rollout.tokenizer}; per-token stages need models that share a tokenizer")
+
+    # -- stages --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
+                 n: int = 1) -> Rollout:
+        texts = [p for p in prompts for _ in range(n)]
+        ids = encode_prompts(self.tokenizer, texts)
+        batch = generate(self.model, ids, max_new_tokens, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                         temperature=temperature, top_p=top_p, generator=self.sample_gen)
+        batch = batch.to("cpu")
+        return Rollout(batch, texts, decode_responses(self.tokenizer, batch), self.name, self.version, self.tok_id)
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
+        self._check_tokens(rollout)
+        lp = response_logprobs(self.model, rollout.batch.to(self.device), temperature)
+        return TokenValues(lp.cpu(), rollout.mask)
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> TokenValues:
+        self._check_tokens(rollout)
+        return TokenValues(response_values(self.model, rollout.batch.to(self.device)).cpu(), rollout.mask)
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        if rollout.tokenizer == self.tok_id:
+            return sequence_scores(self.model, rollout.batch.to(self.device)).cpu()
+        # a reward model with its own tokenizer scores the text
+        ids = encode_prompts(self.tokenizer, [p + r for p, r in zip(rollout.prompts, rollout.responses)])
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for i, x in enumerate(ids):
+            input_ids[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+        return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
+
+    def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
+              max_grad_norm: float, weight_decay: float) -> dict[str, float]:
+        if self.optimizer is None:
+            self.optimizer = ppo.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
+        self._check_tokens(loss.rollout)
+        batch: dict[str, Any] = loss.rollout.batch.to(self.device).as_dict()
+        if isinstance(loss, PolicyLossInput):
+            batch["old_logp"] = loss.old_logp.to(self.device)
+            batch["advantages"] = loss.advantages.to(self.device)
+            if loss.ref_logp is not None:
+                batch["ref_logp"] = loss.ref_logp.to(self.device)
+            fn = ppo.actor_loss_fn(clip=loss.clip, temperature=loss.temperature, entropy_coef=loss.entropy_coef,
+                                   kl_coef=loss.kl_coef if loss.ref_logp is not None else 0.0,
+                                   kl_estimator=loss.estimator)
+        else:
+            batch["old_values"] = loss.old_values.to(self.device)
+            batch["returns"] = loss.returns.to(self.device)
+            fn = ppo.critic_loss_fn(clip=loss.clip)
+        metrics = ppo.train_epochs(self.model, self.optimizer, batch, fn, epochs=epochs,
+                                   minibatches=min(minibatches, loss.rollout.size),
+                                   max_grad_norm=max_grad_norm or None, generator=self.train_gen)
+        self.version += 1
+        metrics["version"] = float(self.version)
+        return metrics
+
+    # -- weights ---------------------------------------------------------------------------------
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in get_weights(self.model).items()}
+
+    def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
+        set_weights(self.model, weights)
+        if version is not None:
+            self.version = version
+        return self.version
+
+    # -- checkpoints (safetensors + JSON only: loading never unpickles) ----------------------------
+    def save(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.get_weights().items()}, os.path.join(folder, "weights.safetensors"))
+        tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
+                   "rng.torch": torch.get_rng_state()}
+        meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": None}
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            for idx, state in sd["state"].items():
+                for key, t in state.items():
+                    tensors[f"opt.{idx}.{key}"] = torch.as_tensor(t).detach().cpu().contiguous()
+            meta["optimizer"] = {"param_groups": sd["param_groups"], "state_keys": {
+                str(i): sorted(s.keys()) for i, s in sd["state"].items()}}
+        save_file(tensors, os.path.join(folder, "state.safetensors"))
+        with open(os.path.join(folder, "state.json"), "w") as fh:
+            json.dump(meta, fh)
+
+    def load(self, folder: str) -> int:
+        set_weights(self.model, load_file(os.path.join(folder, "weights.safetensors")))
+        tensors = load_file(os.path.join(folder, "state.safetensors"))
+        with open(os.path.join(folder, "state.json")) as fh:
+            meta = json.load(fh)
+        self.sample_gen.set_state(tensors["rng.sample"])
+        self.train_gen.set_state(tensors["rng.train"])
+        torch.set_rng_state(tensors["rng.torch"])
+        self.version = int(meta["version"])
+        opt = meta.get("optimizer")
+        if opt is not None:
+            groups = opt["param_groups"]
+            self.optimizer = ppo.make_optimizer(self.model, lr=groups[0]["lr"],
+                                                weight_decay=groups[0].get("weight_decay", 0.0))
+            state = {int(i): {k: tensors[f"opt.{i}.{k}"] for k in keys} for i, keys in opt["state_keys"].items()}
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return self.version

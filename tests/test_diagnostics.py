@@ -1,0 +1,201 @@
+"""Bad-input tests: every program in tests/bad/ must fail with exactly the diagnostics it lists.
+
+A bad program is a small complete ``.rlhf`` file with one deliberate mistake and, in
+comments, the diagnostics it must produce::
+
+    # CHECK: 14:30: error: argument 1 of gae() ('rewards') must be ...
+    # HINT: a SeqFloat comes from
+
+A CHECK matches a rendered diagnostic line ``FILE:LINE:COL: error: MESSAGE``; a HINT
+is a substring of one of the ``hint:`` lines. ``rlhfc check`` must exit 2, print
+each error with its source line, a caret under the column and a hint, report no
+error the file does not list, and never print a Python traceback. Programs in
+tests/warn/ list warnings the same way and must exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhfc.cli import main
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+BAD = sorted((TESTS / "bad").glob("*.rlhf"))
+WARN = sorted((TESTS / "warn").glob("*.rlhf"))
+
+_HEADER = re.compile(r"^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>error|warning|note): (?P<msg>.*)$")
+
+
+def _expectations(path: Path) -> tuple[list[str], list[str]]:
+    checks, hints = [], []
+    for line in path.read_text().splitlines():
+        if line.startswith("# CHECK:"):
+            checks.append(line[len("# CHECK:"):].strip())
+        elif line.startswith("# HINT:"):
+            hints.append(line[len("# HINT:"):].strip())
+    return checks, hints
+
+
+def _blocks(output: str) -> list[list[str]]:
+    """Split rendered diagnostics into blocks: header line, then its source/caret/hint lines."""
+    blocks: list[list[str]] = []
+    for line in output.splitlines():
+        if _HEADER.match(line) or line.startswith("rlhfc: "):
+            blocks.append([line])
+        elif blocks:
+            blocks[-1].append(line)
+    return blocks
+
+
+def _run_check(path: Path, capsys) -> tuple[int, str, str]:
+    rel = os.path.relpath(path)
+    rc = main(["check", rel])
+    captured = capsys.readouterr()
+    return rc, rel, captured.err + captured.out
+
+
+def _assert_rendered(path: Path, rel: str, output: str, severity: str) -> list[list[str]]:
+    """Every diagnostic of ``severity`` has a location, its source line, a caret at its column and a hint."""
+    assert "Traceback" not in output, output
+    assert "internal error" not in output, output
+    source = path.read_text().splitlines()
+    blocks = [b for b in _blocks(output) if f" {severity}: " in b[0]]
+    for block in blocks:
+        m = _HEADER.match(block[0])
+        assert m, f"diagnostic without a location:\n{block[0]}"
+        assert m["file"] == rel, block[0]
+        line, col = int(m["line"]), int(m["col"])
+        assert 1 <= line <= len(source), block[0]
+        assert len(block) >= 3, "\n".join(block)
+        assert block[1] == "  " + source[line - 1].expandtabs(1), "\n".join(block)
+        assert block[2] == "  " + " " * (col - 1) + "^", "\n".join(block)
+        assert col <= len(source[line - 1]) + 1, "caret past the end of the line:\n" + "\n".join(block)
+        assert any(x.startswith("  hint: ") and len(x) > len("  hint: ") for x in block[3:]), \
+            "no hint:\n" + "\n".join(block)
+    return blocks
+
+
+def test_enough_programs():
+    assert len(BAD) >= 35
+    assert len(WARN) >= 3
+    for path in BAD + WARN:
+        checks, _ = _expectations(path)
+        assert checks, f"{path.name} lists no CHECK line"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_program(path: Path, capsys):
+    checks, hints = _expectations(path)
+    rc, rel, output = _run_check(path, capsys)
+    assert rc == 2, output
+    blocks = _assert_rendered(path, rel, output, "error")
+    headers = [b[0] for b in blocks]
+    for check in checks:
+        assert f"{rel}:{check}" in headers, f"missing diagnostic\n  {rel}:{check}\ngot:\n{output}"
+    wanted_errors = [c for c in checks if re.match(r"\d+:\d+: error: ", c)]
+    assert len(headers) == len(wanted_errors), f"unexpected extra errors:\n{output}"
+    hint_lines = [x for b in blocks for x in b if x.startswith("  hint: ")]
+    for hint in hints:
+        assert any(hint in x for x in hint_lines), f"no hint containing {hint!r}:\n{output}"
+
+
+@pytest.mark.parametrize("path", WARN, ids=[p.stem for p in WARN])
+def test_warning_program(path: Path, capsys):
+    checks, hints = _expectations(path)
+    rc, rel, output = _run_check(path, capsys)
+    assert rc == 0, output
+    blocks = _assert_rendered(path, rel, output, "warning")
+    headers = [b[0] for b in blocks]
+    for check in checks:
+        assert f"{rel}:{check}" in headers, f"missing diagnostic\n  {rel}:{check}\ngot:\n{output}"
+    assert len(headers) == len(checks), f"unexpected extra warnings:\n{output}"
+    hint_lines = [x for b in blocks for x in b if x.startswith("  hint: ")]
+    for hint in hints:
+        assert any(hint in x for x in hint_lines), f"no hint containing {hint!r}:\n{output}"
+    assert "error:" not in output
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.rlhf")), ids=lambda p: p.stem)
+def test_examples_check_clean(path: Path, capsys):
+    rc, _, output = _run_check(path, capsys)
+    assert rc == 0, output
+    assert "error:" not in output and "warning:" not in output, output
+
+
+def test_exact_rendering(tmp_path, capsys):
+    program = tmp_path / "prog.rlhf"
+    program.write_text(
+        "model actor = llama(layers = 2, hidden = 64, heads = 4, vocab = 96) trainable\n"
+        "model reward = llama(layers = 2, hidden = 64, heads = 4, vocab = 96) head = score frozen\n"
+        "data prompts = synthetic(count = 64)\n"
+        "pipeline ppo(batch = 4) {\n"
+        "  roll = actor.generate(prompts)\n"
+        "  scores = reward.score(roll)\n"
+        "  adv = group_advantages(scores, roll)\n"
+        "}\n")
+    rc = main(["check", str(program)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == (
+        f"{program}:7:26: error: argument 1 of group_advantages() ('rollout') must be Rollout, "
+        "got 'scores' of type SeqFloat\n"
+        "    adv = group_advantages(scores, roll)\n"
+        "                           ^\n"
+        "  hint: a Rollout comes from MODEL.generate(prompts)\n")
+
+
+def test_syntax_error_exact_rendering(tmp_path, capsys):
+    program = tmp_path / "prog.rlhf"
+    program.write_text(
+        "data prompts = synthetic(count = 64)\n"
+        "pipeline ppo(batch = 4) {\n"
+        "  roll = actor.generate(prompts\n"
+        "  logp = actor.logprobs(roll)\n"
+        "}\n")
+    rc = main(["check", str(program)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == (
+        f"{program}:4:3: error: unexpected 'logp'\n"
+        "    logp = actor.logprobs(roll)\n"
+        "    ^\n"
+        "  hint: the '(' at line 3, column 24 is not closed (add ')'); "
+        "expected '(', ')', ',', '.', '='\n")
+
+
+def _cli_commands() -> list[list[str]]:
+    commands = [[sys.executable, "-m", "rlhfc.cli"]]
+    script = Path(sys.executable).parent / "rlhfc"
+    if script.exists():
+        commands.append([str(script)])
+    return commands
+
+
+@pytest.mark.parametrize("command", _cli_commands(), ids=lambda c: Path(c[-1]).name)
+def test_real_process_exits_2_without_traceback(command):
+    bad = os.path.relpath(TESTS / "bad" / "type_rollout_for_seqfloat.rlhf", ROOT)
+    proc = subprocess.run(command + ["check", bad], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RLHFC_DEBUG": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert f"{bad}:" in proc.stderr and ": error: argument 1 of gae() ('rewards')" in proc.stderr
+    assert "  hint: " in proc.stderr
+
+
+def test_missing_file_is_a_diagnostic(capsys):
+    rc = main(["check", "tests/bad/does_not_exist.rlhf"])
+    output = capsys.readouterr().err
+    assert rc == 2
+    assert "error: no such file" in output and "hint:" in output and "Traceback" not in output
