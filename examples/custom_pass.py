@@ -18,16 +18,19 @@ From the command line (the plugin is a module name or a path to this file)::
         --passes 'dce,clamp-generation{max_new_tokens=64}' --print-after clamp-generation
     rlhfc passes --plugin examples/custom_pass.py        # lists it with its option
 
-From Python::
+From Python (run from the repository root)::
 
-    import examples.custom_pass                          # or rlhfc.passes.load_plugin("examples/custom_pass.py")
     from rlhfc.frontend import load_file
     from rlhfc.ir import print_module
-    from rlhfc.passes import PassManager, parse_pipeline
+    from rlhfc.passes import PassManager, get_pass, load_plugin, parse_pipeline
 
-    module, _, _ = load_file("examples/ppo_tiny.rlhf")
-    pm = PassManager([ClampGeneration(max_new_tokens=8)])   # or parse_pipeline("clamp-generation{max_new_tokens=8}")
-    module = pm.run(module)                                  # verifies the result
+    load_plugin("examples/custom_pass.py")          # registers clamp-generation (or import this module)
+    module, warnings, text = load_file("examples/ppo_tiny.rlhf")
+    passes = parse_pipeline("dce,clamp-generation{max_new_tokens=8}")
+    # ... or build the instances directly:
+    passes = [get_pass("dce")(), get_pass("clamp-generation")(max_new_tokens=8)]
+    module = PassManager(passes).run(module)         # verifies after each pass
+    assert module.graph.stage("roll").attrs["max_new_tokens"] == 8
     print(print_module(module))
 
 How to write your own: subclass :class:`rlhfc.passes.Pass` as a frozen

@@ -508,6 +508,10 @@ class _Lowerer:
                 continue
             params[kw.name] = int(kw.value.value)
         self.graph = Graph(decl.name, params, loc=decl.loc)
+        if not decl.stmts:
+            self.sink.error(f"pipeline '{decl.name}' is empty", decl.name_loc,
+                            "add the per-step dataflow, e.g. roll = actor.generate(prompts), "
+                            "logp = actor.logprobs(roll), ...")
         self.values: dict[str, Value] = {}
         self.failed: set[str] = set()
         self.bound_at: dict[str, Loc] = {}
@@ -527,13 +531,17 @@ class _Lowerer:
         producer: dict[str, ast.Stmt] = {}
         for s in stmts:
             seen_here = set()
+            duplicate = False
             for t in s.targets:
                 if t.name in seen_here:
                     self.sink.error(f"'{t.name}' is bound twice in one statement", t.loc,
                                     "give each result its own name, e.g. adv, ret = gae(...)")
                     continue
                 seen_here.add(t.name)
+                if duplicate and t.name in self.names:
+                    continue   # one duplicate-name error per statement (a repeated line repeats them all)
                 if not self.declare(t.name, t.loc):
+                    duplicate = True
                     continue
                 producer[t.name] = s
                 self.bound_at[t.name] = t.loc
@@ -686,7 +694,7 @@ class _Lowerer:
                 raise _Failed
             return stage.outputs[0]
         if isinstance(arg, ast.Literal):
-            self.sink.error(f"expected a value, got {_LITERAL_KIND_NAMES.get(arg.kind, arg.kind)} {arg.value!r}",
+            self.sink.error(f"expected a value, got {_LITERAL_KIND_NAMES.get(arg.kind, arg.kind)} {_show(arg)}",
                             arg.loc, "constants are passed by keyword, e.g. temperature = 0.7")
             raise _Failed
         name = arg.name
@@ -705,6 +713,7 @@ class _Lowerer:
         choices = list(self.bound_at) + list(self.module.data)
         self.sink.error(f"unknown value '{name}'", arg.loc, did_you_mean(name, choices) or
                         "bind it in the pipeline (name = model.method(...)) or declare it as data")
+        self.failed.add(name)   # report each unknown name once, not at every use
         raise _Failed
 
     def load(self, data: str, loc: Loc) -> Value:

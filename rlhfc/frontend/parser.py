@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from importlib import resources
 
 from lark import Lark, Token, Transformer, v_args
@@ -13,6 +14,7 @@ from rlhfc.ir.larkdiag import syntax_diagnostic
 
 from . import ast
 
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t", "r": "\r", "0": "\0"}
 _SIZE_SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9, "T": 10**12}
 
 
@@ -90,7 +92,10 @@ def _syntax_error(exc: UnexpectedInput, parser: Lark, file: str, text: str) -> D
             return Diagnostic("error", f"missing '{_CLOSERS[ch]}' before '{tok}'", base.loc,
                               f"the '{ch}' at line {oline}, column {ocol} is not closed; add '{_CLOSERS[ch]}' "
                               f"where it ends")
-        if "COMMA" in expected and tok.type in ("NAME", "INT", "FLOAT", "SIZE", "STRING", "MINUS") \
+        if str(tok) in (")", "}") and not any(_CLOSERS[c] == str(tok) for c, _, _ in unclosed):
+            hint = f"there is no '{'(' if str(tok) == ')' else '{'}' before it to close; remove it, or add the " \
+                   f"missing opening bracket; {hint}"
+        elif "COMMA" in expected and tok.type in ("NAME", "INT", "FLOAT", "SIZE", "STRING", "MINUS") \
                 and tok.line == _prev_code_line(text, tok.start_pos):
             hint = f"a ',' may be missing before '{tok}'; {hint}"
         return Diagnostic("error", base.message, base.loc, _with_unclosed(hint, text, pos, tok.line))
@@ -182,31 +187,60 @@ class _ToAst(Transformer):
         return Loc(self.file, tok.line, tok.column)
 
     # -- literals --------------------------------------------------------------------------
+    def _number(self, meta, text: str, convert, kind: str, sign: int = 1) -> ast.Literal:
+        try:
+            value = convert(text)
+        except (ValueError, OverflowError):
+            value = math.inf
+        if isinstance(value, float) and not math.isfinite(value):
+            raise error(f"number {text} is too large", self._loc(meta),
+                        "write a number within the range of a 64-bit float (about 1e308)") from None
+        return ast.Literal(sign * value, kind, self._loc(meta))
+
     def int(self, meta, items):
-        return ast.Literal(int(items[0]), "int", self._loc(meta))
+        return self._number(meta, str(items[0]), int, "int")
 
     def neg_int(self, meta, items):
-        return ast.Literal(-int(items[0]), "int", self._loc(meta))
+        return self._number(meta, str(items[0]), int, "int", -1)
 
     def float(self, meta, items):
-        return ast.Literal(float(items[0]), "float", self._loc(meta))
+        return self._number(meta, str(items[0]), float, "float")
 
     def neg_float(self, meta, items):
-        return ast.Literal(-float(items[0]), "float", self._loc(meta))
+        return self._number(meta, str(items[0]), float, "float", -1)
 
     def size(self, meta, items):
         text = str(items[0])
-        number = float(text[:-1]) * _SIZE_SUFFIX[text[-1]]
-        return ast.Literal(int(round(number)), "size", self._loc(meta)) if number >= 1 else \
-            ast.Literal(number, "float", self._loc(meta))
+        lit = self._number(meta, text, lambda t: float(t[:-1]) * _SIZE_SUFFIX[t[-1]], "size")
+        if lit.value >= 1:
+            return ast.Literal(int(round(lit.value)), "size", lit.loc)
+        return ast.Literal(lit.value, "float", lit.loc)
 
     def string(self, meta, items):
         raw = str(items[0])[1:-1]
-        try:
-            value = raw.encode("latin-1", "backslashreplace").decode("unicode_escape")
-        except UnicodeDecodeError:
-            raise error("invalid escape in string", self._loc(meta), "use \\\\ for a backslash") from None
-        return ast.Literal(value, "str", self._loc(meta))
+        out, i = [], 0
+        while i < len(raw):
+            ch = raw[i]
+            if ch != "\\":
+                out.append(ch)
+                i += 1
+                continue
+            esc = raw[i + 1]   # the grammar guarantees a character after a backslash
+            if esc in _ESCAPES:
+                out.append(_ESCAPES[esc])
+                i += 2
+                continue
+            width = {"x": 2, "u": 4, "U": 8}.get(esc)
+            digits = raw[i + 2:i + 2 + width] if width else ""
+            if width and len(digits) == width and all(c in "0123456789abcdefABCDEF" for c in digits) \
+                    and int(digits, 16) <= 0x10FFFF and not 0xD800 <= int(digits, 16) <= 0xDFFF:
+                out.append(chr(int(digits, 16)))
+                i += 2 + width
+                continue
+            loc = Loc(self.file, meta.line, meta.column + 1 + i)
+            raise error(f"invalid escape '\\{esc}' in string", loc,
+                        'escapes: \\\\ \\" \\n \\t \\r \\xHH \\uHHHH; write \\\\ for a backslash')
+        return ast.Literal("".join(out), "str", self._loc(meta))
 
     def true(self, meta, _):
         return ast.Literal(True, "bool", self._loc(meta))

@@ -39,7 +39,7 @@ def syntax_diagnostic(exc: UnexpectedInput, parser: Lark, file: str, text: str) 
     if isinstance(exc, UnexpectedEOF) or (isinstance(exc, UnexpectedToken) and exc.token.type == "$END"):
         lines = text.splitlines() or [""]
         line, col = len(lines), len(lines[-1]) + 1
-        expected = getattr(exc, "expected", None) or []
+        expected = getattr(exc, "accepts", None) or getattr(exc, "expected", None) or []
         return Diagnostic("error", "unexpected end of file", Loc(file, line, col),
                           f"expected {_expected(parser, expected)}" if expected else "the program ends early")
     if isinstance(exc, UnexpectedCharacters):

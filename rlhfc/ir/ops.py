@@ -141,6 +141,7 @@ register_op(OpSpec(
      Attr("top_p", "float", 1.0, min=0.0, max=1.0, doc="nucleus sampling mass"),
      Attr("n", "int", 1, min=1, doc="samples per prompt (GRPO/RLOO groups)")),
     ("Rollout",), model="model", head="lm", batch_from="operand0*attr:n",
+    pure=False,  # sampling advances the worker's RNG stream: removing an unused generate would change later samples
     doc="sample responses to prompts"))
 
 register_op(OpSpec(

@@ -27,10 +27,11 @@ from __future__ import annotations
 from typing import Callable
 
 from .arch import ARCH_FIELDS, ARCHS, HEADS
-from .core import DATA_OPTIONS, Module, Stage, Symbol, derive_versions
+from .core import DATA_OPTIONS, Module, Stage, Symbol, Value, derive_versions
 from .devices import DEVICE_MEMORY
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, Loc, did_you_mean
 from .ops import LOSS_FOR_HEAD, OpSpec, all_ops, get_op
+from .types import ValueType
 
 _EXTRA_CHECKS: list[Callable[[Module, DiagnosticSink], None]] = []
 
@@ -240,6 +241,11 @@ def _check_graph(module: Module, sink: DiagnosticSink) -> None:
         if not stage.outputs:
             sink.error(f"a {stage.op} stage has no results", at,
                        "every stage produces at least one value (train stages produce Metrics)")
+            continue
+        bad = [v for v in stage.inputs + stage.outputs if not isinstance(v, Value) or not isinstance(v.type, ValueType)]
+        if bad:
+            sink.error(f"a {stage.op} stage has an operand or result that is not a typed Value: {bad[0]!r}", at,
+                       "operands are the producers' Value objects; results are new Value(name, ValueType(...))")
             continue
         label = f"stage %{stage.name} ({stage.op})"
         for v in stage.inputs:

@@ -91,6 +91,11 @@ class PassManager:
                                       f"the pass must leave valid IR; --print-after {p.name} --no-verify-each "
                                       "shows what it produced")
                     raise PassFailure([head] + exc.diagnostics) from None
+                except Exception as exc:  # IR so malformed that the verifier itself trips over it
+                    raise PassFailure([Diagnostic("error", f"pass {p.spec()} failed after [{', '.join(done)}]: "
+                                                  f"it left malformed IR ({type(exc).__name__}: {exc})", None,
+                                                  f"this is a bug in pass {p.name}: build stages from "
+                                                  "Value/ValueType/Stage as documented in docs/ir.md")]) from exc
             after = print_module(module)
             self.records.append(PassRecord(p.spec(), text, after))
             if p.name in self.print_after or "*" in self.print_after:

@@ -252,6 +252,12 @@ def generate_stream(
     device = _model_device(model)
     b = len(prompts)
     p = max(len(x) for x in prompts)
+    max_positions = getattr(model.hf.config, "max_position_embeddings", None)
+    if max_positions is not None and p + max(max_new_tokens, 0) > max_positions:
+        raise ValueError(
+            f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds the model's max_seq {max_positions}; "
+            "raise max_seq in the model spec or shorten prompts/responses"
+        )
     input_ids = torch.full((b, p), pad_id, dtype=torch.long)
     mask = torch.zeros((b, p), dtype=torch.long)
     for row, ids in enumerate(prompts):

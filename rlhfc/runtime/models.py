@@ -29,6 +29,11 @@ give bitwise-identical weights on any device, and the global RNG is untouched.
 ``get_weights`` / ``set_weights`` / ``save_weights`` / ``load_weights`` move a
 flat ``{name: tensor}`` dict (safetensors-ready); ``copy_weights(src, dst)``
 copies the shared trunk between wrappers with different heads (``copy(actor)``).
+
+``source`` folders: ``head "lm"`` loads ``AutoModelForCausalLM``; ``"value"`` /
+``"score"`` load ``AutoModel`` (the trunk) and take the scalar head from the
+folder when it stores one (``score.weight`` of a ``*ForSequenceClassification``
+with ``num_labels=1``, or TRL's ``v_head.summary.weight``), else draw it from ``seed``.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ _DTYPES = {
 def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Return a complete, validated copy of ``spec`` with defaults filled in.
 
-    Defaults: ``kv_heads = heads``, ``ffn = 4 * hidden``, ``max_seq = 512``,
+    Defaults: ``kv_heads = heads``, ``ffn`` = 4 * hidden (gpt2) or 8 * hidden / 3
+    rounded up to a multiple of 32 (llama), ``max_seq = 512``,
     ``head = "lm"``, ``source = None``, ``dtype = "float32"``, ``attn = "sdpa"``.
     With a ``source`` folder the shape fields are taken from the folder's config
     and may be missing from ``spec``.
@@ -105,7 +111,8 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("kv_heads") is None:
         out["kv_heads"] = out["heads"]
     if out.get("ffn") is None:
-        out["ffn"] = 4 * out["hidden"]
+        # gpt2: 4h; llama: 8h/3 rounded up to a multiple of 32 (the compiler's default too)
+        out["ffn"] = 4 * out["hidden"] if arch == "gpt2" else -(-(8 * out["hidden"] // 3) // 32) * 32
     if out.get("max_seq") is None:
         out["max_seq"] = 512
     if out["hidden"] % out["heads"]:
@@ -368,7 +375,41 @@ def _load_from_source(spec: dict[str, Any], dtype: torch.dtype, generator: torch
     cls = ValueModel if spec["head"] == "value" else ScoreModel
     model = _construct(lambda: cls(trunk, spec))
     _init_head_(model.head, generator)
+    _load_saved_head_(spec["source"], model.head)
     return model
+
+
+# Names under which checkpoints store a scalar head: HF *ForSequenceClassification
+# (num_labels=1), TRL's value-head wrapper, and our own wrappers.
+_SAVED_HEAD_NAMES = (("score.weight", "score.bias"), ("v_head.summary.weight", "v_head.summary.bias"), ("head.weight", "head.bias"))
+
+
+@torch.no_grad()
+def _load_saved_head_(folder: str, head: nn.Linear) -> bool:
+    """Copy a scalar head stored in ``folder``'s safetensors files into ``head``.
+
+    Returns False (head left as initialised) when no file holds one of
+    ``_SAVED_HEAD_NAMES`` with shape [1, hidden].
+    """
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            for weight_key, bias_key in _SAVED_HEAD_NAMES:
+                if weight_key not in keys:
+                    continue
+                weight = f.get_tensor(weight_key)
+                if tuple(weight.shape) != tuple(head.weight.shape):
+                    continue
+                head.weight.copy_(weight.to(head.weight.dtype))
+                if head.bias is not None:
+                    head.bias.copy_(f.get_tensor(bias_key).to(head.bias.dtype) if bias_key in keys else torch.zeros(1))
+                return True
+    return False
 
 
 # ----------------------------------------------------------------------------- weights

@@ -18,7 +18,7 @@ OpenRLHF); tests cross-check them against TRL 1.12.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -130,8 +130,9 @@ def kl_penalized_rewards(
     lengths = mask.long().sum(-1)
     has_token = lengths > 0
     last = (lengths - 1).clamp(min=0)
-    bonus = torch.zeros_like(rewards).scatter(1, last.unsqueeze(1), torch.where(has_token, scores.to(rewards.dtype), 0).unsqueeze(1))
-    return rewards + bonus
+    scores = scores.to(device=rewards.device, dtype=rewards.dtype)  # rule scores arrive on CPU
+    bonus = torch.where(has_token, scores, torch.zeros_like(scores)).unsqueeze(1)
+    return rewards + torch.zeros_like(rewards).scatter(1, last.unsqueeze(1), bonus)
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -289,7 +290,10 @@ def rloo_advantages(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] -> [B, R]: each row's value on every response token, 0 where masked."""
-    return _zero_where_masked(seq_values.unsqueeze(1).expand(mask.shape).to(torch.float32), mask)
+    if not seq_values.is_floating_point():
+        seq_values = seq_values.float()
+    seq_values = seq_values.to(mask.device)
+    return _zero_where_masked(seq_values.unsqueeze(1).expand(mask.shape), mask)
 
 
 # ----------------------------------------------------------------------------- training loop

@@ -6,7 +6,7 @@ all 0 for an empty response unless stated):
 
 * ``vowel_count``     ``min(#vowels in response, 8) / 8``: the recommended reward
   for ``SyntheticPrompts``; a random 2-layer width-64 policy starts near 0.17
-  and PPO lifts it to about 0.6 within 20-40 steps on CPU (no length shortcut:
+  and PPO lifts it to about 0.4-0.6 within 20-40 steps on CPU (no length shortcut:
   a short response cannot score high).
 * ``vowel_fraction``  share of response characters in ``aeiou``.
 * ``digit_fraction``  share of response characters in ``0123456789``.

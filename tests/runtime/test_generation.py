@@ -211,3 +211,10 @@ def test_batch_dict_round_trip_and_select(policy):
     assert torch.equal(again.input_ids, batch.input_ids) and again.prompt_len == batch.prompt_len
     sub = batch.select([2, 0])
     assert torch.equal(sub.input_ids[1], batch.input_ids[0]) and sub.response_width == batch.response_width
+
+
+def test_too_long_for_max_seq_is_a_clear_error(make_spec):
+    model = build_model(make_spec("gpt2", max_seq=16), 0)
+    with pytest.raises(ValueError, match="max_seq"):
+        _gen(model, max_new_tokens=12)
+    assert _gen(model, max_new_tokens=10).response_width <= 10

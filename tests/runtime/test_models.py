@@ -138,5 +138,34 @@ def test_normalize_spec_rejects_bad_specs(bad, match):
 
 
 def test_normalize_spec_defaults():
-    spec = normalize_spec({"arch": "llama", "layers": 1, "hidden": 8, "heads": 2, "vocab": 10})
-    assert spec["kv_heads"] == 2 and spec["ffn"] == 32 and spec["head"] == "lm" and spec["source"] is None
+    spec = normalize_spec({"arch": "llama", "layers": 1, "hidden": 64, "heads": 2, "vocab": 10})
+    assert spec["kv_heads"] == 2 and spec["ffn"] == 192 and spec["head"] == "lm" and spec["source"] is None
+    assert normalize_spec({**spec, "arch": "gpt2", "ffn": None})["ffn"] == 256
+
+
+def test_score_head_is_loaded_from_a_sequence_classifier(tmp_path, arch, make_spec):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhfc.runtime.models import _hf_config, normalize_spec
+
+    config = _hf_config(normalize_spec(make_spec(arch)))
+    config.num_labels = 1
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_config(config).eval()
+    classifier.save_pretrained(tmp_path, safe_serialization=True)
+    scorer = build_model({"head": "score", "source": str(tmp_path)}, 0)
+    ids = torch.randint(3, 96, (3, 6))
+    with torch.no_grad():
+        expect = classifier(input_ids=ids).logits.squeeze(-1)
+        torch.testing.assert_close(scorer.score(ids, torch.ones_like(ids)), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["lm", "value", "score"])
+def test_parameter_count_matches_the_compilers_model(arch, make_spec, head):
+    """The compiler's cost model counts parameters from the spec; the runtime must build those shapes."""
+    arch_mod = pytest.importorskip("rlhfc.ir.arch")
+    from rlhfc.runtime.models import count_parameters
+
+    spec = normalize_spec(make_spec(arch, head=head))
+    fields = [spec[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq")]
+    assert count_parameters(build_model(spec, 0)) == arch_mod.param_count(arch, *fields, head=head)

@@ -7,8 +7,7 @@ from hypothesis import strategies as st
 
 from rlhfc.runtime import ppo
 
-settings.register_profile("runtime", max_examples=40, deadline=None)
-settings.load_profile("runtime")
+FAST = settings(max_examples=40, deadline=None)
 
 
 @st.composite
@@ -28,6 +27,7 @@ def masked_batch(draw, min_b=1, max_b=6, max_r=10, allow_empty_rows=True):
 # ----------------------------------------------------------------------------- masked reductions
 
 
+@FAST
 @given(masked_batch())
 def test_masked_mean_and_sum(data):
     x, mask, _ = data
@@ -38,6 +38,7 @@ def test_masked_mean_and_sum(data):
     assert torch.isclose(ppo.masked_mean(garbage, mask), expected)
 
 
+@FAST
 @given(masked_batch(allow_empty_rows=False), st.booleans())
 def test_whitening_gives_zero_mean_unit_std(data, unbiased):
     x, mask, _ = data
@@ -57,6 +58,7 @@ def test_whitening_gives_zero_mean_unit_std(data, unbiased):
 # ----------------------------------------------------------------------------- KL
 
 
+@FAST
 @given(masked_batch())
 def test_kl_estimators(data):
     logp, _, g = data
@@ -73,6 +75,7 @@ def test_kl_estimators(data):
         ppo.kl_penalty(logp, ref, "k4")
 
 
+@FAST
 @given(masked_batch(), st.floats(0.0, 1.0))
 def test_kl_penalized_rewards(data, kl_coef):
     logp, mask, g = data
@@ -92,6 +95,7 @@ def test_kl_penalized_rewards(data, kl_coef):
 # ----------------------------------------------------------------------------- GAE
 
 
+@FAST
 @given(masked_batch())
 def test_gae_lam1_gamma1_zero_values_is_reward_to_go(data):
     rewards, mask, _ = data
@@ -102,6 +106,7 @@ def test_gae_lam1_gamma1_zero_values_is_reward_to_go(data):
     torch.testing.assert_close(ret, to_go)
 
 
+@FAST
 @given(masked_batch(), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
 def test_gae_matches_direct_sum_and_ignores_padding(data, gamma, lam):
     rewards, mask, g = data
@@ -127,6 +132,7 @@ def test_gae_matches_direct_sum_and_ignores_padding(data, gamma, lam):
 # ----------------------------------------------------------------------------- losses
 
 
+@FAST
 @given(masked_batch(allow_empty_rows=False), st.floats(0.05, 0.5))
 def test_clipped_loss_equals_unclipped_inside_clip_range(data, clip):
     old, mask, g = data
@@ -167,6 +173,7 @@ def test_policy_loss_extra_terms():
     assert {"pg_loss", "clipfrac", "approx_kl", "entropy", "kl", "ratio", "loss"} <= m.keys()
 
 
+@FAST
 @given(masked_batch(allow_empty_rows=False), st.floats(0.05, 1.0))
 def test_value_loss(data, clip):
     old, mask, g = data
@@ -183,6 +190,7 @@ def test_value_loss(data, clip):
 # ----------------------------------------------------------------------------- group baselines
 
 
+@FAST
 @given(st.integers(1, 5), st.integers(1, 6), st.integers(0, 10_000), st.booleans())
 def test_group_advantages_sum_to_zero_per_group(groups, n, seed, normalize):
     scores = torch.randn(groups * n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -194,6 +202,7 @@ def test_group_advantages_sum_to_zero_per_group(groups, n, seed, normalize):
         torch.testing.assert_close(adv.view(groups, n), (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6))
 
 
+@FAST
 @given(st.integers(1, 5), st.integers(2, 6), st.integers(0, 10_000))
 def test_rloo_advantages(groups, n, seed):
     scores = torch.randn(groups * n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

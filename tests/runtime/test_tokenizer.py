@@ -1,7 +1,7 @@
 import string
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhfc.runtime.tokenizer import CHAR_ORDER, CharTokenizer, HFTokenizer, load_tokenizer
@@ -17,6 +17,7 @@ def test_special_ids_and_layout():
     assert sorted(CHAR_ORDER) == sorted(PRINTABLE)
 
 
+@settings(max_examples=50, deadline=None)
 @given(st.text(alphabet=PRINTABLE, max_size=40))
 def test_full_vocab_roundtrips_printable_ascii(text):
     tok = CharTokenizer(98)
@@ -26,6 +27,7 @@ def test_full_vocab_roundtrips_printable_ascii(text):
 
 
 @pytest.mark.parametrize("vocab", [4, 30, 64, 96, 98, 200])
+@settings(max_examples=50, deadline=None)
 @given(text=st.text(max_size=30))
 def test_ids_stay_in_vocab(vocab, text):
     tok = CharTokenizer(vocab)

@@ -1,0 +1,154 @@
+"""End to end: compile a tiny PPO program, train it on a local Ray, resume, fail, rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhfc.cli import main as cli
+from rlhfc.codegen import emit_job
+from rlhfc.frontend import load_file
+from rlhfc.runtime.job import JobError, run_job
+
+HERE = os.path.dirname(__file__)
+PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
+TIMING = {"step_time_s", "samples_per_s"}
+
+pytestmark = pytest.mark.e2e
+
+
+def _job(tmp_path, name="job"):
+    module, _, _ = load_file(PROGRAM)
+    job_dir = str(tmp_path / name)
+    emit_job(module, job_dir, source_path=PROGRAM, opt_level="O0", passes=[])
+    return job_dir
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    job_dir = _job(tmp)
+    out = str(tmp / "run")
+    run_job(job_dir, out=out, progress=False)
+    return job_dir, out
+
+
+def test_run_writes_metrics_checkpoints_and_tensorboard(full_run):
+    _, out = full_run
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        for key in ("reward_mean", "kl", "policy_loss", "value_loss", "step_time_s", "samples_per_s"):
+            assert isinstance(r[key], (int, float)), key
+        assert r["samples"] == 4 and r["step_time_s"] > 0
+    assert [r["gen_version"] for r in rows] == [0, 1, 2, 3]  # each step generates with the newest actor
+    ckpts = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert ckpts == ["latest", "step_2", "step_4"]
+    for model in ("actor", "critic", "ref", "reward"):
+        folder = os.path.join(out, "checkpoints", "step_4", model)
+        assert os.path.getsize(os.path.join(folder, "weights.safetensors")) > 1000
+        assert os.path.isfile(os.path.join(folder, "state.safetensors"))
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(out))
+
+
+def test_same_seed_same_metrics_and_resume_matches_uninterrupted(full_run, tmp_path):
+    job_dir, full_out = full_run
+    out = str(tmp_path / "resumed")
+    first = run_job(job_dir, out=out, steps=2, progress=False)
+    assert _strip(first) == _strip(_metrics(full_out))[:2]          # deterministic run to run
+    run_job(job_dir, out=out, resume=True, progress=False)           # continues from step_2 to 4
+    assert _strip(_metrics(out)) == _strip(_metrics(full_out))       # bitwise-equal metrics on CPU
+
+
+def test_existing_run_is_never_overwritten(full_run):
+    job_dir, out = full_run
+    before = _metrics(out)
+    with pytest.raises(JobError, match="already holds checkpoints") as exc:
+        run_job(job_dir, out=out, progress=False)
+    assert "--resume" in exc.value.hint
+    assert _metrics(out) == before
+
+
+def test_dead_worker_names_stage_and_last_checkpoint(tmp_path):
+    import ray
+
+    from rlhfc.runtime import job as job_mod
+
+    job_dir = _job(tmp_path)
+    spec = __import__("importlib.util").util.spec_from_file_location("tiny_main", os.path.join(job_dir, "main.py"))
+    mod = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls = {"n": 0}
+
+    def step_then_crash(job, w):
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 2, after the step_2 checkpoint: the critic's process dies
+            ray.kill(w.critic, no_restart=True)
+        return mod.step(job, w)
+
+    out = str(tmp_path / "run")
+    with pytest.raises(JobError) as exc:
+        run_job(job_dir, step_fn=step_then_crash, out=out, progress=False)
+    assert "stage %values" in exc.value.message and "critic" in exc.value.message
+    assert "step_2" in exc.value.hint and "--resume" in exc.value.hint
+    assert [r["step"] for r in _metrics(out)] == [0, 1]                       # nothing written is lost
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step_2", "actor", "weights.safetensors"))
+    assert not ray.is_initialized()
+    del job_mod
+
+
+BLOCKER = '''
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[:2] in (["rlhfc", m] for m in ("frontend", "ir", "passes", "codegen", "cli", "cost")):
+            raise ImportError("the runtime must not import compiler code: " + name)
+        return None
+sys.meta_path.insert(0, _Block())
+'''
+
+
+def test_job_main_runs_with_runtime_only(tmp_path):
+    job_dir = _job(tmp_path)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(os.environ, PYTHONPATH=str(site), RAY_AUTH_MODE="disabled")
+    out = str(tmp_path / "run")
+    proc = subprocess.run([sys.executable, os.path.join(job_dir, "main.py"), "--steps", "1", "--out", out,
+                           "--no-progress"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in _metrics(out)] == [0]
+
+
+def test_cli_run_compiles_and_trains(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli(["run", PROGRAM, "-O1", "--steps", "2", "--no-progress"]) == 0
+    assert [r["step"] for r in _metrics("runs/tiny_ppo")] == [0, 1]
+    assert os.path.isfile("runs/tiny_ppo/job/main.py")
+    # a second run never reuses the first one's folder; --resume continues the newest
+    assert cli(["run", PROGRAM, "--steps", "1", "--no-progress"]) == 0
+    assert os.path.isfile("runs/tiny_ppo-1/metrics.jsonl")
+    assert cli(["run", PROGRAM, "--steps", "2", "--resume", "--no-progress"]) == 0
+    assert [r["step"] for r in _metrics("runs/tiny_ppo-1")] == [0, 1]
+
+
+def test_cli_run_on_gpu_plan_without_gpus_is_a_clear_error(tmp_path, capsys):
+    code = cli(["run", os.path.join(HERE, "..", "..", "examples", "ppo_7b.rlhf"), "--out", str(tmp_path / "r"),
+                "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the plan needs 8 GPU (A100-80GB)" in err and "hint:" in err and "Traceback" not in err

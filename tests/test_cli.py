@@ -1,0 +1,153 @@
+"""The compiler commands of the CLI, run in-process: check, compile (--emit ir), passes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rlhfc.cli import main
+from rlhfc.ir import parse_ir, print_module
+from rlhfc.passes import PIPELINES, registered_passes
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.rlhf"))
+PLUGIN = str(ROOT / "examples" / "custom_pass.py")
+TINY = str(ROOT / "examples" / "ppo_tiny.rlhf")
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_check_examples(capsys, path):
+    code, out, err = run(capsys, "check", str(path))
+    assert code == 0, err
+    assert re.search(r": ok \(\d+ models, \d+ stages\)", err)
+
+
+@pytest.mark.parametrize("level", ["0", "1", "2", "3"])
+def test_compile_levels_to_stdout_and_file(capsys, tmp_path, level):
+    code, out, err = run(capsys, "compile", TINY, f"-O{level}")
+    assert code == 0, err
+    assert out.startswith("module @ppo_tiny {") and print_module(parse_ir(out)) == out
+    target = tmp_path / "out.rlir"
+    code, out2, err = run(capsys, "compile", TINY, f"-O{level}", "-o", str(target))
+    assert code == 0, err
+    assert out2 == "" and target.read_text() == out
+
+
+def test_compile_rlir_input(capsys, tmp_path):
+    first = tmp_path / "tiny.rlir"
+    assert run(capsys, "compile", TINY, "-O0", "-o", str(first))[0] == 0
+    code, out, err = run(capsys, "compile", str(first), "-O0")
+    assert code == 0, err
+    assert out == first.read_text()
+    code, out, err = run(capsys, "compile", str(first), "-O2")
+    assert code == 0 and out == run(capsys, "compile", TINY, "-O2")[1]
+    assert run(capsys, "check", str(first))[0] == 0
+
+
+def test_compile_bad_rlir_gives_a_located_diagnostic(capsys, tmp_path):
+    good = tmp_path / "good.rlir"
+    assert run(capsys, "compile", TINY, "-O0", "-o", str(good))[0] == 0
+    bad = tmp_path / "bad.rlir"
+    bad.write_text(good.read_text().replace("forward.values @critic(%roll)", "forward.values @critic(%rol)"))
+    code, out, err = run(capsys, "compile", str(bad))
+    assert code == 2 and out == ""
+    assert re.search(rf"{re.escape(str(bad))}:\d+:\d+: error: use of undefined value %rol", err)
+    assert "^" in err and "hint: did you mean 'roll'?" in err
+
+
+def test_compile_passes(capsys):
+    code, out, err = run(capsys, "compile", TINY, "--passes", "dce")
+    assert code == 0, err
+    assert out == run(capsys, "compile", TINY, "-O1")[1]
+    code, out, err = run(capsys, "compile", TINY, "--passes", "")
+    assert code == 0 and out == run(capsys, "compile", TINY, "-O0")[1]
+
+
+def test_compile_with_plugin_file(capsys):
+    code, out, err = run(capsys, "compile", TINY, "--plugin", PLUGIN, "--passes", "clamp-generation{max_new_tokens=8}")
+    assert code == 0, err
+    assert "max_new_tokens = 8," in out and "max_new_tokens = 24" not in out
+
+
+def test_compile_with_plugin_module(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    code, out, err = run(capsys, "compile", TINY, "--plugin", "custom_pass",
+                         "--passes", "dce,clamp-generation{max_new_tokens=4}")
+    assert code == 0, err
+    assert "max_new_tokens = 4," in out
+
+
+def test_bad_emit(capsys):
+    code, out, err = run(capsys, "compile", TINY, "--emit", "asm")
+    assert code == 2
+    assert "error: unknown --emit 'asm'" in err and "hint: use --emit ir or --emit job" in err
+
+
+def test_unknown_pass(capsys):
+    code, out, err = run(capsys, "compile", TINY, "--passes", "dce,dcee")
+    assert code == 2 and out == ""
+    assert "error: unknown pass 'dcee'" in err and "hint: did you mean 'dce'?" in err
+
+
+def test_bad_pass_option(capsys):
+    code, out, err = run(capsys, "compile", TINY, "--plugin", PLUGIN, "--passes", "clamp-generation{max_new_token=8}")
+    assert code == 2
+    assert "pass clamp-generation has no option 'max_new_token'" in err and "did you mean 'max_new_tokens'?" in err
+
+
+def test_unknown_level(capsys):
+    code, out, err = run(capsys, "compile", TINY, "-O9")
+    assert code == 2 and "unknown optimisation level '9'" in err
+
+
+def test_print_after(capsys):
+    code, out, err = run(capsys, "compile", TINY, "--plugin", PLUGIN,
+                         "--passes", "dce,clamp-generation{max_new_tokens=8}", "--print-after-all")
+    assert code == 0
+    assert err.count("// ----- IR after ") == 2
+    assert "// ----- IR after dce -----\nmodule @ppo_tiny {" in err
+    assert "// ----- IR after clamp-generation{max_new_tokens=8} -----" in err
+    code, out, err = run(capsys, "compile", TINY, "--plugin", PLUGIN,
+                         "--passes", "dce,clamp-generation{max_new_tokens=8}", "--print-after", "clamp-generation")
+    assert code == 0 and err.count("// ----- IR after ") == 1
+    assert err.split("-----\n", 1)[1] == out            # the IR after the last pass is the output
+    code, out, err = run(capsys, "compile", TINY, "--print-after", "nope")
+    assert code == 2 and "unknown pass 'nope'" in err
+
+
+def test_passes_lists_every_pass(capsys):
+    code, out, err = run(capsys, "passes", "--plugin", PLUGIN)
+    assert code == 0, err
+    for name, cls in registered_passes().items():
+        line = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert cls.description in line
+        assert ("[exact;" if cls.exact else "[changes training;") in line
+        levels = [lvl for lvl, names in PIPELINES.items() if name in names]
+        assert (", ".join(levels) if levels else "by name only") in line
+        for opt, kind, default, _doc in cls.option_help():
+            assert f"    {opt}: {kind} = {default}" in out
+    assert "    max_new_tokens: int = 16  — the longest response" in out
+
+
+def test_check_reports_verifier_errors_in_rlir(capsys, tmp_path):
+    good = tmp_path / "good.rlir"
+    assert run(capsys, "compile", TINY, "-O0", "-o", str(good))[0] == 0
+    bad = tmp_path / "frozen.rlir"
+    bad.write_text(good.read_text().replace('head = "value", trainable = true', 'head = "value", trainable = false'))
+    code, out, err = run(capsys, "check", str(bad))
+    assert code == 2
+    assert re.search(rf"{re.escape(str(bad))}:\d+:5: error: stage %critic_train \(train\): model @critic is frozen", err)
+    assert "hint: mark it trainable" in err
+
+
+def test_missing_file(capsys):
+    code, out, err = run(capsys, "check", "no/such/file.rlhf")
+    assert code == 2 and "no such file" in err
