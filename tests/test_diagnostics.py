@@ -35,12 +35,17 @@ _HEADER = re.compile(r"^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>error|
 
 def _expectations(path: Path) -> tuple[list[str], list[str]]:
     checks, hints = [], []
-    for line in path.read_text().splitlines():
+    for line in _source(path):
         if line.startswith("# CHECK:"):
             checks.append(line[len("# CHECK:"):].strip())
         elif line.startswith("# HINT:"):
             hints.append(line[len("# HINT:"):].strip())
     return checks, hints
+
+
+def _source(path: Path) -> list[str]:
+    """The file's lines as the compiler shows them (a byte that is not UTF-8 reads as U+FFFD)."""
+    return path.read_bytes().decode("utf-8-sig", "replace").splitlines()
 
 
 def _blocks(output: str) -> list[list[str]]:
@@ -65,7 +70,7 @@ def _assert_rendered(path: Path, rel: str, output: str, severity: str) -> list[l
     """Every diagnostic of ``severity`` has a location, its source line, a caret at its column and a hint."""
     assert "Traceback" not in output, output
     assert "internal error" not in output, output
-    source = path.read_text().splitlines()
+    source = _source(path)
     blocks = [b for b in _blocks(output) if f" {severity}: " in b[0]]
     for block in blocks:
         m = _HEADER.match(block[0])

@@ -180,11 +180,13 @@ class _Lowerer:
             for d in list(pending):
                 args = d.ctor.args
                 if len(args) != 1 or not isinstance(args[0], ast.Ref) or d.ctor.kwargs:
-                    where = d.ctor.kwargs[0].loc if len(args) == 1 and isinstance(args[0], ast.Ref) else \
-                        (getattr(args[0], "loc", d.ctor.loc) if len(args) == 1 else d.ctor.loc)
-                    self.sink.error(f"{d.ctor.name}() takes one model name", where,
-                                    f"e.g. model ref = {d.ctor.name}(actor); set the head after the call: "
-                                    f"model critic = like(actor) head = value")
+                    if len(args) == 1 and isinstance(args[0], ast.Ref):    # a setting after the name
+                        where, hint = d.ctor.kwargs[0].loc, "options go after the call: " \
+                            f"model {d.name} = {d.ctor.name}({args[0].name}) {d.ctor.kwargs[0].name} = ..."
+                    else:
+                        where = args[min(1, len(args) - 1)].loc if args else d.ctor.loc
+                        hint = f"e.g. model {d.name} = {d.ctor.name}(actor)"
+                    self.sink.error(f"{d.ctor.name}() takes one model name", where, hint)
                     self.failed_decls.add(d.name)
                     pending.remove(d)
                     progress = True
@@ -744,7 +746,7 @@ class _Lowerer:
                 continue
             value = _coerce(kw.value, a.kind)
             if value is None:
-                self.sink.error(f"'{kw.name}' expects {_LITERAL_KIND_NAMES['int' if a.kind == 'int' else a.kind if a.kind != 'str' else 'str']}, "
+                self.sink.error(f"'{kw.name}' expects {_LITERAL_KIND_NAMES.get(a.kind, a.kind)}, "
                                 f"got {_LITERAL_KIND_NAMES.get(kw.value.kind, kw.value.kind)} {_show(kw.value)}",
                                 kw.value.loc, _attr_hint(kw.name, a))
                 ok = False
@@ -789,8 +791,8 @@ class _Lowerer:
                 raise _Failed
             if got != want:
                 fix = "ppo_clip(...)" if want == "PolicyLoss" else "value_loss(...)"
-                self.sink.error(f"'{target}' has {_a(m.head)} '{m.head}' head and trains on a {want}, got a {got}",
-                                _arg_loc(call.args[0]), f"train it with {fix}")
+                self.sink.error(f"{target}.train() needs a {want} ('{target}' has {_a(m.head)} '{m.head}' head), "
+                                f"got a {got}", _arg_loc(call.args[0]), f"train it with {fix}")
                 raise _Failed
             if target in self.trained:
                 self.sink.error(f"model '{target}' is trained twice in one step", call.loc,

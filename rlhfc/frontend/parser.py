@@ -69,7 +69,7 @@ def _syntax_error(exc: UnexpectedInput, parser: Lark, file: str, text: str) -> D
         if ch == '"':
             return Diagnostic("error", "unterminated string", base.loc,
                               'close it with " on the same line (strings cannot span lines; write \\" for a quote)')
-        hint = base.hint or "remove it"
+        hint = f"remove it; {base.hint}" if base.hint else "remove it"
         if ch in ")}":
             hint = f"there is no matching '{'(' if ch == ')' else '{'}' for it; {hint}"
         elif ch in "+*/%":
