@@ -50,8 +50,9 @@ class PythonEmitter:
             "",
             "One function per step, one line per stage, in schedule order. `w.<model>` is",
             "that model's Ray worker; `job.get` waits for a remote stage, `job.compute`",
-            "runs a cheap driver-side stage; both name the stage if it fails. Decisions",
-            "(placement, models, data) are in plan.json beside this file.",
+            "runs a cheap driver-side stage, `job.wait` awaits futures of an overlap group",
+            "(remote stages take futures as arguments); all name the stage if it fails.",
+            "Decisions (placement, models, data) are in plan.json beside this file.",
             "",
             "Run: python main.py [--steps N] [--out RUNDIR] [--resume] [--ray-address ADDR]",
             "Needs only rlhfc.runtime (no compiler code).",
@@ -68,7 +69,16 @@ class PythonEmitter:
             f'    """One step of pipeline \'{g.name}\' ({", ".join(f"{k} = {v}" for k, v in g.params.items())})."""',
         ]
         results = []
+        self.pending: list[str] = []   # values that are still futures (launched, not awaited)
+        group = None
         for s in g.stages:
+            overlap = s.annotations.get("overlap")
+            if overlap is not None and overlap != group:
+                lines.append(f"    # overlap group {overlap}: launched together, awaited where the driver needs them")
+            group = overlap
+            wait = self.wait_line(s)
+            if wait:
+                lines.append(f"    {wait}")
             lines.append(f"    {self.stage_line(s)}")
             results.extend(v.name for v in s.outputs if v.type.kind != "Prompts")
         pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in results)
@@ -84,7 +94,11 @@ class PythonEmitter:
         if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
             method = s.op.split(".")[-1]
             call = ", ".join(_args(s.inputs) + _kwargs(s.attrs))
-            return f"{outs} = job.get({name!r}, w.{s.target}.{method}.remote({call}))"
+            remote = f"w.{s.target}.{method}.remote({call})"
+            if s.annotations.get("overlap") is not None:
+                self.pending.extend(v.name for v in s.outputs)
+                return f"{outs} = {remote}"
+            return f"{outs} = job.get({name!r}, {remote})"
         if s.op.startswith("compute."):
             fn = s.op.split(".", 1)[1]
             attrs = dict(s.attrs)
@@ -93,6 +107,19 @@ class PythonEmitter:
             call = ", ".join([repr(name), f"ops.{fn}"] + _args(s.inputs) + _kwargs(attrs))
             return f"{outs} = job.compute({call})"
         raise NotImplementedError(f"no code generation for op '{s.op}' (stage %{name})")
+
+    def wait_line(self, s: Stage) -> str | None:
+        """Await the futures a driver-side stage reads (remote stages take futures as arguments)."""
+        if not self.pending or (s.op != "load" and not s.op.startswith("compute.")):
+            return None
+        needed = [v.name for v in s.inputs if v.name in self.pending]
+        if not needed:
+            return None
+        for n in needed:
+            self.pending.remove(n)
+        names = ", ".join(py_name(n) for n in needed) + ("," if len(needed) == 1 else "")
+        pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in needed)
+        return f"{names} = job.wait({{{pairs}}})"
 
     def _logp_temperature(self, s: Stage) -> float:
         """The policy loss must recompute log-probs exactly as the old ones were computed."""

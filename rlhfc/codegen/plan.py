@@ -116,6 +116,7 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
         "run": module.run.attrs(),
         "graph": {"name": g.name, "params": g.params, "stages": stages,
                   "stages_by_name": {s["name"]: {"op": s["op"], "target": s["target"]} for s in stages},
+                  "value_to_stage": {v: s["name"] for s in stages for v in s["outputs"]},
                   "versions": [{"model": e.model, "writer": e.writer, "reader": e.reader, "distance": e.distance}
                                for e in g.versions]},
         "placement": placement(module),

@@ -27,6 +27,7 @@ def _parser() -> Lark:
 def parse_program(text: str, file: str = "<input>") -> ast.Program:
     """Parse a program; raise CompileError (with location and hint) on a syntax error."""
     parser = _parser()
+    _check_nesting(text, file)
     try:
         tree = parser.parse(text)
     except UnexpectedInput as exc:
@@ -43,6 +44,23 @@ def parse_program(text: str, file: str = "<input>") -> ast.Program:
         {ast.ClusterDecl: prog.clusters, ast.ModelDecl: prog.models, ast.DataDecl: prog.data,
          ast.PipelineDecl: prog.pipelines, ast.RunDecl: prog.runs}[type(d)].append(d)
     return prog
+
+
+#: deepest bracket nesting accepted (real programs nest calls two or three deep; the parser and the
+#: lowering recurse over nesting, so a limit keeps a pathological input from overflowing the stack)
+MAX_NESTING = 64
+
+
+def _check_nesting(text: str, file: str) -> None:
+    depth = 0
+    for _, ch, line, col in _scan(text, len(text)):
+        if ch in "({":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise error(f"brackets nested more than {MAX_NESTING} deep", Loc(file, line, col),
+                            "bind inner calls to names first, e.g. loss = ppo_clip(...), then actor.train(loss)")
+        elif ch in ")}":
+            depth = max(depth - 1, 0)
 
 
 #: words the grammar reserves; a program cannot use them as names

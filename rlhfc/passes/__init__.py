@@ -10,6 +10,7 @@ from .pipelines import PIPELINES, pipeline_for
 
 for _name, _module in {
     "dce": "rlhfc.passes.dce",
+    "parallelize": "rlhfc.passes.parallelize",
 }.items():
     register_lazy(_name, _module)
 

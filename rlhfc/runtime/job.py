@@ -98,6 +98,18 @@ class Job:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise self._stage_failed(stage, f"{type(cause).__name__}: {cause}") from None
 
+    def wait(self, futures: dict[str, Any]) -> list[Any]:
+        """Await several launched stages (``{value name: future}``); values in the same order."""
+        return [self.get(self._stage_of(name), ref) for name, ref in futures.items()]
+
+    def resolve(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Replace any futures left in a step's results by their values."""
+        ray = _ray()
+        return {k: (self.get(self._stage_of(k), v) if isinstance(v, ray.ObjectRef) else v) for k, v in values.items()}
+
+    def _stage_of(self, value: str) -> str:
+        return self.plan["graph"]["value_to_stage"].get(value, value)
+
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):
         """Run a driver-side compute stage, naming it if it fails."""
         self.current_stage = stage
@@ -313,7 +325,7 @@ class Job:
         with _Progress(self.show_progress, self.steps, start_step, self.plan) as bar:
             for step in range(start_step, self.steps):
                 t0 = time.perf_counter()
-                values = step_fn(self, self.handles)
+                values = self.resolve(step_fn(self, self.handles))
                 m = self.step_metrics(step, values, time.perf_counter() - t0)
                 self._write_metrics(m)
                 history.append(m)

@@ -2,8 +2,9 @@
 
 One function per step, one line per stage, in schedule order. `w.<model>` is
 that model's Ray worker; `job.get` waits for a remote stage, `job.compute`
-runs a cheap driver-side stage; both name the stage if it fails. Decisions
-(placement, models, data) are in plan.json beside this file.
+runs a cheap driver-side stage, `job.wait` awaits futures of an overlap group
+(remote stages take futures as arguments); all name the stage if it fails.
+Decisions (placement, models, data) are in plan.json beside this file.
 
 Run: python main.py [--steps N] [--out RUNDIR] [--resume] [--ray-address ADDR]
 Needs only rlhfc.runtime (no compiler code).
@@ -20,10 +21,12 @@ def step(job, w):
     """One step of pipeline 'grpo' (batch = 8)."""
     prompts = job.next_prompts('prompts', 8)
     roll = job.get('roll', w.actor.generate.remote(prompts, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4))
-    logp = job.get('logp', w.actor.logprobs.remote(roll, temperature=1.0))
-    ref_logp = job.get('ref_logp', w.ref.logprobs.remote(roll, temperature=1.0))
-    scores = job.compute('scores', ops.rule, roll, fn='rlhfc.runtime.rewards:vowel_fraction')
+    # overlap group 1: launched together, awaited where the driver needs them
+    logp = w.actor.logprobs.remote(roll, temperature=1.0)
+    ref_logp = w.ref.logprobs.remote(roll, temperature=1.0)
+    scores = job.compute('scores', ops.rule, roll, fn='rlhfc.runtime.rewards:vowel_count')
     adv = job.compute('adv', ops.group_advantages, roll, scores, method='grpo', normalize_std=True, group=4)
+    logp, ref_logp = job.wait({'logp': logp, 'ref_logp': ref_logp})
     ppo_clip = job.compute('ppo_clip', ops.ppo_clip, roll, logp, adv, ref_logp, clip=0.2, entropy_coef=0.0, kl_coef=0.02, estimator='k3', temperature=1.0)
     actor_train = job.get('actor_train', w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0))
     return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'scores': scores, 'adv': adv, 'ppo_clip': ppo_clip, 'actor_train': actor_train}

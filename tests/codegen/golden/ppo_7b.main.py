@@ -2,8 +2,9 @@
 
 One function per step, one line per stage, in schedule order. `w.<model>` is
 that model's Ray worker; `job.get` waits for a remote stage, `job.compute`
-runs a cheap driver-side stage; both name the stage if it fails. Decisions
-(placement, models, data) are in plan.json beside this file.
+runs a cheap driver-side stage, `job.wait` awaits futures of an overlap group
+(remote stages take futures as arguments); all name the stage if it fails.
+Decisions (placement, models, data) are in plan.json beside this file.
 
 Run: python main.py [--steps N] [--out RUNDIR] [--resume] [--ray-address ADDR]
 Needs only rlhfc.runtime (no compiler code).
@@ -20,16 +21,19 @@ def step(job, w):
     """One step of pipeline 'ppo' (batch = 512)."""
     prompts = job.next_prompts('prompts', 512)
     roll = job.get('roll', w.actor.generate.remote(prompts, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1))
-    logp = job.get('logp', w.actor.logprobs.remote(roll, temperature=1.0))
-    ref_logp = job.get('ref_logp', w.ref.logprobs.remote(roll, temperature=1.0))
-    values = job.get('values', w.critic.values.remote(roll))
-    scores = job.get('scores', w.reward.score.remote(roll))
+    # overlap group 1: launched together, awaited where the driver needs them
+    logp = w.actor.logprobs.remote(roll, temperature=1.0)
+    ref_logp = w.ref.logprobs.remote(roll, temperature=1.0)
+    values = w.critic.values.remote(roll)
+    scores = w.reward.score.remote(roll)
+    scores, values, logp, ref_logp = job.wait({'scores': scores, 'values': values, 'logp': logp, 'ref_logp': ref_logp})
     adv, ret = job.compute('adv', ops.gae, scores, values, logp, ref_logp, gamma=1.0, lam=0.95, kl_coef=0.05, estimator='k1', whiten=True)
     ppo_clip = job.compute('ppo_clip', ops.ppo_clip, roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator='k3', temperature=1.0)
-    actor_train = job.get('actor_train', w.actor.train.remote(ppo_clip, lr=1e-06, epochs=1, minibatches=8, max_grad_norm=1.0, weight_decay=0.0))
     value_loss = job.compute('value_loss', ops.value_loss, roll, values, ret, clip=0.2)
-    critic_train = job.get('critic_train', w.critic.train.remote(value_loss, lr=5e-06, epochs=1, minibatches=8, max_grad_norm=1.0, weight_decay=0.0))
-    return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'values': values, 'scores': scores, 'adv': adv, 'ret': ret, 'ppo_clip': ppo_clip, 'actor_train': actor_train, 'value_loss': value_loss, 'critic_train': critic_train}
+    # overlap group 2: launched together, awaited where the driver needs them
+    actor_train = w.actor.train.remote(ppo_clip, lr=1e-06, epochs=1, minibatches=8, max_grad_norm=1.0, weight_decay=0.0)
+    critic_train = w.critic.train.remote(value_loss, lr=5e-06, epochs=1, minibatches=8, max_grad_norm=1.0, weight_decay=0.0)
+    return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'values': values, 'scores': scores, 'adv': adv, 'ret': ret, 'ppo_clip': ppo_clip, 'value_loss': value_loss, 'actor_train': actor_train, 'critic_train': critic_train}
 
 
 if __name__ == "__main__":
