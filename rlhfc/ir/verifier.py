@@ -24,6 +24,8 @@ module was parsed from one, else at its ``.rlhf`` source location. Checks:
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 from .arch import ARCH_FIELDS, ARCHS, HEADS
@@ -85,7 +87,7 @@ def check_attr_value(spec_attr, value) -> str | None:
     kind = spec_attr.kind
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, float),
+        "float": isinstance(value, float) and math.isfinite(value),
         "str": isinstance(value, str),
         "bool": isinstance(value, bool),
     }[kind]
