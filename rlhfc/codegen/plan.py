@@ -30,7 +30,12 @@ def _init(module: Module, m) -> dict:
     from rlhfc.ir import Symbol
 
     if isinstance(m.init, Symbol):
-        return {"kind": "copy", "from": m.init.name, "spec": model_spec(module.models[m.init.name])}
+        root = module.models[m.init.name]
+        while isinstance(root.init, Symbol):   # copy(copy(actor)) starts from actor's initial weights
+            root = module.models[root.init.name]
+        if root.init == "pretrained":
+            return {"kind": "pretrained"}       # the same folder: load it directly
+        return {"kind": "copy", "from": root.name, "spec": model_spec(root)}
     return {"kind": m.init}
 
 

@@ -198,8 +198,13 @@ class _Lowerer:
                     progress = True
                 elif src_name in self.module.models:
                     src = self.module.models[src_name]
-                    m = Model(d.name, **src.config(), head=src.head, loc=d.loc,
-                              init=Symbol(src_name) if d.ctor.name == "copy" else "random")
+                    # copy(x): x's initial weights. like(x): x's architecture and tokenizer; for a
+                    # pretrained x that means its trunk weights too (the usual critic initialisation)
+                    if d.ctor.name == "copy":
+                        init = Symbol(src_name)
+                    else:
+                        init = "pretrained" if src.source else "random"
+                    m = Model(d.name, **src.config(), head=src.head, loc=d.loc, init=init, source=src.source)
                     self.finish_model(d, m)
                     pending.remove(d)
                     progress = True
@@ -280,7 +285,7 @@ class _Lowerer:
         cfg.setdefault("ffn", archs.default_ffn(arch, cfg["hidden"]))
         cfg.setdefault("max_seq", _DEFAULT_MAX_SEQ[arch])
         given_at = {kw.name: kw.value.loc for kw in ctor.kwargs}
-        if not self.check_shape(cfg, lambda f: given_at.get(f, ctor.loc)):
+        if not self.check_shape({**cfg, "arch": arch}, lambda f: given_at.get(f, ctor.loc)):
             return None
         return Model(d.name, arch, loc=d.loc, **{k: cfg[k] for k in archs.ARCH_FIELDS})
 
@@ -294,6 +299,10 @@ class _Lowerer:
                             f"each head gets hidden / heads dimensions; try heads = "
                             f"{' or '.join(map(str, sorted(near)))}")
             ok = False
+        if cfg.get("arch") == "gpt2" and cfg["kv_heads"] != cfg["heads"]:
+            self.sink.error(f"gpt2 has no grouped-query attention: kv_heads ({cfg['kv_heads']}) must equal heads "
+                            f"({cfg['heads']})", where("kv_heads"), "drop kv_heads for gpt2 models, or use llama")
+            return False
         if cfg["heads"] % cfg["kv_heads"]:
             self.sink.error(f"heads ({cfg['heads']}) is not divisible by kv_heads ({cfg['kv_heads']})",
                             where("kv_heads"),
@@ -476,7 +485,7 @@ class _Lowerer:
             if s.name == "optimize":
                 if v.kind not in ("ident", "str") or v.value not in _OPT_LEVELS:
                     self.sink.error(f"optimize must be one of {', '.join(_OPT_LEVELS)}, got {_show(v)}", v.loc,
-                                    "O0 runs no passes, O2 is the default; e.g. optimize = O2")
+                                    "O0 runs no passes, O1 is the default; e.g. optimize = O2")
                 else:
                     rc.optimize = v.value
                 continue

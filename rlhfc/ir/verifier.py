@@ -18,6 +18,11 @@ module was parsed from one, else at its ``.rlhf`` source location. Checks:
   models with a loss of the matching head; one train stage per model;
 - parameter versions: exactly the edges the stage order implies (none missing,
   none stale, no duplicates);
+- the plan annotations passes write (docs/ir.md, "Annotations"): a stage's
+  ``mesh`` lies on the cluster, its ``parallel`` layout multiplies to the mesh
+  size (and tp divides the heads, pp the layers), ``microbatches``,
+  ``recompute``, ``overlap``, ``stream`` and ``overcommit`` have their forms,
+  the module's ``strategy`` is known;
 - plus checks registered by passes (:func:`register_check`), e.g. for the
   annotations they add.
 """
@@ -71,6 +76,7 @@ def verify(module: Module) -> None:
     _check_data(module, sink)
     _check_run(module, sink)
     _check_graph(module, sink)
+    _check_plan_annotations(module, sink)
     for check in _EXTRA_CHECKS:
         check(module, sink)
     if sink.errors:
@@ -169,6 +175,9 @@ def _check_models(module: Module, sink: DiagnosticSink) -> None:
         if m.hidden % m.heads:
             sink.error(f"{name}: hidden ({m.hidden}) is not divisible by heads ({m.heads})", at,
                        "choose heads so that hidden / heads is a whole head size")
+        if m.arch == "gpt2" and m.kv_heads != m.heads:
+            sink.error(f"{where}: gpt2 has no grouped-query attention (kv_heads {m.kv_heads} != heads {m.heads})",
+                       m.loc, "drop kv_heads for gpt2 models, or use llama")
         if m.heads % m.kv_heads:
             sink.error(f"{name}: heads ({m.heads}) is not divisible by kv_heads ({m.kv_heads})", at,
                        "grouped-query attention needs heads to be a multiple of kv_heads")
@@ -409,6 +418,101 @@ def _check_stage(module: Module, stage: Stage, spec: OpSpec, label: str, sink: D
         if v.type != t:
             sink.error(f"{label}: result %{v.name} has type {v.type}, expected {t}", at,
                        f"change the type to {t} (result batch follows {spec.batch_from})")
+
+
+#: values of the ``recompute`` stage annotation and the module's ``strategy`` annotation
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+STRATEGIES = ("flatten", "interleave", "separate", "search")
+
+
+def _check_plan_annotations(module: Module, sink: DiagnosticSink) -> None:
+    """Check the plan annotations of docs/ir.md ("Annotations") where present; absent ones take defaults."""
+    strategy = module.annotations.get("strategy")
+    if strategy is not None and strategy not in STRATEGIES:
+        sink.error(f"module annotation strategy must be one of {', '.join(STRATEGIES)}, got {_describe(strategy)}",
+                   None, f'write strategy = "{STRATEGIES[0]}" (or remove it)')
+    total = module.cluster.num_devices if _is_int(module.cluster.num_devices) else None
+    for stage in module.graph.stages:
+        if not stage.outputs or not stage.annotations:
+            continue
+        ann = stage.annotations
+        at = where(stage)
+        label = f"stage %{stage.name}"
+        count = _check_mesh(ann.get("mesh"), total, module, label, at, sink) if "mesh" in ann else total
+        if "parallel" in ann:
+            _check_parallel(ann["parallel"], count, module.models.get(stage.target or ""), label, at, sink)
+        if "microbatches" in ann and not (_is_int(ann["microbatches"]) and ann["microbatches"] >= 1):
+            sink.error(f"{label}: microbatches must be an integer >= 1, got {_describe(ann['microbatches'])}", at,
+                       "write microbatches = 4 (micro-batches per forward / per optimizer step)")
+        if "recompute" in ann and ann["recompute"] not in RECOMPUTE_POLICIES:
+            sink.error(f"{label}: recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
+                       f"got {_describe(ann['recompute'])}", at, 'write recompute = "selective"')
+        if "overlap" in ann and not _is_int(ann["overlap"]):
+            sink.error(f"{label}: overlap must be an integer group id, got {_describe(ann['overlap'])}", at,
+                       "stages with the same overlap = K are launched together, e.g. overlap = 1")
+        for key, field, lo in (("stream", "chunk", 1), ("overcommit", "delta", 0)):
+            if key not in ann:
+                continue
+            value = ann[key]
+            if stage.op != "generate":
+                sink.error(f"{label}: '{key}' applies to generate stages only, not {stage.op}", at,
+                           f"move {key} = {{...}} to the generate stage whose samples it concerns")
+                continue
+            inner = value.get(field) if isinstance(value, dict) else value
+            extra = sorted(set(value) - {field}) if isinstance(value, dict) else []
+            if not _is_int(inner) or inner < lo or extra:
+                sink.error(f"{label}: {key} must be {{{field} = N}} with an integer N >= {lo}, got "
+                           f"{_describe(value)}", at, f"write {key} = {{{field} = {max(lo, 4)}}}")
+
+
+def _check_mesh(mesh, total, module: Module, label: str, at, sink: DiagnosticSink) -> int | None:
+    """Validate ``mesh = {first = I, count = N}``; return N when valid (else None)."""
+    c = module.cluster
+    span = f"devices 0..{total - 1}" if total else "no devices"
+    if not isinstance(mesh, dict) or set(mesh) != {"first", "count"} \
+            or not all(_is_int(mesh[k]) for k in ("first", "count")):
+        sink.error(f"{label}: mesh must be {{first = I, count = N}} with integers, got {_describe(mesh)}", at,
+                   f"e.g. mesh = {{first = 0, count = {total or 1}}} (the cluster @{c.name} has {span})")
+        return None
+    first, count = mesh["first"], mesh["count"]
+    if first < 0 or count < 1:
+        sink.error(f"{label}: mesh needs first >= 0 and count >= 1, got first = {first}, count = {count}", at,
+                   f"e.g. mesh = {{first = 0, count = {total or 1}}}")
+        return None
+    if total is not None and first + count > total:
+        fit = max(total - first, 0)
+        sink.error(f"{label}: mesh {{first = {first}, count = {count}}} covers devices {first}..{first + count - 1} "
+                   f"but cluster @{c.name} has {span} ({c.nodes} x {c.per_node})", at,
+                   f"use count = {fit} from first = {first}" if fit else
+                   f"start the mesh at a device below {total}, e.g. mesh = {{first = 0, count = {min(count, total)}}}")
+        return None
+    return count
+
+
+def _check_parallel(par, count, model, label: str, at, sink: DiagnosticSink) -> None:
+    """Validate ``parallel = {dp = D, tp = T, pp = P}``: D*T*P = mesh size; tp | heads, pp <= layers."""
+    if not isinstance(par, dict) or not par or set(par) - {"dp", "tp", "pp"} \
+            or not all(_is_int(v) and v >= 1 for v in par.values()):
+        sink.error(f"{label}: parallel must be {{dp = D, tp = T, pp = P}} with integers >= 1, got "
+                   f"{_describe(par)}", at, "e.g. parallel = {dp = 2, tp = 4, pp = 1} (missing tp/pp default to 1)")
+        return
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    dp = par.get("dp", count // (tp * pp) if count else 1)
+    if count is not None and dp * tp * pp != count:
+        hint = f"dp * tp * pp must equal the mesh size {count}"
+        if count % (tp * pp) == 0:
+            hint += f": with tp = {tp}, pp = {pp} use dp = {count // (tp * pp)}"
+        else:
+            hint += f"; tp * pp = {tp * pp} does not divide {count}: choose tp and pp whose product divides it"
+        sink.error(f"{label}: parallel dp = {dp}, tp = {tp}, pp = {pp} uses {dp * tp * pp} devices but the mesh "
+                   f"has {count}", at, hint)
+    if model is not None and _is_int(model.heads) and model.heads >= 1 and model.heads % tp:
+        ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0 and t <= max(tp, 1) * 2]
+        sink.error(f"{label}: tp = {tp} does not divide the {model.heads} attention heads of @{model.name}", at,
+                   f"tensor parallelism splits heads: use tp in {', '.join(map(str, ok[-4:]))}")
+    if model is not None and _is_int(model.layers) and model.layers >= 1 and pp > model.layers:
+        sink.error(f"{label}: pp = {pp} is more pipeline stages than the {model.layers} layers of @{model.name}",
+                   at, f"use pp <= {model.layers}")
 
 
 def _count(spec: OpSpec) -> str:

@@ -210,6 +210,8 @@ def sample_next_token(
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if top_p <= 0.0:  # a nucleus of mass 0 keeps just the most likely token
+        top_p = 1e-12
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
@@ -224,6 +226,18 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+@dataclass(frozen=True)
+class PartialSample:
+    """A sample still being generated when ``generate_stream`` stopped early (``stop_after``).
+
+    ``response_ids``: the tokens generated so far; ``index``: its row in the input.
+    """
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+
 @torch.no_grad()
 def generate_stream(
     model: PolicyModel,
@@ -236,12 +250,17 @@ def generate_stream(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
-) -> Iterator[FinishedSample]:
+    budgets: Sequence[int] | None = None,
+    stop_after: int | None = None,
+) -> Iterator[FinishedSample | PartialSample]:
     """Decode all prompts together with a KV cache; yield each sample when it finishes.
 
     ``prompts``: token-id lists (non-empty; left-padded here). A sample finishes
     when it emits ``eos_id`` (kept in its response) or after ``max_new_tokens``
-    tokens. Finished rows keep occupying their batch slot, fed ``pad_id`` with
+    tokens (or after ``budgets[row]`` tokens when per-row budgets are given,
+    each in 1..max_new_tokens). With ``stop_after = k``, decoding stops as soon as
+    k samples have finished and every unfinished row is yielded as a
+    :class:`PartialSample` holding its tokens so far (OPPO's overcommitment). Finished rows keep occupying their batch slot, fed ``pad_id`` with
     attention mask 0, so unfinished rows are unaffected. Decoding stops early once
     every sample is finished.
     """
@@ -253,9 +272,11 @@ def generate_stream(
     b = len(prompts)
     p = max(len(x) for x in prompts)
     max_positions = getattr(model.hf.config, "max_position_embeddings", None)
-    if max_positions is not None and p + max(max_new_tokens, 0) > max_positions:
+    rows_need = [len(x) + (int(budgets[i]) if budgets is not None else max(max_new_tokens, 0))
+                 for i, x in enumerate(prompts)]
+    if max_positions is not None and max(rows_need) > max_positions:
         raise ValueError(
-            f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds the model's max_seq {max_positions}; "
+            f"prompt length + max_new_tokens ({max(rows_need)}) exceeds the model's max_seq {max_positions}; "
             "raise max_seq in the model spec or shorten prompts/responses"
         )
     input_ids = torch.full((b, p), pad_id, dtype=torch.long)
@@ -279,14 +300,18 @@ def generate_stream(
     responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     lengths = [0] * b
 
+    limit = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
+    if budgets is not None:
+        if len(budgets) != b or any(not 1 <= int(x) <= max_new_tokens for x in budgets):
+            raise ValueError(f"budgets must give each of the {b} rows 1..{max_new_tokens} tokens")
+        limit = torch.tensor([int(x) for x in budgets], dtype=torch.long, device=device)
+    n_finished = 0
     for step in range(max_new_tokens):
         token = sample_next_token(next_logits, temperature, top_p, top_k, generator)
         active = ~finished
         token = torch.where(active, token, torch.full_like(token, pad_id))
         responses[:, step] = token
-        done_now = active & (token == eos_id)
-        if step == max_new_tokens - 1:
-            done_now = active.clone()
+        done_now = active & ((token == eos_id) | (limit == step + 1))
         finished = finished | done_now
 
         active_list = active.tolist()
@@ -296,7 +321,12 @@ def generate_stream(
         for row in torch.nonzero(done_now).flatten().tolist():
             ids = responses[row, : lengths[row]].tolist()
             yield FinishedSample(row, prompt_tuples[row], tuple(ids), ids[-1] == eos_id, step)
+            n_finished += 1
 
+        if stop_after is not None and n_finished >= stop_after and not bool(finished.all()):
+            for row in torch.nonzero(~finished).flatten().tolist():
+                yield PartialSample(row, prompt_tuples[row], tuple(responses[row, : lengths[row]].tolist()))
+            return
         if step == max_new_tokens - 1 or bool(finished.all()):
             return
         mask = torch.cat([mask, active.long().unsqueeze(1)], dim=1)

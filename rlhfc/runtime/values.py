@@ -15,7 +15,7 @@ Everything here pickles cleanly through Ray; nothing is ever unpickled from disk
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +24,14 @@ from .generation import RolloutBatch
 
 @dataclass
 class Rollout:
-    """Generated samples. ``version``: how many train steps the generating weights had seen."""
+    """Generated samples. ``version``: how many train steps the generating weights had seen.
+
+    ``rows``: each sample's row in the step's batch (a streamed chunk holds some rows);
+    ``born``: the weights version each sample started with (older than ``version`` for
+    samples carried over from an earlier step by overcommitment).
+    The response width is always the stage's ``max_new_tokens``, so a chunk and the
+    whole batch have the same shape and per-row forwards agree bitwise.
+    """
 
     batch: RolloutBatch
     prompts: list[str]
@@ -32,6 +39,8 @@ class Rollout:
     model: str
     version: int
     tokenizer: str
+    rows: list[int] = field(default_factory=list)
+    born: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -77,3 +86,43 @@ class ValueLossInput:
     old_values: torch.Tensor
     returns: torch.Tensor
     clip: float
+
+
+@dataclass
+class CarryOver:
+    """Unfinished samples at the end of an overcommitted generation, carried into the next step.
+
+    Each item is plain JSON: ``{"prompt", "prompt_ids", "partial", "born"}`` (checkpointable).
+    """
+
+    samples: list[dict]
+
+
+def _order(chunks: list) -> list[int]:
+    rows = [r for c in chunks for r in c.rows]
+    return sorted(range(len(rows)), key=lambda i: rows[i])
+
+
+def merge_rollouts(chunks: list[Rollout]) -> Rollout:
+    """Reassemble streamed chunks into one rollout, rows in batch order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    order = _order(chunks)
+    cat = {f: torch.cat([getattr(c.batch, f) for c in chunks])[order]
+           for f in ("input_ids", "attention_mask", "response_mask", "response_lengths", "prompt_lengths", "eos")}
+    batch = RolloutBatch(prompt_len=chunks[0].batch.prompt_len, **cat)
+    flat = lambda attr: [x for c in chunks for x in getattr(c, attr)]  # noqa: E731
+    prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
+    return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
+                   max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
+                   [born[i] for i in order])
+
+
+def merge_parts(parts: list, chunks: list[Rollout]):
+    """Reassemble a consumer's per-chunk results (TokenValues or [B] tensors) in batch order."""
+    if len(parts) == 1:
+        return parts[0]
+    order = _order(chunks)
+    if isinstance(parts[0], TokenValues):
+        return TokenValues(torch.cat([p.values for p in parts])[order], torch.cat([p.mask for p in parts])[order])
+    return torch.cat(list(parts))[order]

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import ppo
-from .generation import (encode_prompts, decode_responses, generate, response_logprobs, response_values,
-                         sequence_scores)
+from .generation import (FinishedSample, PartialSample, collate, decode_responses, encode_prompts,
+                         generate_stream, response_logprobs, response_values, sequence_scores)
 from .models import build_model, copy_weights, get_weights, set_weights
 from .tokenizer import load_tokenizer
-from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput
+from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
 
 
 def derive_seed(seed: int, *parts: str) -> int:
@@ -80,12 +80,52 @@ class ModelWorker:
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
                  n: int = 1) -> Rollout:
+        return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        top_p=top_p, n=n, chunk=0)))
+
+    def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
+                        top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None):
+        """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
+        samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
+        :class:`CarryOver` with the unfinished ones (their partial tokens kept)."""
+        with torch.no_grad():
+            yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [])
+
+    def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=()):
         texts = [p for p in prompts for _ in range(n)]
-        ids = encode_prompts(self.tokenizer, texts)
-        batch = generate(self.model, ids, max_new_tokens, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-                         temperature=temperature, top_p=top_p, generator=self.sample_gen)
-        batch = batch.to("cpu")
-        return Rollout(batch, texts, decode_responses(self.tokenizer, batch), self.name, self.version, self.tok_id)
+        inputs = [dict(c) for c in carry] + [
+            {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
+            for t, ids in zip(texts, encode_prompts(self.tokenizer, texts))]
+        prefixes = [list(c["prompt_ids"]) + list(c["partial"]) for c in inputs]
+        budgets = [max_new_tokens - len(c["partial"]) for c in inputs] if carry else None
+        width_p = max(len(c["prompt_ids"]) for c in inputs)
+        stream = generate_stream(self.model, prefixes, max_new_tokens, eos_id=self.tokenizer.eos_id,
+                                 pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
+                                 generator=self.sample_gen, budgets=budgets, stop_after=take)
+        buf: list[FinishedSample] = []
+        left: list[dict] = []
+        size = chunk if chunk > 0 else len(inputs)
+        for item in stream:
+            c = inputs[item.index]
+            response = tuple(c["partial"]) + tuple(item.response_ids)
+            if isinstance(item, PartialSample):
+                left.append({**c, "partial": list(response)})
+                continue
+            buf.append(FinishedSample(item.index, tuple(c["prompt_ids"]), response, item.eos, item.step))
+            if len(buf) == size:
+                yield self._rollout(buf, inputs, width_p, max_new_tokens)
+                buf = []
+        if buf:
+            yield self._rollout(buf, inputs, width_p, max_new_tokens)
+        if take is not None:
+            yield CarryOver(left)
+
+    def _rollout(self, samples, inputs, width_p: int, width_r: int) -> Rollout:
+        batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
+        rows = sorted(s.index for s in samples)
+        return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
+                       self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows])
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
