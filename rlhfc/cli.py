@@ -169,6 +169,9 @@ def passes_cmd(plugin: List[str] = typer.Option([], "--plugin", help="also list 
             typer.echo(f"    {opt}: {kind} = {default}" + (f"  — {doc}" if doc else ""))
 
 
+from rlhfc import cli_cost  # noqa: E402,F401  (registers explain/profile)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, mapping compile errors to exit 2."""
     try:

@@ -89,6 +89,12 @@ class PythonEmitter:
     def stage_line(self, s: Stage) -> str:
         outs = ", ".join(_args(s.outputs))
         name = s.name
+        if s.annotations.get("stream_from"):
+            return f"# {outs}: computed chunk by chunk inside the stream of %{s.annotations['stream_from']} above"
+        if s.op == "load" and self._feeds_overcommit(s):
+            return f"# {outs}: drawn inside the overcommitted generate below (batch + delta - carried prompts)"
+        if s.op == "generate" and ("stream" in s.annotations or "overcommit" in s.annotations):
+            return self.stream_line(s)
         if s.op == "load":
             return f"{outs} = job.next_prompts({s.target!r}, {s.attrs['batch']})"
         if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
@@ -107,6 +113,45 @@ class PythonEmitter:
             call = ", ".join([repr(name), f"ops.{fn}"] + _args(s.inputs) + _kwargs(attrs))
             return f"{outs} = job.compute({call})"
         raise NotImplementedError(f"no code generation for op '{s.op}' (stage %{name})")
+
+    def _feeds_overcommit(self, load: Stage) -> bool:
+        users = self.m.graph.users(load.outputs[0])
+        return bool(users) and all("overcommit" in u.annotations for u in users)
+
+    def stream_line(self, s: Stage) -> str:
+        """A streamed / overcommitted generate: one ``job.stream`` call that also runs its consumers."""
+        g = self.m.graph
+        roll = s.outputs[0]
+        consumers = [c for c in g.stages if c.annotations.get("stream_from") == roll.name]
+        chunk = s.annotations.get("stream", {}).get("chunk", 0)
+        oc = s.annotations.get("overcommit")
+        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs})
+        launch = f"lambda prompts, carry: w.{s.target}.generate_chunks.remote(prompts, carry=carry, " \
+                 f"{', '.join(gen_kwargs)})"
+        lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",
+                 f"        {s.name!r}, {launch},"]
+        if oc:
+            load = g.producer(s.inputs[0])
+            lines.append(f"        data={load.target!r}, batch={load.attrs['batch']}, overcommit={dict(oc)!r},")
+        else:
+            lines.append(f"        prompts={py_name(s.inputs[0].name)},")
+        if consumers:
+            lines.append("        consumers={")
+            for c in consumers:
+                method = c.op.split(".")[-1]
+                call = ", ".join(["chunk"] + _kwargs(c.attrs))
+                via = ".options(concurrency_group='stream')" if c.target == s.target else ""
+                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: w.{c.target}.{method}{via}.remote({call}),")
+            lines.append("        },")
+        lines.append("    )")
+        what = []
+        if chunk:
+            what.append(f"finished samples flow in chunks of {chunk} to "
+                        f"{', '.join(c.name for c in consumers) or 'nobody'} while generation goes on")
+        if oc:
+            what.append(f"{roll.type.batch}+{oc['delta']} prompts in flight; the step takes the first "
+                        f"{roll.type.batch} to finish, the rest carry over (changes training)")
+        return "# stream: " + "; ".join(what) + "\n    " + "\n".join(lines)
 
     def wait_line(self, s: Stage) -> str | None:
         """Await the futures a driver-side stage reads (remote stages take futures as arguments)."""

@@ -54,8 +54,10 @@ class Layout:
         where += f" (node {nodes[0]})" if len(nodes) == 1 else f" (nodes {nodes[0]}-{nodes[-1]})"
         return where
 
-    def parallel_text(self) -> str:
-        text = f"dp{self.dp} tp{self.tp} pp{self.pp}"
+    def parallel_text(self, cpu: bool = False) -> str:
+        """``dp2 tp4 pp1`` (+ micro-batches, recompute); on CPU clusters the mesh's cores are one process's
+        threads, so ``2 threads``."""
+        text = f"{self.count} thread{'s' if self.count > 1 else ''}" if cpu else f"dp{self.dp} tp{self.tp} pp{self.pp}"
         if self.microbatches > 1:
             text += f" mb{self.microbatches}"
         if self.recompute != "none":

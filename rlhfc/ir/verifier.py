@@ -459,10 +459,15 @@ def _check_plan_annotations(module: Module, sink: DiagnosticSink) -> None:
                            f"move {key} = {{...}} to the generate stage whose samples it concerns")
                 continue
             inner = value.get(field) if isinstance(value, dict) else value
-            extra = sorted(set(value) - {field}) if isinstance(value, dict) else []
+            allowed = {field} | (_OVERCOMMIT_KNOBS if key == "overcommit" else set())
+            extra = sorted(set(value) - allowed) if isinstance(value, dict) else []
             if not _is_int(inner) or inner < lo or extra:
                 sink.error(f"{label}: {key} must be {{{field} = N}} with an integer N >= {lo}, got "
                            f"{_describe(value)}", at, f"write {key} = {{{field} = {max(lo, 4)}}}")
+
+
+#: optional settings of an overcommit annotation besides delta (see rlhfc/passes/overcommit.py)
+_OVERCOMMIT_KNOBS = {"adaptive", "min_delta", "max_delta", "max_staleness"}
 
 
 def _check_mesh(mesh, total, module: Module, label: str, at, sink: DiagnosticSink) -> int | None:

@@ -11,6 +11,8 @@ from .pipelines import PIPELINES, pipeline_for
 for _name, _module in {
     "dce": "rlhfc.passes.dce",
     "parallelize": "rlhfc.passes.parallelize",
+    "stream": "rlhfc.passes.stream",
+    "overcommit": "rlhfc.passes.overcommit",
 }.items():
     register_lazy(_name, _module)
 

@@ -20,8 +20,8 @@ from .base import Pass, parse_pipeline
 PIPELINES: dict[str, list[str]] = {
     "O0": [],
     "O1": ["dce"],
-    "O2": ["dce", "parallelize"],
-    "O3": ["dce", "parallelize"],
+    "O2": ["dce", "parallelize", "stream"],
+    "O3": ["dce", "parallelize", "stream", "overcommit"],
 }
 
 

@@ -81,6 +81,10 @@ class Job:
         self.last_checkpoint: str | None = None
         self._started_ray = False
         self._tb = None
+        #: seconds the driver waited on each stage in the current step (reported as wait_s in metrics)
+        self.stage_seconds: dict[str, float] = {}
+        #: per overcommitted stage: {"delta": current Δ, "carry": unfinished samples (plain JSON)}
+        self.overcommit: dict[str, dict] = {}
 
     # -- called by the generated step function -------------------------------------------------
     def next_prompts(self, data: str, batch: int) -> list[str]:
@@ -90,8 +94,11 @@ class Job:
         """Wait for one remote stage result, naming the stage if its worker fails."""
         self.current_stage = stage
         ray = _ray()
+        t0 = time.perf_counter()
         try:
-            return ray.get(ref)
+            out = ray.get(ref)
+            self._timed(stage, t0)
+            return out
         except ray.exceptions.RayActorError as exc:
             raise self._stage_failed(stage, f"its worker died ({type(exc).__name__})") from None
         except ray.exceptions.RayTaskError as exc:
@@ -110,13 +117,80 @@ class Job:
     def _stage_of(self, value: str) -> str:
         return self.plan["graph"]["value_to_stage"].get(value, value)
 
+    def stream(self, stage: str, launch: Callable, *, prompts: list[str] | None = None,
+               data: str | None = None, batch: int | None = None, consumers: dict[str, Callable] | None = None,
+               overcommit: dict | None = None) -> list[Any]:
+        """Run a streamed (and maybe overcommitted) generate stage; returns [rollout, *consumer results].
+
+        ``launch(prompts, carry)`` starts the worker's ``generate_chunks``; each chunk it yields is handed
+        at once to every consumer (``{value: lambda chunk: worker.method.remote(chunk)}``), so downstream
+        forwards run while generation goes on. Chunks and consumer results are merged back in batch order.
+        With ``overcommit = {"delta": D, ...}`` the stage draws ``batch + D - carried`` new prompts from
+        ``data``, trains on the first ``batch`` samples to finish and carries the rest to the next step.
+        """
+        ray = _ray()
+        from .values import CarryOver, merge_parts, merge_rollouts
+
+        consumers = consumers or {}
+        carry: list[dict] = []
+        if overcommit is not None:
+            state = self.overcommit.setdefault(stage, {"delta": int(overcommit["delta"]), "carry": []})
+            carry = state["carry"]
+            prompts = self.next_prompts(data, max(0, batch + state["delta"] - len(carry)))
+        chunks, parts = [], {name: [] for name in consumers}
+        self.current_stage = stage
+        t_start = time.perf_counter()
+        try:
+            for ref in launch(prompts, carry):
+                item = ray.get(ref)
+                if isinstance(item, CarryOver):
+                    carry = item.samples
+                    continue
+                chunks.append(item)
+                for name, start in consumers.items():
+                    parts[name].append(start(ref))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise self._stage_failed(stage, f"{type(cause).__name__}: {cause}") from None
+        self._timed(stage, t_start)
+        roll = merge_rollouts(chunks)
+        results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
+        if overcommit is not None:
+            self._adapt_overcommit(stage, overcommit, roll, carry)
+        return [roll, *results]
+
+    def _adapt_overcommit(self, stage: str, cfg: dict, roll, carry: list[dict]) -> None:
+        """Δ online (OPPO): grow it while the batch still waits on a long tail, shrink it when carried
+        samples grow stale. Tail = the B-th finisher's length against the median finished length."""
+        state = self.overcommit[stage]
+        state["carry"] = carry
+        lengths = sorted(roll.batch.response_lengths.tolist())
+        median = lengths[len(lengths) // 2]
+        longest = lengths[-1]
+        oldest = max((roll.version - b for b in roll.born), default=0)
+        delta = state["delta"]
+        if cfg.get("adaptive", True):
+            if oldest >= int(cfg.get("max_staleness", 2)):
+                delta -= 1
+            elif longest > 1.5 * max(median, 1):
+                delta += 1
+            delta = max(int(cfg.get("min_delta", 0)), min(int(cfg.get("max_delta", delta)), delta))
+        state["delta"] = delta
+
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):
         """Run a driver-side compute stage, naming it if it fails."""
         self.current_stage = stage
+        t0 = time.perf_counter()
         try:
-            return op(*args, **kwargs)
+            out = op(*args, **kwargs)
+            self._timed(stage, t0)
+            return out
         except Exception as exc:
             raise self._stage_failed(stage, f"{type(exc).__name__}: {exc}") from None
+
+    def _timed(self, stage: str, t0: float) -> None:
+        """Seconds the driver waited for a stage (its run time when nothing else was in flight)."""
+        self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
 
     def _stage_failed(self, stage: str, why: str) -> JobError:
         info = self.plan["graph"]["stages_by_name"].get(stage, {})
@@ -160,8 +234,9 @@ class Job:
         refs = {}
         for name, w in placement["workers"].items():
             model = self.plan["models"][name]
-            actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
-                                   max_restarts=0)(ModelWorker)
+            # "stream": a second thread for forwards on streamed chunks while the default thread generates
+            actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0), max_restarts=0,
+                                   concurrency_groups={"stream": 1})(ModelWorker)
             handle = actor_cls.options(
                 name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w["bundle"]),
@@ -216,6 +291,7 @@ class Job:
         ray.get([h.save.remote(os.path.join(tmp, name)) for name, h in self.workers.items()])
         with open(os.path.join(tmp, "job.json"), "w") as fh:
             json.dump({"step": step, "data": {k: v.state() for k, v in self.data.items()},
+                       "overcommit": self.overcommit,
                        "module": self.plan["module"], "seed": self.seed}, fh)
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -233,6 +309,7 @@ class Job:
         ray.get([h.load.remote(os.path.join(path, name)) for name, h in self.workers.items()])
         for k, state in meta["data"].items():
             self.data[k].load_state(state)
+        self.overcommit = meta.get("overcommit", {})
         self.last_checkpoint = path
         return int(meta["step"])
 
@@ -268,9 +345,19 @@ class Job:
         m.setdefault("value_loss", float("nan"))
         m.setdefault("reward_mean", float("nan"))
         if roll is not None:
-            m["response_len_mean"] = float(roll.batch.response_lengths.float().mean())
+            lengths = roll.batch.response_lengths.float()
+            m["response_len_mean"] = float(lengths.mean())
+            m["response_len_max"] = float(lengths.max())
             m["gen_version"] = roll.version
             m["samples"] = roll.size
+            if roll.born:
+                stale = [roll.version - b for b in roll.born]
+                m["carried"] = sum(1 for x in stale if x > 0)
+                m["staleness_max"] = max(stale)
+                m["staleness_mean"] = sum(stale) / len(stale)
+            for stage, state in self.overcommit.items():
+                m["overcommit_delta"] = state["delta"]
+                m["carry_next"] = len(state["carry"])
         m["step_time_s"] = seconds
         m["samples_per_s"] = (m.get("samples", 0) / seconds) if seconds > 0 else 0.0
         return m
@@ -283,7 +370,7 @@ class Job:
             os.fsync(fh.fileno())
         if self._tb is not None:
             for k, v in m.items():
-                if k != "step" and isinstance(v, (int, float)) and not math.isnan(v):
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v):
                     self._tb.add_scalar(k, v, m["step"])
             self._tb.flush()
 
@@ -325,8 +412,10 @@ class Job:
         with _Progress(self.show_progress, self.steps, start_step, self.plan) as bar:
             for step in range(start_step, self.steps):
                 t0 = time.perf_counter()
+                self.stage_seconds = {}
                 values = self.resolve(step_fn(self, self.handles))
                 m = self.step_metrics(step, values, time.perf_counter() - t0)
+                m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
                 self._write_metrics(m)
                 history.append(m)
                 bar.update(m)

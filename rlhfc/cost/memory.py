@@ -1,0 +1,151 @@
+"""Memory per device and the memory check placement passes call.
+
+:func:`check_memory` simulates one step of an annotated module and reports
+each device whose peak (resident weights + gradients/optimizer state of the
+models placed on it + activations / KV cache of the stages running at the
+peak) exceeds its capacity, as::
+
+    stage %actor_train needs 290.4 GiB on device 0 but it has 74.5 GiB
+      hint: ... what it holds ...; e.g. parallel = {dp = 16, tp = 8, pp = 1} needs ...
+
+It is not a verifier check (before placement the default plan of a 70B program
+does not fit, and that is not an error of the program): a placement pass calls
+it after deciding, and ``rlhfc explain`` reports what it finds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhfc.ir import DiagnosticSink, Module, where
+
+from .batched import candidate_layouts, evaluate
+from .layout import Layout
+from .model import CostConfig, CostModel
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class MemoryIssue:
+    stage: str
+    device: int
+    devices: list
+    need_bytes: float
+    capacity_bytes: float
+    message: str
+    hint: str
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None) -> list[MemoryIssue]:
+    """Every group of devices whose simulated peak exceeds capacity (one issue per culprit stage)."""
+    from .simulator import simulate
+
+    cm = CostModel(module, config)
+    result = sim or simulate(module, steps=1, cost_model=cm)
+    over = [d for d in result.devices if d.peak_memory_bytes > d.capacity_bytes]
+    groups: dict[tuple, list] = {}
+    for d in over:
+        stage = _culprit(result, d)
+        groups.setdefault((stage, round(d.peak_memory_bytes)), []).append(d)
+    issues = []
+    for (stage, _), devs in groups.items():
+        d = devs[0]
+        ids = [x.index for x in devs]
+        more = f" (devices {_ranges(ids)} alike)" if len(ids) > 1 else ""
+        message = (f"stage %{stage} needs {_gib(d.peak_memory_bytes)} on device {d.index} but it has "
+                   f"{_gib(d.capacity_bytes)}{more}")
+        issues.append(MemoryIssue(stage, d.index, ids, d.peak_memory_bytes, d.capacity_bytes, message,
+                                  _hint(cm, module, result, stage, d)))
+    return issues
+
+
+def check_memory(module: Module, sink: DiagnosticSink, config: CostConfig | None = None, *,
+                 severity: str = "error", sim=None) -> list[MemoryIssue]:
+    """Report memory overflows to ``sink`` (``error`` by default; ``warning`` to only inform)."""
+    issues = memory_issues(module, config, sim=sim)
+    for issue in issues:
+        try:
+            loc = where(module.graph.stage(issue.stage))
+        except KeyError:
+            loc = None
+        report = sink.error if severity == "error" else sink.warning
+        report(issue.message, loc, issue.hint)
+    return issues
+
+
+def _culprit(result, dev) -> str:
+    """The stage to blame on a device: the largest transient at the peak, else the largest resident model."""
+    running = [name.lstrip("%").split("@")[0] for name in dev.peak_stages]
+    if running:
+        return max(running, key=lambda s: result.costs[s].total_bytes)
+    if dev.static:
+        model = max(dev.static, key=dev.static.get).split()[0].lstrip("@")
+        for name, c in result.costs.items():
+            if c.model == model and c.layout is not None and dev.index in c.layout.devices:
+                return name
+    return next(iter(result.costs))
+
+
+def _ranges(ids: list[int]) -> str:
+    ids = sorted(ids)
+    out, start, prev = [], ids[0], ids[0]
+    for x in ids[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
+
+
+def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
+    held = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(dev.static.items(), key=lambda kv: -kv[1]))
+    cost = result.costs[stage]
+    parts = [f"device {dev.index} holds {held or 'nothing resident'}"]
+    if cost.transient_bytes:
+        parts[0] += f"; %{stage} adds {_gib(cost.transient_bytes)} of activations/KV cache while it runs"
+    suggestion = suggest_layout(cm, module, stage, dev.capacity_bytes - (sum(dev.static.values()) -
+                                                                          _own_static(dev, cost.model)))
+    if suggestion is not None:
+        lay, need = suggestion
+        parts.append(f"shard @{cost.model} more: parallel = {{dp = {lay.dp}, tp = {lay.tp}, pp = {lay.pp}}}"
+                     + (f", recompute = \"{lay.recompute}\"" if lay.recompute != "none" else "")
+                     + f" needs {_gib(need)} per device for it")
+    else:
+        parts.append(f"no (dp, tp, pp) split of {cost.layout.count if cost.layout else 0} devices fits "
+                     f"@{cost.model} beside the other models: give models separate meshes "
+                     "(mesh = {first = I, count = N}), add devices, or offload")
+    return "; ".join(parts)
+
+
+def _own_static(dev, model: str | None) -> float:
+    if not model:
+        return 0.0
+    return sum(v for k, v in dev.static.items() if k.startswith(f"@{model} "))
+
+
+def suggest_layout(cm: CostModel, module: Module, stage: str, budget: float) -> tuple[Layout, float] | None:
+    """The fastest (dp, tp, pp) on the stage's own mesh whose memory for this model fits in ``budget``."""
+    st = module.graph.stage(stage)
+    model = module.models.get(st.target or "")
+    if model is None or budget <= 0 or cm.spec.is_cpu:
+        return None
+    lay = cm.layout(st)
+    cands = candidate_layouts(lay.first, lay.count, per_node=module.cluster.per_node, heads=model.heads,
+                              layers=model.layers, microbatches=(lay.microbatches,),
+                              recompute=("none", "selective", "full") if st.op == "train" else ("none",))
+    if not cands:
+        return None
+    res = evaluate(module, stage, cands, cost_model=cm)
+    need = res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]
+    ok = [i for i in range(len(cands)) if need[i] <= budget]
+    if not ok:
+        return None
+    best = min(ok, key=lambda i: (res["total"][i], need[i]))
+    return cands[best], float(need[best])

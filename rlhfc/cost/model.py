@@ -1,0 +1,402 @@
+"""Per-stage time and memory of an annotated IR: :class:`CostModel`.
+
+For every stage the model works out *what* it computes (rows, prompt and
+response lengths, the response-length distribution, epochs and minibatches)
+from the IR alone, *where* from its annotations (:mod:`rlhfc.cost.layout`),
+and prices it with :mod:`rlhfc.cost.formulas` on the cluster's device kind
+(:mod:`rlhfc.cost.hardware`). When a profile of this device kind holds a fit for
+the stage's model shape, the measured fit prices the stage instead of the
+analytical roofline ("source" says which).
+
+Backends: on ``cpu`` clusters the torch backend runs each model in one process
+with as many threads as the mesh has cores (``dp``/``tp``/``pp`` do not split
+work there), batches are static (a finished sample keeps its row until the
+longest one ends) and padded to the longest prompt and to ``max_new_tokens``.
+On GPU clusters generation is priced as an inference engine (vLLM): continuous
+batching (the active batch shrinks as samples finish) on packed sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from rlhfc.ir import Module, Stage
+
+from . import formulas as F
+from .hardware import DeviceSpec, device_spec
+from .layout import Layout, overcommit_delta, stage_layout
+from .lengths import LengthDist, PromptLengths, prompt_lengths, response_dist
+from .profile import Profile, model_key
+
+#: fixed per-call cost of a remote stage (Ray call + moving its arguments), by cluster kind
+DISPATCH_S = {"cpu": 0.002, "gpu": 0.01}
+
+#: driver-side ops priced without a profile: seconds = a + b * rows * response tokens
+DEFAULT_COMPUTE = {
+    "load": (1e-5, 1e-6),
+    "compute.gae": (3e-4, 4e-8),
+    "compute.kl_penalty": (1e-4, 1e-8),
+    "compute.group_advantages": (2e-4, 1e-8),
+    "compute.rule": (5e-5, 1e-6),
+    "compute.ppo_clip": (2e-5, 0.0),
+    "compute.value_loss": (2e-5, 0.0),
+}
+DEFAULT_OTHER_COMPUTE = (1e-4, 1e-8)
+
+
+@dataclass
+class CostConfig:
+    """Knobs of the cost model.
+
+    ``profile``: measured rates (``rlhfc profile``), used for stages whose device
+    kind and model shape it covers. ``response_lengths``: the response-length law
+    (:func:`rlhfc.cost.lengths.response_dist`). ``dispatch_s``: per-remote-stage
+    overhead (None: 2 ms on CPU clusters, 10 ms on GPU clusters; 0 for in-process
+    measurements). ``batching``: ``static``/``continuous``/``auto`` (cpu static, GPU continuous).
+    """
+
+    profile: Profile | None = None
+    response_lengths: str = "auto"
+    dispatch_s: float | None = None
+    batching: str = "auto"
+
+
+@dataclass
+class StageCost:
+    """The price of one stage under its layout.
+
+    ``time_s``: duration; ``parts``: its split (compute / memory / comm / overhead,
+    prefill / decode for generation); ``bound``: the largest part; ``source``:
+    ``profile`` (measured fit), ``analytic`` (roofline on catalog or profiled
+    rates) or ``driver`` (a cheap stage on the driver). Memory, per device of the
+    mesh: ``weights_bytes`` (the model's shard), ``state_bytes`` (gradients +
+    optimizer, train stages), ``transient_bytes`` (activations / KV cache while it
+    runs). ``work``: what was priced (rows, seq, prompt, max_new_tokens, steps).
+    """
+
+    stage: str
+    op: str
+    model: str | None
+    layout: Layout | None
+    time_s: float
+    parts: dict = field(default_factory=dict)
+    bound: str = ""
+    source: str = ""
+    flops: float = 0.0
+    weights_bytes: float = 0.0
+    state_bytes: float = 0.0
+    transient_bytes: float = 0.0
+    work: dict = field(default_factory=dict)
+    #: generate stages: seconds after the stage starts at which the k-th sample (k = 1..rows) has finished
+    finish_offsets: tuple = ()
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.state_bytes + self.transient_bytes
+
+
+def arch_numbers(model) -> dict:
+    """The architecture quantities the formulas use (see :mod:`rlhfc.cost.formulas`)."""
+    h, L, f, V = model.hidden, model.layers, model.ffn, model.vocab
+    kv_dim = model.kv_heads * (h // model.heads)
+    if model.arch == "gpt2":
+        per_layer = h * (h + 2 * kv_dim) + h * h + 2 * h * f
+    else:
+        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * f
+    out = V * h if model.head == "lm" else h
+    return {"N": float(model.params), "mm": float(L * per_layer + out), "L": float(L), "h": float(h),
+            "heads": float(model.heads), "ffn": float(f), "vocab": float(V), "kv_tok": float(2 * L * kv_dim),
+            "lm": model.head == "lm"}
+
+
+def hw_numbers(spec: DeviceSpec) -> dict:
+    """Effective rates the formulas use (per device; on CPU per thread, see ``f_scale``)."""
+    return {"F_inf": spec.peak_flops * spec.infer_eff, "F_train": spec.peak_flops * spec.train_eff,
+            "BW": spec.hbm_bw * spec.mem_eff, "bpp": float(spec.bytes_per_param), "latency": spec.latency,
+            "layer_overhead": spec.layer_overhead, "step_overhead": spec.step_overhead, "flash": spec.flash,
+            "cpu": spec.is_cpu}
+
+
+def layout_arrays(layouts: list[Layout], spec: DeviceSpec, per_node: int, prof_threads: int | None = None) -> dict:
+    """The per-candidate arrays the formulas take (1-D, one entry per layout)."""
+    cpu = spec.is_cpu
+    rc = {"none": 0, "selective": 1, "full": 2}
+
+    def col(fn, dtype=np.float64):
+        return np.asarray([fn(l) for l in layouts], dtype=dtype)
+
+    intra, inter = spec.intra_bw * spec.net_eff, spec.inter_bw * spec.net_eff
+    out = {
+        "dp": col(lambda l: 1 if cpu else l.dp), "tp": col(lambda l: 1 if cpu else l.tp),
+        "pp": col(lambda l: 1 if cpu else l.pp), "mb": col(lambda l: l.microbatches),
+        "rc": col(lambda l: rc[l.recompute]), "threads": col(lambda l: l.count),
+        "bw_tp": col(lambda l: inter if l.tp_inter_node(per_node) else intra),
+        "bw_dp": col(lambda l: inter if l.dp_inter_node(per_node) else intra),
+    }
+    if cpu and prof_threads:
+        out["thread_factor"] = col(lambda l: spec.speedup(prof_threads) / spec.speedup(l.count))
+    else:
+        out["thread_factor"] = np.ones(len(layouts))
+    out["f_scale"] = col(lambda l: spec.speedup(l.count)) if cpu else np.ones(len(layouts))
+    return out
+
+
+@dataclass
+class PriceInputs:
+    """Everything the formulas need to price one stage under one or more layouts."""
+
+    family: str
+    hw: dict
+    arch: dict
+    work: dict
+    lay: dict
+    fit: object
+    opt_fit: object
+    flop_rc: list
+
+
+def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
+    """Time parts and memory per device of a stage for every layout in ``inp.lay`` (arrays)."""
+    f, hw, arch, work, lay = inp.family, inp.hw, inp.arch, inp.work, inp.lay
+    if f == "generate":
+        res = F.generate_time(xp, hw, arch, work, lay, inp.fit)
+        transient = F.generate_cache_bytes(xp, hw, arch, work, lay)
+        state = 0.0 * lay["dp"]
+    elif f == "forward":
+        res = F.forward_time(xp, hw, arch, work, lay, inp.fit)
+        transient = F.forward_activation_bytes(xp, hw, arch, work, lay)
+        state = 0.0 * lay["dp"]
+    else:
+        res = F.train_time(xp, hw, arch, work, lay, inp.fit, inp.opt_fit)
+        transient = F.train_activation_bytes(xp, hw, arch, work, lay)
+        state = F.train_state_bytes(xp, hw, arch, lay)
+    out = {k: v for k, v in res.items() if k != "step"}
+    out["total"] = out["total"] + dispatch
+    out["overhead"] = out["overhead"] + dispatch
+    out["weights_bytes"] = F.weights_bytes(xp, hw, arch, lay)
+    out["state_bytes"] = state
+    out["transient_bytes"] = transient + 0.0 * lay["dp"]
+    return out
+
+
+def _bound(parts: dict) -> str:
+    keys = [k for k in ("compute", "memory", "comm", "overhead") if k in parts]
+    if not keys:
+        return ""
+    return max(keys, key=lambda k: parts[k])
+
+
+class CostModel:
+    """Prices the stages of ``module`` (per-stage time, memory per device, generation finish times)."""
+
+    def __init__(self, module: Module, config: CostConfig | None = None):
+        self.module = module
+        self.config = config or CostConfig()
+        self.cluster = module.cluster
+        self.kind = module.cluster.device
+        self.gpu = self.kind != "cpu"
+        prof = self.config.profile
+        self.profile = prof if (prof is not None and prof.device_kind == self.kind) else None
+        self.spec = device_spec(self.kind, self.profile)
+        batching = self.config.batching
+        self.continuous = (batching == "continuous") or (batching == "auto" and self.gpu)
+        self.dispatch = self.config.dispatch_s if self.config.dispatch_s is not None else \
+            DISPATCH_S["gpu" if self.gpu else "cpu"]
+        self._cache: dict = {}
+
+    # -- what a stage computes -------------------------------------------------------------------
+    def rollout_source(self, stage: Stage) -> Stage | None:
+        """The generate stage whose rollout ``stage`` (transitively) consumes."""
+        g = self.module.graph
+        todo, seen = list(stage.inputs), set()
+        while todo:
+            v = todo.pop(0)
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            try:
+                p = g.producer(v)
+            except KeyError:
+                continue
+            if p.op == "generate":
+                return p
+            todo.extend(p.inputs)
+        return None
+
+    def pretrained(self, model_name: str) -> bool:
+        m = self.module.models.get(model_name)
+        seen = set()
+        while m is not None and m.name not in seen:
+            seen.add(m.name)
+            if m.init == "pretrained":
+                return True
+            init = m.init
+            m = self.module.models.get(getattr(init, "name", "")) if not isinstance(init, str) else None
+        return False
+
+    def prompt_lengths(self, gen: Stage) -> PromptLengths:
+        g = self.module.graph
+        src = None
+        if gen.inputs:
+            try:
+                load = g.producer(gen.inputs[0])
+                src = self.module.data.get(load.target or "")
+            except KeyError:
+                src = None
+        return prompt_lengths(src, self.pretrained(gen.target or ""))
+
+    def response_lengths(self, gen: Stage) -> LengthDist:
+        model = self.module.models[gen.target]
+        return response_dist(self.config.response_lengths, int(gen.attrs.get("max_new_tokens", 32)),
+                             vocab=model.vocab, pretrained=self.pretrained(gen.target))
+
+    def generation_work(self, gen: Stage) -> dict:
+        """Rows, lengths and per-step weights of a generate stage (see formulas.generate_time)."""
+        key = ("gen", gen.name)
+        if key in self._cache:
+            return self._cache[key]
+        B = gen.outputs[0].type.batch or 1
+        delta = overcommit_delta(gen)
+        n = B + delta
+        dist = self.response_lengths(gen)
+        prompts = self.prompt_lengths(gen)
+        T = dist.T
+        t = np.arange(T, dtype=np.float64)
+        steps_w = dist.kth_running(B, n) if delta else dist.p_running(n)
+        if self.continuous:
+            active = np.clip(dist.expected_active(n) / np.maximum(steps_w, 1e-12), 1.0, n)
+            prompt = prompts.mean()
+            kv_tokens = float(np.max(dist.expected_active(n) * (prompt + t + 1))) if T else 0.0
+        else:
+            active = np.full(T, float(n))
+            prompt = prompts.expected_max(n)
+            kv_tokens = float(n * (prompt + steps_w.sum()))
+        order = dist.order_stats(n)[:B]
+        work = {"rows": float(n), "batch": B, "delta": delta, "prompt": float(prompt), "T": T,
+                "t": t, "steps_w": steps_w, "active": active, "kv_tokens": kv_tokens,
+                "expected_steps": float(steps_w.sum()), "mean_response": dist.mean(),
+                "order": order, "prompt_mean": prompts.mean(), "prompt_max": prompts.expected_max(n)}
+        self._cache[key] = work
+        return work
+
+    def sequence_work(self, stage: Stage, rows: float | None = None) -> dict:
+        """Rows and sequence length of a forward/train stage on the rollout it reads."""
+        gen = self.rollout_source(stage)
+        batch = next((v.type.batch for v in stage.inputs if v.type.batch), None) or 1
+        rows = float(rows if rows is not None else batch)
+        if gen is None:
+            return {"rows": rows, "seq": 64.0, "prompt": 32.0, "response": 32.0}
+        gw = self.generation_work(gen)
+        if self.continuous:
+            prompt, response = gw["prompt_mean"], gw["mean_response"]
+        else:  # the torch backend pads prompts to the batch's longest and responses to max_new_tokens
+            prompt, response = gw["prompt_max"], float(gw["T"])
+        return {"rows": rows, "seq": float(prompt + response), "prompt": float(prompt), "response": float(response)}
+
+    # -- pricing -----------------------------------------------------------------------------------
+    def layout(self, stage: Stage) -> Layout:
+        return stage_layout(stage, self.cluster)
+
+    def _fit(self, model, primitive: str):
+        if self.profile is None:
+            return None
+        return self.profile.fit(model_key(model), primitive)
+
+    def stage_cost(self, stage: Stage, layout: Layout | None = None, rows: float | None = None) -> StageCost:
+        """Price ``stage`` (under ``layout``, default its annotations; ``rows`` overrides the batch,
+        e.g. for one streamed chunk)."""
+        key = ("stage", stage.name, layout, rows)
+        if key in self._cache:
+            return self._cache[key]
+        op = stage.op
+        family = op.split(".", 1)[0]
+        model = self.module.models.get(stage.target or "") if family in ("generate", "forward", "train") else None
+        if model is None:
+            cost = self._driver_cost(stage, rows)
+        else:
+            cost = self._model_cost(stage, model, layout or self.layout(stage), rows)
+        self._cache[key] = cost
+        return cost
+
+    def _driver_cost(self, stage: Stage, rows: float | None) -> StageCost:
+        op = stage.op
+        batch = rows or next((v.type.batch for v in stage.outputs + stage.inputs if v.type.batch), None) or 1
+        width = 1.0
+        gen = self.rollout_source(stage) if stage.inputs else None
+        if gen is not None:
+            width = float(self.generation_work(gen)["T"])
+        fit = self.profile.compute_fit(op) if self.profile is not None else None
+        a, b = (fit if fit else DEFAULT_COMPUTE.get(op, DEFAULT_OTHER_COMPUTE))
+        if op.split(".")[0] in ("sync", "offload", "onload"):
+            a, b = 0.0, 0.0  # priced by the simulator (weight transfers)
+        t = float(a + b * batch * width)
+        model = stage.target if stage.target in self.module.models else None
+        return StageCost(stage.name, op, model, None, t, {"overhead": t}, "overhead",
+                         "profile" if fit else "driver", work={"rows": float(batch), "response": width})
+
+    def price_inputs(self, stage: Stage, layouts: list[Layout], rows: float | None = None) -> PriceInputs:
+        """The formulas' inputs for ``stage`` under each of ``layouts`` (a model stage)."""
+        model = self.module.models[stage.target]
+        family = stage.op.split(".", 1)[0]
+        key = model_key(model)
+        prof_threads = self.profile.model_threads(key) if self.profile is not None else None
+        lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads)
+        opt_fit = None
+        if family == "generate":
+            work = dict(self.generation_work(stage))
+            if rows is not None:
+                work["rows"] = float(rows)
+        else:
+            work = self.sequence_work(stage, rows)
+            if family == "train":
+                work.update(epochs=float(stage.attrs.get("epochs", 1)),
+                            minibatches=float(max(1, min(stage.attrs.get("minibatches", 1), work["rows"]))))
+                opt_fit = self._fit(model, "optimizer")
+        return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay,
+                           self._fit(model, family), opt_fit, [l.recompute for l in layouts])
+
+    def _model_cost(self, stage: Stage, model, layout: Layout, rows: float | None) -> StageCost:
+        inp = self.price_inputs(stage, [layout], rows)
+        out = price(np, inp, self.dispatch)
+        first = {k: float(np.asarray(v).reshape(-1)[0]) for k, v in out.items()}
+        work, arch = inp.work, inp.arch
+        if inp.family == "generate":
+            flops = 2 * arch["mm"] * work["rows"] * (work["prompt"] + work["expected_steps"])
+            summary = {"rows": work["rows"], "batch": work["batch"], "overcommit": work["delta"],
+                       "prompt": work["prompt"], "max_new_tokens": work["T"],
+                       "expected_steps": work["expected_steps"], "mean_response": work["mean_response"]}
+            finish = self._finish_offsets(first, work)
+        else:
+            factor = 1.0 if inp.family == "forward" else \
+                F.TRAIN_FLOP_FACTOR[{"none": 0, "selective": 1, "full": 2}[layout.recompute]] * work["epochs"]
+            flops = factor * 2 * arch["mm"] * work["rows"] * work["seq"]
+            summary = {k: v for k, v in work.items()}
+            finish = ()
+        parts = {k: v for k, v in first.items() if k not in ("total", "weights_bytes", "state_bytes",
+                                                             "transient_bytes")}
+        return StageCost(stage.name, stage.op, model.name, layout, first["total"], parts, _bound(parts),
+                         "profile" if inp.fit is not None else "analytic", float(flops), first["weights_bytes"],
+                         first["state_bytes"], first["transient_bytes"], summary, finish)
+
+    def _finish_offsets(self, res: dict, work: dict) -> tuple:
+        """Seconds into the stage at which the k-th sample (k = 1..batch) finishes (decode steps taken as
+        equally expensive: the expected k-th order statistic of the lengths, as a share of the decode time)."""
+        total = res["total"] - self.dispatch
+        prefill = res.get("prefill", 0.0)
+        w = work["steps_w"]
+        if not len(w):
+            return tuple([total] * int(work["batch"]))
+        decode = max(total - prefill, 0.0)
+        cum = np.concatenate([[0.0], np.cumsum(w)])
+        frac = cum / max(cum[-1], 1e-12)                  # share of decode time after t steps
+        steps = np.asarray(work["order"], dtype=np.float64)
+        at = np.interp(steps, np.arange(len(cum)), frac)
+        return tuple(float(prefill + decode * x) for x in at)
+
+    def all_costs(self) -> dict[str, StageCost]:
+        return {s.name: self.stage_cost(s) for s in self.module.graph.stages}
+
+    def with_config(self, **changes) -> "CostModel":
+        return CostModel(self.module, replace(self.config, **changes))

@@ -1,0 +1,419 @@
+"""Discrete-event simulation of an annotated IR on its cluster.
+
+Several steps are unrolled (``steps``, default 3). Each (step, stage) is a task
+whose duration comes from :class:`~rlhfc.cost.model.CostModel`. A task starts
+when all of these hold:
+
+- **data**: the stages producing its operands (same step) have finished;
+- **parameter versions**: a reader with edge ``[+d]`` waits for the writer of
+  step k-d; a writer (``train``) waits for every reader of the weights it
+  overwrites (readers ``[+1]`` of its step and ``[+0]`` of the step before);
+- **launch order** (the driver's program order): a stage waits for every stage
+  above it in the IR, except those of its own ``overlap`` group (launched
+  together) and, for a consumer of a ``stream``-ed generate, that generate
+  (it waits for chunks instead);
+- **step barrier**: the driver runs one step after another (``step_barrier``,
+  as the runtime's loop does); without it only the dependencies above order
+  the steps (ReaL-style unrolled iterations);
+- **devices**: every device of its mesh is free. A device runs one task at a
+  time, in submission order (a worker's call queue); driver-side stages share
+  one ``driver`` resource.
+
+Streaming: a consumer (``forward.*``, ``compute.rule``) of a generate annotated
+``stream = {chunk = C}`` runs once per chunk of C finished samples, each chunk
+starting when its samples have finished (expected order statistics of the
+response lengths) and the previous chunk is done. Overcommitment prices the
+generate as B+delta prompts stopping when B have finished.
+
+Parameter reallocation: when consecutive stages on a model (cyclically across
+steps) use different placements, the weights move between the layouts
+(:func:`rlhfc.cost.transfer.reshard_time`): a ``sync`` stage on the model
+carries that time; without one it is added to the later stage and noted.
+
+Memory: a device holds, for the whole run, the weights of every model with a
+stage on it (the larger shard if the model has two layouts there) and the
+gradients + optimizer state of models it trains, plus, while a task runs, that
+task's activations / KV cache. The result has each device's peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlhfc.ir import Module, Stage
+
+from .layout import Layout, overlap_group, stream_chunk
+from .model import CostConfig, CostModel, StageCost
+from .transfer import host_transfer_time, reshard_time
+
+DRIVER = -1
+STREAMABLE = ("forward.logprobs", "forward.values", "forward.score", "compute.rule")
+
+
+@dataclass
+class Task:
+    """One stage of one simulated step. ``devices``: (first, count), or None for a driver-side stage."""
+
+    stage: str
+    step: int
+    op: str
+    model: str | None
+    start: float
+    end: float
+    devices: tuple[int, int] | None
+    busy: float
+    transient_bytes: float
+    chunks: list = field(default_factory=list)
+    reshard_s: float = 0.0
+    waits_for: str = ""          # what decided the start: "stage@step", "devices", "barrier" or ""
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class DeviceStats:
+    index: int
+    node: int
+    busy_s: float
+    utilisation: float
+    peak_memory_bytes: float
+    capacity_bytes: float
+    static: dict            # what stays resident: {"@actor weights": bytes, "@actor grads+optimizer": bytes}
+    peak_stages: list       # the tasks running at the memory peak
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    steps: int
+    makespan_s: float
+    step_spans: list
+    tasks: list
+    devices: list
+    costs: dict
+    critical_path: list
+    notes: list
+    reshard: dict
+
+    def step_tasks(self, step: int | None = None) -> list[Task]:
+        """The tasks of one step (default: the last, steady-state one)."""
+        k = self.steps - 1 if step is None else step
+        return [t for t in self.tasks if t.step == k]
+
+    @property
+    def bottleneck(self) -> dict:
+        return bottleneck(self)
+
+
+def _members(cost_model: CostModel, stage: Stage) -> tuple[int, int] | None:
+    if stage.op.split(".", 1)[0] in ("generate", "forward", "train", "sync", "offload", "onload") and stage.target \
+            and stage.target in cost_model.module.models:
+        lay = cost_model.layout(stage)
+        return (lay.first, lay.count)
+    return None
+
+
+def _reallocations(cm: CostModel) -> tuple[dict, dict, list]:
+    """Transfer time charged to stages when a model's layout changes between consecutive stages on it."""
+    g = cm.module.graph
+    extra: dict[str, float] = {}
+    sync_time: dict[str, float] = {}
+    notes: list[str] = []
+    per_node = cm.cluster.per_node
+    for name, model in cm.module.models.items():
+        on = [s for s in g.stages if s.target == name and s.op.split(".", 1)[0] in ("generate", "forward", "train",
+                                                                                     "sync", "offload", "onload")]
+        compute = [s for s in on if s.op.split(".", 1)[0] in ("generate", "forward", "train")]
+        if len(compute) < 2:
+            continue
+        nbytes = cm.spec.bytes_per_param * model.params
+        for i, s in enumerate(compute):
+            prev = compute[i - 1]          # cyclic: the first stage follows the last one of the previous step
+            src, dst = cm.layout(prev), cm.layout(s)
+            if src.same_placement(dst):
+                continue
+            seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
+            between = [x for x in on if x.op.split(".", 1)[0] == "sync" and
+                       _between(g.stages, prev, s, x)]
+            if between:
+                sync_time[between[0].name] = sync_time.get(between[0].name, 0.0) + seconds
+            else:
+                extra[s.name] = extra.get(s.name, 0.0) + seconds
+                notes.append(f"@{name} changes layout between %{prev.name} ({src.parallel_text()} on "
+                             f"{src.describe(per_node)}) and %{s.name} ({dst.parallel_text()} on "
+                             f"{dst.describe(per_node)}) with no sync stage: {seconds:.3g} s of weight "
+                             "transfer charged to %" + s.name)
+        for s in on:
+            fam = s.op.split(".", 1)[0]
+            if fam in ("offload", "onload"):
+                lay = cm.layout(s)
+                per_dev = nbytes / (lay.tp * lay.pp)
+                if model.trainable:
+                    per_dev += (2 + 12) * model.params / (lay.tp * lay.pp * lay.dp)
+                sync_time[s.name] = sync_time.get(s.name, 0.0) + host_transfer_time(per_dev, cm.spec)
+    return extra, sync_time, notes
+
+
+def _between(stages: list[Stage], a: Stage, b: Stage, x: Stage) -> bool:
+    ia, ib, ix = stages.index(a), stages.index(b), stages.index(x)
+    if ia < ib:
+        return ia < ix < ib
+    return ix > ia or ix < ib
+
+
+def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3, step_barrier: bool = True,
+             cost_model: CostModel | None = None) -> SimResult:
+    """Simulate ``steps`` steps of ``module`` (see the module docstring)."""
+    cm = cost_model or CostModel(module, config)
+    g = module.graph
+    stages = list(g.stages)
+    index = {s.name: i for i, s in enumerate(stages)}
+    costs: dict[str, StageCost] = {s.name: cm.stage_cost(s) for s in stages}
+    extra, sync_time, notes = _reallocations(cm)
+    members = {s.name: _members(cm, s) for s in stages}
+    producers = {id(v): s for s in stages for v in s.outputs}
+    streams = {s.name: stream_chunk(s) for s in stages if s.op == "generate" and stream_chunk(s)}
+    groups = {s.name: overlap_group(s) for s in stages}
+
+    def stream_source(s: Stage) -> Stage | None:
+        if s.op not in STREAMABLE:
+            return None
+        for v in s.inputs:
+            p = producers.get(id(v))
+            if p is not None and p.name in streams and v.type.kind == "Rollout":
+                return p
+        return None
+
+    # static dependencies (within a step)
+    data_deps = {s.name: sorted({producers[id(v)].name for v in s.inputs if id(v) in producers}, key=index.get)
+                 for s in stages}
+    order_deps: dict[str, list[str]] = {}
+    for i, s in enumerate(stages):
+        src = stream_source(s)
+        mine = groups[s.name]
+        order_deps[s.name] = [p.name for p in stages[:i]
+                              if not (mine is not None and groups[p.name] == mine)
+                              and not (src is not None and p is src)]
+    readers: dict[str, list] = {}
+    for e in g.versions:
+        readers.setdefault(e.writer, []).append(e)
+
+    done: dict[tuple[str, int], Task] = {}
+    free: dict[int, float] = {}
+    tasks: list[Task] = []
+    step_end = [0.0] * steps
+    for k in range(steps):
+        for s in stages:
+            deps: list[tuple[float, str]] = []
+            for p in data_deps[s.name] + order_deps[s.name]:
+                t = done.get((p, k))
+                if t is not None:
+                    deps.append((t.end, f"%{p}@{k}"))
+            for e in g.versions:
+                if e.reader == s.name and k - e.distance >= 0:
+                    t = done.get((e.writer, k - e.distance))
+                    if t is not None:
+                        deps.append((t.end, f"%{e.writer}@{k - e.distance}"))
+            for e in readers.get(s.name, []):
+                kk = k if e.distance == 1 else k - 1
+                t = done.get((e.reader, kk))
+                if t is not None and kk >= 0:
+                    deps.append((t.end, f"%{e.reader}@{kk}"))
+            if step_barrier and k > 0:
+                deps.append((step_end[k - 1], "barrier"))
+            ready, why = max(deps, default=(0.0, ""))
+            mem = members[s.name]
+            res = list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER]
+            dev_free = max((free.get(d, 0.0) for d in res), default=0.0)
+            cost = costs[s.name]
+            duration = cost.time_s + extra.get(s.name, 0.0) + sync_time.get(s.name, 0.0)
+            src = stream_source(s)
+            chunks: list = []
+            if src is not None:
+                gen_task = done[(src.name, k)]
+                gen_cost = costs[src.name]
+                chunk = streams[src.name]
+                batch = len(gen_cost.finish_offsets) or int(gen_cost.work.get("batch", 1))
+                t_prev = max(ready, 0.0)
+                first_start = None
+                busy = 0.0
+                n_chunks = max(1, math.ceil(batch / chunk))
+                for j in range(n_chunks):
+                    rows = min(chunk, batch - j * chunk)
+                    last = min((j + 1) * chunk, batch) - 1
+                    avail = gen_task.end if j == n_chunks - 1 else \
+                        gen_task.start + gen_cost.finish_offsets[last] if gen_cost.finish_offsets else gen_task.end
+                    c_cost = cm.stage_cost(s, rows=float(rows)).time_s
+                    start = max(avail, t_prev, dev_free if j == 0 else t_prev)
+                    if j == 0:
+                        first_start = start
+                        start += extra.get(s.name, 0.0)
+                    end = start + c_cost
+                    chunks.append((start, end, rows))
+                    busy += c_cost
+                    t_prev = end
+                start, end = first_start, t_prev
+                why = why if first_start > dev_free else "devices"
+                busy += extra.get(s.name, 0.0)
+                transient = cm.stage_cost(s, rows=float(min(chunk, batch))).transient_bytes
+            else:
+                start = max(ready, dev_free)
+                if dev_free > ready:
+                    why = "devices"
+                end = start + duration
+                busy = duration
+                transient = cost.transient_bytes
+            for d in res:
+                free[d] = end
+            task = Task(s.name, k, s.op, s.target if mem else None, start, end, mem, busy, transient, chunks,
+                        extra.get(s.name, 0.0), why)
+            done[(s.name, k)] = task
+            tasks.append(task)
+        step_end[k] = max(t.end for t in tasks if t.step == k)
+    spans = []
+    for k in range(steps):
+        ts = [t for t in tasks if t.step == k]
+        spans.append((min(t.start for t in ts), max(t.end for t in ts)))
+    makespan = max(t.end for t in tasks) if tasks else 0.0
+    if steps > 1:
+        step_time = (spans[-1][1] - spans[0][1]) / (steps - 1)
+    else:
+        step_time = makespan
+    window = (spans[0][1], spans[-1][1]) if steps > 1 else (0.0, makespan)
+    devices = _device_stats(cm, module, tasks, costs, window)
+    result = SimResult(step_time, steps, makespan, spans, tasks, devices, costs, [], notes,
+                       {**extra, **sync_time})
+    result.critical_path = critical_path(result)
+    return result
+
+
+def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict, window) -> list[DeviceStats]:
+    c = module.cluster
+    n = c.nodes * c.per_node
+    static: list[dict] = [dict() for _ in range(n)]
+    for s in module.graph.stages:
+        cost = costs[s.name]
+        if cost.layout is None or s.target not in module.models:
+            continue
+        for d in cost.layout.devices:
+            if d >= n:
+                continue
+            key = f"@{s.target} weights"
+            static[d][key] = max(static[d].get(key, 0.0), cost.weights_bytes)
+            if cost.state_bytes:
+                skey = f"@{s.target} grads+optimizer"
+                static[d][skey] = max(static[d].get(skey, 0.0), cost.state_bytes)
+    lo, hi = window
+    span = max(hi - lo, 1e-12)
+    out = []
+    per_dev_tasks: list[list[Task]] = [[] for _ in range(n)]
+    for t in tasks:
+        if t.devices:
+            for d in range(t.devices[0], min(t.devices[0] + t.devices[1], n)):
+                per_dev_tasks[d].append(t)
+    capacity = cm.spec.memory
+    for d in range(n):
+        mine = per_dev_tasks[d]
+        busy = 0.0
+        for t in mine:
+            intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
+            for a, b in intervals:
+                busy += max(0.0, min(b, hi) - max(a, lo))
+        base = sum(static[d].values())
+        peak_extra, at_peak = _peak_overlap(mine)
+        out.append(DeviceStats(d, d // c.per_node, busy, min(1.0, busy / span), base + peak_extra, capacity,
+                               static[d], at_peak))
+    return out
+
+
+def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
+    """Largest sum of transient bytes of tasks running at the same time on a device, and which ones."""
+    events = []
+    for t in tasks:
+        intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
+        for a, b in intervals:
+            events.append((a, 1, t))
+            events.append((b, 0, t))
+    events.sort(key=lambda e: (e[0], e[1]))
+    running: dict[int, Task] = {}
+    best, names = 0.0, []
+    for _, kind, t in events:
+        if kind:
+            running[id(t)] = t
+            total = sum(x.transient_bytes for x in running.values())
+            if total > best:
+                best, names = total, [f"%{x.stage}@{x.step}" for x in running.values()]
+        else:
+            running.pop(id(t), None)
+    return best, names
+
+
+def critical_path(result: SimResult) -> list[Task]:
+    """Tasks from the first to the last finishing one, following what made each start when it did."""
+    by_key = {(t.stage, t.step): t for t in result.tasks}
+    if not result.tasks:
+        return []
+    cur = max(result.tasks, key=lambda t: (t.end, t.step))
+    path = [cur]
+    seen = {id(cur)}
+    while cur.waits_for:
+        nxt = None
+        if cur.waits_for.startswith("%"):
+            name, _, step = cur.waits_for[1:].partition("@")
+            nxt = by_key.get((name, int(step)))
+        elif cur.waits_for == "devices":
+            cands = [t for t in result.tasks if t is not cur and t.end <= cur.start + 1e-12 and t.devices and
+                     cur.devices and _overlaps(t.devices, cur.devices)]
+            nxt = max(cands, key=lambda t: t.end, default=None)
+        elif cur.waits_for == "barrier":
+            prev = [t for t in result.tasks if t.step == cur.step - 1]
+            nxt = max(prev, key=lambda t: t.end, default=None)
+        if nxt is None or id(nxt) in seen:
+            break
+        path.append(nxt)
+        seen.add(id(nxt))
+        cur = nxt
+    return path[::-1]
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
+def bottleneck(result: SimResult) -> dict:
+    """The stage that costs the steady-state step the most time, why, and what could help."""
+    last = result.steps - 1
+    on_path = [t for t in result.critical_path if t.step == last] or result.step_tasks()
+    if not on_path:
+        return {}
+    worst = max(on_path, key=lambda t: t.duration)
+    cost = result.costs[worst.stage]
+    share = worst.duration / result.step_time_s if result.step_time_s > 0 else 0.0
+    advice = {
+        "generate": {"memory": "decoding is memory-bandwidth bound: a larger batch per replica, fewer tp ranks or "
+                               "streaming chunks to the forwards (stream) overlap it",
+                     "overhead": "decoding pays per-token overhead: larger batches amortise it; streaming "
+                                 "(stream) and overcommitment (overcommit) cut the long tail",
+                     "compute": "generation is compute bound: give it more devices (mesh/parallel)",
+                     "comm": "tensor-parallel all-reduces dominate decoding: use a smaller tp and more dp"},
+        "forward": {"compute": "overlap the forwards on disjoint devices (overlap) or give them more devices",
+                    "memory": "the forward re-reads the weights per micro-batch: use fewer, larger micro-batches",
+                    "overhead": "fixed per-call overhead dominates: batch the forwards together (overlap)",
+                    "comm": "communication dominates: use a smaller tp"},
+        "train": {"compute": "training is compute bound: more devices (data parallel) or train actor and critic "
+                             "concurrently on disjoint meshes",
+                  "memory": "optimizer/weight traffic dominates: larger minibatches",
+                  "overhead": "fixed per-step cost dominates: fewer, larger minibatches",
+                  "comm": "gradient/tensor-parallel traffic dominates: keep tp inside a node, fewer dp ranks"},
+    }
+    family = worst.op.split(".", 1)[0]
+    hint = advice.get(family, {}).get(cost.bound, "")
+    if not hint and family in ("compute", "load"):
+        hint = "a driver-side stage: it is cheap unless the batch is huge"
+    if worst.reshard_s and worst.reshard_s > 0.25 * worst.duration:
+        hint = "weight reallocation before it dominates: insert a bucketed sync stage or keep the layouts equal"
+    return {"stage": worst.stage, "op": worst.op, "model": worst.model, "seconds": worst.duration,
+            "share": share, "bound": cost.bound, "hint": hint}

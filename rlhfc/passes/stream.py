@@ -1,0 +1,85 @@
+"""``stream`` (OPPO intra-step overlap): generation hands finished samples downstream in chunks.
+
+For each ``generate`` stage, the forward stages that read its rollout (actor and
+reference log-probs, critic values, reward scores) become streamed consumers:
+the generating worker yields every ``chunk`` finished samples, and each chunk
+goes to the consumers at once, so they compute while the long tail of the batch
+is still being generated. A consumer on the generating model itself runs in the
+worker's second thread (Ray concurrency group ``stream``) beside generation. Annotations: ``stream = {chunk = C}`` on
+the generate stage, ``stream_from = "<rollout>"`` on each consumer.
+
+Chunk size: a small chunk hides more of the consumers' work behind generation
+but pays a fixed cost per chunk (a remote call and a forward launch per
+consumer). With consumer work ``W`` for the whole batch and per-chunk cost
+``o``, the exposed time is about ``W / k + k·o`` for ``k`` chunks, minimised at
+``k = sqrt(W / o)``; ``W`` comes from the cost model's forward-time estimate.
+``chunk = N`` overrides it.
+
+Exact: rollouts are always ``max_new_tokens`` wide, so a chunk's rows have the
+same shape as in the whole batch and every per-row forward gives the same bits
+(tested end to end: -O0 and -O2 train identically).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlhfc.ir import Module
+
+from .base import Pass, register_pass
+
+#: per chunk and consumer: one Ray call and one forward launch (measured ≈ 4 ms on the 2-core CPU VM)
+CHUNK_OVERHEAD_S = 0.004
+
+
+@register_pass
+@dataclass(frozen=True)
+class Stream(Pass):
+    name = "stream"
+    description = "stream finished samples from generation to downstream forwards in chunks"
+    exact = True
+    chunk: int = field(default=0, metadata={"doc": "samples per chunk (0 = chosen from the cost model)"})
+
+    def __post_init__(self) -> None:
+        if self.chunk < 0:
+            raise ValueError("chunk must be >= 0 (0 = automatic)")
+
+    def run(self, module: Module) -> Module:
+        g = module.graph
+        for gen in [s for s in g.stages if s.op == "generate"]:
+            roll = gen.outputs[0]
+            consumers = [s for s in g.users(roll) if s.op.startswith("forward.") and len(s.inputs) == 1]
+            if not consumers:
+                continue
+            batch = roll.type.batch or 1
+            chunk = self.chunk or auto_chunk(module, gen, consumers)
+            gen.annotations["stream"] = {"chunk": max(1, min(chunk, batch))}
+            for c in consumers:
+                c.annotations["stream_from"] = roll.name
+        return module
+
+
+def auto_chunk(module: Module, gen, consumers) -> int:
+    """Samples per chunk minimising ``W / k + k · o`` (see the module docstring)."""
+    batch = gen.outputs[0].type.batch or 1
+    work = sum(forward_seconds(module, c, gen) for c in consumers)
+    k = max(1, min(batch, round(math.sqrt(work / (CHUNK_OVERHEAD_S * len(consumers))))))
+    return math.ceil(batch / k)
+
+
+def forward_seconds(module: Module, stage, gen) -> float:
+    """Predicted time of one forward stage over the whole rollout (cost model; analytic fallback)."""
+    try:
+        from rlhfc.cost import stage_time  # the calibrated cost model, when available
+
+        return float(stage_time(module, stage))
+    except (ImportError, AttributeError, TypeError, KeyError, ValueError):
+        pass
+    model = module.models[stage.target]
+    data = next(iter(module.data.values()), None)
+    prompt = float(data.options.get("max_len", 16)) if data is not None else 16.0
+    tokens = (gen.outputs[0].type.batch or 1) * (prompt + gen.attrs.get("max_new_tokens", 32))
+    flops = 2.0 * model.params * tokens
+    rate = 2e10 if module.cluster.device == "cpu" else 3e14   # sustained FLOP/s: CPU core / GPU
+    return flops / rate + 0.005                               # + fixed launch cost of a forward
