@@ -140,8 +140,7 @@ class PythonEmitter:
             for c in consumers:
                 method = c.op.split(".")[-1]
                 call = ", ".join(["chunk"] + _kwargs(c.attrs))
-                via = ".options(concurrency_group='stream')" if c.target == s.target else ""
-                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: w.{c.target}.{method}{via}.remote({call}),")
+                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: w.{c.target}.{method}.remote({call}),")
             lines.append("        },")
         lines.append("    )")
         what = []

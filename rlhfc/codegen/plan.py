@@ -6,11 +6,9 @@ derived sections: ``placement`` (Ray placement-group bundles and which bundle
 each model worker sits on) and ``metrics`` (which values are the reward, the KL
 pair, the policy and value train stats).
 
-Placement is data-driven: a model annotated ``placement = {bundle = i,
-share = f}`` by a placement pass lands where it says; without annotations the
-default is the flattened plan — every model on every device of node 0, each
-worker with an equal share of the node's CPUs (GPUs) and one torch thread per
-whole CPU of its share (at least one).
+Placement is data-driven: a model's worker sits on the ``mesh`` annotation of
+its stages (set by the ``placement`` pass); without one it spans the whole
+cluster (flattened) — see :func:`placement`.
 """
 
 from __future__ import annotations
@@ -39,30 +37,47 @@ def _init(module: Module, m) -> dict:
     return {"kind": m.init}
 
 
+def model_mesh(module: Module, name: str) -> tuple[int, int]:
+    """Devices (first, count) hosting a model's worker: its train stage's mesh, else its first stage's,
+    else the whole cluster (the flattened default)."""
+    stages = module.graph.stages_on(name)
+    ordered = [s for s in stages if s.op == "train"] + [s for s in stages if s.op != "train"]
+    for s in ordered:
+        mesh = s.annotations.get("mesh")
+        if isinstance(mesh, dict) and "first" in mesh and "count" in mesh:
+            return int(mesh["first"]), int(mesh["count"])
+    return 0, module.cluster.num_devices
+
+
 def placement(module: Module) -> dict:
+    """Ray bundles (one per node) and, per model worker, its node, devices, resource share and threads.
+
+    A worker on devices shared with k other workers gets 1/(k+1) of each shared device, so shares
+    add up to the node's bundle. On CPU clusters the worker is pinned to its cores (``cores``) and
+    runs one torch thread per whole core of its share: idle OpenMP threads of co-located workers
+    spin and slow the busy one down (5x measured on 2 cores with 2 threads each).
+    """
     c = module.cluster
     gpu = c.device != "cpu"
     used = [name for name in module.models if module.graph.stages_on(name)]
-    bundles = []
-    for _ in range(c.nodes):
-        bundles.append({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
-    workers: dict[str, dict] = {}
-    on_bundle: dict[int, list[str]] = {}
+    bundles = [({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
+               for _ in range(c.nodes)]
+    local: dict[str, tuple[int, list[int]]] = {}
     for name in used:
-        ann = module.models[name].annotations.get("placement", {})
-        b = int(ann.get("bundle", 0)) if isinstance(ann, dict) else 0
-        on_bundle.setdefault(b, []).append(name)
-    for b, names in on_bundle.items():
-        for name in names:
-            ann = module.models[name].annotations.get("placement", {})
-            share = float(ann.get("share", 1.0 / len(names))) if isinstance(ann, dict) else 1.0 / len(names)
-            res = c.per_node * share
-            # one torch thread per whole CPU of the worker's share: idle OpenMP threads of co-located
-            # workers spin and slow the busy one down (measured 5x on 2 cores with 2 threads each)
-            threads = max(1, int(res)) if not gpu else 1
-            workers[name] = {"bundle": b, "num_cpus": 0 if gpu else res, "num_gpus": res if gpu else 0,
-                             "threads": int(ann.get("threads", threads)) if isinstance(ann, dict) else threads}
-    return {"strategy": "PACK", "bundles": bundles, "workers": workers}
+        first, count = model_mesh(module, name)
+        node = first // c.per_node
+        start = first % c.per_node
+        local[name] = (node, list(range(start, min(c.per_node, start + count))))
+    load: dict[tuple[int, int], int] = {}
+    for node, cores in local.values():
+        for core in cores:
+            load[(node, core)] = load.get((node, core), 0) + 1
+    workers: dict[str, dict] = {}
+    for name, (node, cores) in local.items():
+        share = sum(1.0 / load[(node, core)] for core in cores)
+        workers[name] = {"bundle": node, "num_cpus": 0 if gpu else share, "num_gpus": share if gpu else 0,
+                         "threads": 1 if gpu else max(1, int(share + 1e-9)), "cores": cores}
+    return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 
 
 def metric_roles(module: Module) -> dict:

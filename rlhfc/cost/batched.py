@@ -57,6 +57,15 @@ def evaluate(module: Module, stage: str, layouts: list[Layout], *, config: CostC
         raise ValueError(f"stage %{stage} ({st.op}) runs on the driver; only model stages have layouts")
     if not layouts:
         return {k: np.zeros(0) for k in KEYS}
+    if st.op == "generate" and len({l.microbatches for l in layouts}) > 1:
+        # waves change the generation workload itself: price each microbatches value as its own batch
+        out = {k: np.zeros(len(layouts)) for k in KEYS}
+        for m in sorted({l.microbatches for l in layouts}):
+            idx = [i for i, l in enumerate(layouts) if l.microbatches == m]
+            part = evaluate(module, stage, [layouts[i] for i in idx], backend=backend, cost_model=cm)
+            for k in KEYS:
+                out[k][idx] = part[k]
+        return out
     inp = cm.price_inputs(st, list(layouts))
     if backend == "numpy":
         out = price(np, inp, cm.dispatch)

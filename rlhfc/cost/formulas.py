@@ -117,7 +117,8 @@ def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None):
 def generate_time(xp, hw, arch, work, lay, fit=None):
     """Prefill of the prompts and the decode steps until the step's samples are done.
 
-    ``work``: ``rows`` prompts submitted (B+delta), ``prompt`` tokens each (padded
+    ``work`` describes one *wave* (``mb`` waves run one after another): ``rows``
+    prompts (of the B+delta submitted), ``prompt`` tokens each (padded
     width for static batching, mean for continuous), ``steps_w[t]`` = P(decode
     step t happens), ``active[t]`` = expected samples still decoding at step t
     given it happens (continuous) or ``rows`` (static), ``t`` = 0..T-1.
@@ -132,9 +133,11 @@ def generate_time(xp, hw, arch, work, lay, fit=None):
         mean_ctx = P + steps / 2.0
         work_terms = k * (c_pf * B * P + steps * (c_step_b * B + c_step_ctx * B * mean_ctx))
         fixed = a + steps * c_step
-        total = fixed + work_terms
-        return {"total": total, "compute": work_terms, "memory": 0.0 * total, "comm": 0.0 * total,
-                "overhead": fixed, "prefill": k * c_pf * B * P + a, "decode": total - a - k * c_pf * B * P}
+        m = lay["mb"]   # waves of `rows` prompts, one after another
+        total = m * (fixed + work_terms)
+        prefill = m * (k * c_pf * B * P + a)
+        return {"total": total, "compute": m * work_terms, "memory": 0.0 * total, "comm": 0.0 * total,
+                "overhead": m * fixed, "prefill": prefill, "decode": total - prefill}
     b_rep = B / dp
     pf_flops = 2.0 * arch["mm"] * b_rep * P + 2.0 * arch["L"] * arch["h"] * b_rep * P * P
     f_inf = hw["F_inf"] * lay["f_scale"]
@@ -156,8 +159,9 @@ def generate_time(xp, hw, arch, work, lay, fit=None):
     memory = pf_memory + xp.sum(wts * d_memory, axis=-1)
     comm = pf_comm + xp.sum(wts * d_comm, axis=-1)
     overhead = arch["L"] * hw["layer_overhead"] + xp.sum(w) * hw["step_overhead"] + 0.0 * decode
-    return {"total": prefill + decode, "compute": compute, "memory": memory, "comm": comm, "overhead": overhead,
-            "prefill": prefill, "decode": decode}
+    m = lay["mb"]   # waves of `rows` prompts, one after another
+    return {"total": m * (prefill + decode), "compute": m * compute, "memory": m * memory, "comm": m * comm,
+            "overhead": m * overhead, "prefill": m * prefill, "decode": m * decode}
 
 
 # ----------------------------------------------------------------------------------------- memory

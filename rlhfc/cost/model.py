@@ -252,29 +252,35 @@ class CostModel:
         return response_dist(self.config.response_lengths, int(gen.attrs.get("max_new_tokens", 32)),
                              vocab=model.vocab, pretrained=self.pretrained(gen.target))
 
-    def generation_work(self, gen: Stage) -> dict:
-        """Rows, lengths and per-step weights of a generate stage (see formulas.generate_time)."""
-        key = ("gen", gen.name)
+    def generation_work(self, gen: Stage, micro: int = 1) -> dict:
+        """Rows, lengths and per-step weights of one wave of a generate stage (see formulas.generate_time).
+
+        With ``microbatches = M`` the replicas generate their prompts in M waves one after another; a wave
+        holds ``rows`` = (B + delta) / M prompts and decodes until its own longest response ends.
+        """
+        key = ("gen", gen.name, micro)
         if key in self._cache:
             return self._cache[key]
         B = gen.outputs[0].type.batch or 1
         delta = overcommit_delta(gen)
         n = B + delta
+        micro = max(1, int(micro))
+        wave = max(1, -(-n // micro))
         dist = self.response_lengths(gen)
         prompts = self.prompt_lengths(gen)
         T = dist.T
         t = np.arange(T, dtype=np.float64)
-        steps_w = dist.kth_running(B, n) if delta else dist.p_running(n)
+        steps_w = dist.kth_running(B, n) if (delta and micro == 1) else dist.p_running(wave)
         if self.continuous:
-            active = np.clip(dist.expected_active(n) / np.maximum(steps_w, 1e-12), 1.0, n)
+            active = np.clip(dist.expected_active(wave) / np.maximum(steps_w, 1e-12), 1.0, wave)
             prompt = prompts.mean()
-            kv_tokens = float(np.max(dist.expected_active(n) * (prompt + t + 1))) if T else 0.0
+            kv_tokens = float(np.max(dist.expected_active(wave) * (prompt + t + 1))) if T else 0.0
         else:
-            active = np.full(T, float(n))
-            prompt = prompts.expected_max(n)
-            kv_tokens = float(n * (prompt + steps_w.sum()))
-        order = dist.order_stats(n)[:B]
-        work = {"rows": float(n), "batch": B, "delta": delta, "prompt": float(prompt), "T": T,
+            active = np.full(T, float(wave))
+            prompt = prompts.expected_max(wave)
+            kv_tokens = float(wave * (prompt + steps_w.sum()))
+        order = dist.order_stats(wave)
+        work = {"rows": float(wave), "batch": B, "delta": delta, "waves": micro, "prompt": float(prompt), "T": T,
                 "t": t, "steps_w": steps_w, "active": active, "kv_tokens": kv_tokens,
                 "expected_steps": float(steps_w.sum()), "mean_response": dist.mean(),
                 "order": order, "prompt_mean": prompts.mean(), "prompt_max": prompts.expected_max(n)}
@@ -345,7 +351,10 @@ class CostModel:
         lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads)
         opt_fit = None
         if family == "generate":
-            work = dict(self.generation_work(stage))
+            micro = {l.microbatches for l in layouts}
+            if len(micro) > 1:
+                raise ValueError("price_inputs: generate layouts must share one microbatches value")
+            work = dict(self.generation_work(stage, micro.pop()))
             if rows is not None:
                 work["rows"] = float(rows)
         else:
@@ -363,8 +372,9 @@ class CostModel:
         first = {k: float(np.asarray(v).reshape(-1)[0]) for k, v in out.items()}
         work, arch = inp.work, inp.arch
         if inp.family == "generate":
-            flops = 2 * arch["mm"] * work["rows"] * (work["prompt"] + work["expected_steps"])
-            summary = {"rows": work["rows"], "batch": work["batch"], "overcommit": work["delta"],
+            flops = 2 * arch["mm"] * work["rows"] * work["waves"] * (work["prompt"] + work["expected_steps"])
+            summary = {"rows": work["rows"] * work["waves"], "batch": work["batch"], "overcommit": work["delta"],
+                       "waves": work["waves"],
                        "prompt": work["prompt"], "max_new_tokens": work["T"],
                        "expected_steps": work["expected_steps"], "mean_response": work["mean_response"]}
             finish = self._finish_offsets(first, work)
@@ -381,19 +391,20 @@ class CostModel:
                          first["state_bytes"], first["transient_bytes"], summary, finish)
 
     def _finish_offsets(self, res: dict, work: dict) -> tuple:
-        """Seconds into the stage at which the k-th sample (k = 1..batch) finishes (decode steps taken as
-        equally expensive: the expected k-th order statistic of the lengths, as a share of the decode time)."""
-        total = res["total"] - self.dispatch
-        prefill = res.get("prefill", 0.0)
+        """Seconds into the stage at which the k-th sample (k = 1..batch) finishes: waves run one after
+        another; inside a wave the k-th response ends at the expected k-th order statistic of the lengths
+        (decode steps taken as equally expensive)."""
+        waves = int(work.get("waves", 1))
+        total = (res["total"] - self.dispatch) / waves
+        prefill = res.get("prefill", 0.0) / waves
         w = work["steps_w"]
-        if not len(w):
-            return tuple([total] * int(work["batch"]))
         decode = max(total - prefill, 0.0)
         cum = np.concatenate([[0.0], np.cumsum(w)])
-        frac = cum / max(cum[-1], 1e-12)                  # share of decode time after t steps
-        steps = np.asarray(work["order"], dtype=np.float64)
-        at = np.interp(steps, np.arange(len(cum)), frac)
-        return tuple(float(prefill + decode * x) for x in at)
+        frac = cum / max(cum[-1], 1e-12)
+        at = np.interp(np.asarray(work["order"], dtype=np.float64), np.arange(len(cum)), frac)
+        within = [prefill + decode * x for x in at]
+        out = [j * total + x for j in range(waves) for x in within]
+        return tuple(float(x) for x in out[: int(work["batch"])])
 
     def all_costs(self) -> dict[str, StageCost]:
         return {s.name: self.stage_cost(s) for s in self.module.graph.stages}

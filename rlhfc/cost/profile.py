@@ -18,8 +18,11 @@ primitive                 what is timed                                         
 ``compute.<op>``          the driver-side op of ``rlhfc.runtime.ops``           a + b*B*R
 ========================  ====================================================  =============================
 
-Fits are non-negative least squares on relative error (every point counts the
-same whatever its size). The host section holds a float32 matmul probe at
+Each point is the fastest of a few repetitions (after a warm-up): on a shared
+machine the least-disturbed run is the most repeatable estimate of what the
+code costs. Fits are non-negative least squares on relative error (every
+point counts the same whatever its size); :func:`merge_profiles` combines
+passes taken at different times. The host section holds a float32 matmul probe at
 1..threads threads (the CPU's FLOP/s and thread scaling) and a memory-copy
 bandwidth, which price models the profile did not measure.
 
@@ -242,7 +245,7 @@ def _timeit(fn, reps: int = 5) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(statistics.median(times))
+    return float(min(times))
 
 
 def _set_passive_waits() -> None:
@@ -295,18 +298,22 @@ def measure_host(threads: int, device: str = "cpu") -> dict:
 
 
 def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):
-    """A RolloutBatch of B rows with P prompt and R response tokens (random ids, no padding)."""
+    """A RolloutBatch of B rows, P prompt columns (prompts of P/2..P tokens, left-padded, as real batches are)
+    and R response tokens; random ids."""
     import torch
 
     from rlhfc.runtime.generation import RolloutBatch
 
     g = torch.Generator().manual_seed(B * 1000 + P * 10 + R)
     ids = torch.randint(3, max(vocab, 4), (B, P + R), generator=g)
-    mask = torch.ones_like(ids)
+    lengths = torch.tensor([P - (i * (P // 2)) // max(B - 1, 1) for i in range(B)], dtype=torch.long)
+    cols = torch.arange(P + R)
+    mask = (cols[None, :] >= (P - lengths)[:, None]).long()
+    ids = ids * mask
     return RolloutBatch(input_ids=ids.to(device), attention_mask=mask.to(device),
                         response_mask=mask[:, P:].clone().to(device), prompt_len=P,
                         response_lengths=torch.full((B,), R, dtype=torch.long, device=device),
-                        prompt_lengths=torch.full((B,), P, dtype=torch.long, device=device),
+                        prompt_lengths=lengths.to(device),
                         eos=torch.zeros(B, dtype=torch.bool, device=device))
 
 
@@ -351,7 +358,10 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             for B in batches:
                 for P in gen_p:
                     for T in gen_t:
-                        prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + P - 1] for i in range(B)]
+                        # prompts of P/2..P tokens (BOS + characters), so batches are left-padded like real ones
+                        prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2))
+                                                                                       // max(B - 1, 1))]
+                                   for i in range(B)]
                         steps = []
 
                         def run(prompts=prompts, T=T, steps=steps):
@@ -473,8 +483,49 @@ def detect_device() -> tuple[str, str]:
     return "cpu", cpu_name()
 
 
+def merge_profiles(a: Profile, b: Profile) -> Profile:
+    """One profile from two of the same device: at every measured point the faster time, then refitted.
+
+    Repeated profiling passes spread over time, merged, see through another tenant's passing load."""
+    out = Profile(a.device_kind, a.device_name, a.threads, dict(a.host), {}, {}, a.created, a.path)
+    for k in ("matmul_flops", "matmul_flops_1", "copy_bw"):
+        if k in b.host:
+            out.host[k] = max(a.host.get(k, 0.0), b.host[k])
+    keys = list(a.models) + [k for k in b.models if k not in a.models]
+    for key in keys:
+        ea, eb = a.models.get(key), b.models.get(key)
+        if ea is None or eb is None:
+            out.models[key] = json.loads(json.dumps(ea or eb))
+            continue
+        points = {}
+        for prim in ("generate", "forward", "train"):
+            best: dict = {}
+            for p in ea["points"].get(prim, []) + eb["points"].get(prim, []):
+                k = tuple(round(x, 6) for x in p[:-1])
+                if k not in best or p[-1] < best[k][-1]:
+                    best[k] = p
+            points[prim] = list(best.values())
+        points["optimizer"] = [min(ea["points"].get("optimizer", []) + eb["points"].get("optimizer", []),
+                                   default=None)] if (ea["points"].get("optimizer") or
+                                                      eb["points"].get("optimizer")) else []
+        out.models[key] = refit({"spec": ea["spec"], "threads": ea["threads"], "points": points})
+    for op in list(a.compute) + [o for o in b.compute if o not in a.compute]:
+        ca, cb = a.compute.get(op), b.compute.get(op)
+        if ca is None or cb is None:
+            out.compute[op] = ca or cb
+            continue
+        best = {}
+        for p in ca["points"] + cb["points"]:
+            if tuple(p[:2]) not in best or p[2] < best[tuple(p[:2])][2]:
+                best[tuple(p[:2])] = p
+        pts = list(best.values())
+        out.compute[op] = {"points": pts, "fit": fit_relative([compute_features(x, y) for x, y, _ in pts],
+                                                              [t for _, _, t in pts])}
+    return out
+
+
 def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
-                max_params: float = 5e8) -> Profile:
+                max_params: float = 5e8, reps: int = 5) -> Profile:
     """Measure the host and every model shape of ``module`` that is small enough to build here."""
     _set_passive_waits()
     import torch
@@ -506,9 +557,9 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
                 "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
         log(f"model @{m.name} ({key})")
-        prof.models[key] = measure_model(spec, threads, device=device, quick=quick, log=log)
+        prof.models[key] = measure_model(spec, threads, device=device, quick=quick, log=log, reps=reps)
     ops = sorted({s.op for s in module.graph.stages if s.op.startswith("compute.")})
     if ops:
-        prof.compute = measure_compute(ops, threads)
+        prof.compute = measure_compute(ops, threads, reps=reps)
         log(f"compute ops: {', '.join(prof.compute)}")
     return prof

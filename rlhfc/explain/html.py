@@ -43,7 +43,7 @@ def _graph_svg(report: Report) -> str:
     colours = model_colours(report)
     per_node = m.cluster.per_node
     out = [f'<svg data-check="graph" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="stage graph">',
+           f'viewBox="0 0 {width} {height}" style="max-width:100%;height:auto" role="img" aria-label="stage graph">',
            '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
            'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>']
     for s in stages:

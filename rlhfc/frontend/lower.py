@@ -24,6 +24,7 @@ from . import ast
 from .parser import end_of_code
 
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
+_PLACEMENTS = ("auto", "flatten", "interleave", "separate", "search")
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
 _DATA_CTORS = ("synthetic", "jsonl")
 _PIPELINE_PARAMS = {"batch": 8}
@@ -488,6 +489,13 @@ class _Lowerer:
                                     "O0 runs no passes, O1 is the default; e.g. optimize = O2")
                 else:
                     rc.optimize = v.value
+                continue
+            if s.name == "placement":
+                if v.kind not in ("ident", "str") or v.value not in _PLACEMENTS:
+                    self.sink.error(f"placement must be one of {', '.join(_PLACEMENTS)}, got {_show(v)}", v.loc,
+                                    "auto searches on multi-device clusters; e.g. placement = interleave")
+                else:
+                    rc.placement = v.value
                 continue
             lo = 1 if s.name == "steps" else 0
             if v.kind not in ("int", "size") or v.value < lo:

@@ -126,18 +126,20 @@ class DataSource:
 
 @dataclass
 class RunConfig:
-    """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level."""
+    """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level, and the
+    placement strategy (``auto``: search on multi-device clusters, else flatten)."""
 
     steps: int = 10
     seed: int = 0
     checkpoint_every: int = 0
     optimize: str = "O1"
+    placement: str = "auto"
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
 
     def attrs(self) -> dict:
         return {"steps": self.steps, "seed": self.seed, "checkpoint_every": self.checkpoint_every,
-                "optimize": self.optimize}
+                "optimize": self.optimize, "placement": self.placement}
 
 
 #: The settings of a run block (every field of RunConfig but the locations).

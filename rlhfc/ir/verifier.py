@@ -237,6 +237,9 @@ def _check_run(module: Module, sink: DiagnosticSink) -> None:
         if not _is_int(value) or value < lo:
             sink.error(f"run setting {key} must be an integer >= {lo}, got {_describe(value)}", where(r),
                        f"write {key} = {max(lo, 1) if key == 'steps' else lo} or more")
+    if r.placement not in ("auto", "flatten", "interleave", "separate", "search"):
+        sink.error(f"run setting placement must be auto, flatten, interleave, separate or search, got "
+                   f"{_describe(r.placement)}", where(r), 'e.g. placement = "interleave"')
     if r.optimize not in OPT_LEVELS:
         sink.error(f"run setting optimize must name an -O level, got {_describe(r.optimize)}", where(r),
                    f"levels: {', '.join(OPT_LEVELS)}")
@@ -512,9 +515,9 @@ def _check_parallel(par, count, model, label: str, at, sink: DiagnosticSink) -> 
         sink.error(f"{label}: parallel dp = {dp}, tp = {tp}, pp = {pp} uses {dp * tp * pp} devices but the mesh "
                    f"has {count}", at, hint)
     if model is not None and _is_int(model.heads) and model.heads >= 1 and model.heads % tp:
-        ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0 and t <= max(tp, 1) * 2]
+        ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0]
         sink.error(f"{label}: tp = {tp} does not divide the {model.heads} attention heads of @{model.name}", at,
-                   f"tensor parallelism splits heads: use tp in {', '.join(map(str, ok[-4:]))}")
+                   f"tensor parallelism splits the heads: tp must be one of {', '.join(map(str, ok))}")
     if model is not None and _is_int(model.layers) and model.layers >= 1 and pp > model.layers:
         sink.error(f"{label}: pp = {pp} is more pipeline stages than the {model.layers} layers of @{model.name}",
                    at, f"use pp <= {model.layers}")

@@ -13,6 +13,7 @@ for _name, _module in {
     "parallelize": "rlhfc.passes.parallelize",
     "stream": "rlhfc.passes.stream",
     "overcommit": "rlhfc.passes.overcommit",
+    "placement": "rlhfc.passes.placement",
 }.items():
     register_lazy(_name, _module)
 

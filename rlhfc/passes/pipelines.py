@@ -7,8 +7,8 @@
 | O2    | O1 + the exact performance passes (overlap, placement, reallocation) |
 | O3    | O2 + passes that change which samples a step trains on (opt-in) |
 
-The overlap passes (``parallelize``, ``stream``; O2), ``overcommit`` (O3) and
-the placement/reallocation passes (O2) are added to these lists as they land.
+Placement runs last so its search prices plans with the overlap decisions
+(overlap groups, streaming, overcommitment) already in the IR.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from .base import Pass, parse_pipeline
 PIPELINES: dict[str, list[str]] = {
     "O0": [],
     "O1": ["dce"],
-    "O2": ["dce", "parallelize", "stream"],
-    "O3": ["dce", "parallelize", "stream", "overcommit"],
+    "O2": ["dce", "parallelize", "stream", "placement"],
+    "O3": ["dce", "parallelize", "stream", "overcommit", "placement"],
 }
 
 

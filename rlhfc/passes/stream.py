@@ -1,11 +1,12 @@
 """``stream`` (OPPO intra-step overlap): generation hands finished samples downstream in chunks.
 
-For each ``generate`` stage, the forward stages that read its rollout (actor and
-reference log-probs, critic values, reward scores) become streamed consumers:
-the generating worker yields every ``chunk`` finished samples, and each chunk
-goes to the consumers at once, so they compute while the long tail of the batch
-is still being generated. A consumer on the generating model itself runs in the
-worker's second thread (Ray concurrency group ``stream``) beside generation. Annotations: ``stream = {chunk = C}`` on
+For each ``generate`` stage, the forward stages of *other* models that read its
+rollout (reference log-probs, critic values, reward scores) become streamed
+consumers: the generating worker yields every ``chunk`` finished samples, and
+each chunk goes to the consumers at once, so they compute while the long tail
+of the batch is still being generated. (Forwards of the generating model wait:
+its worker is busy generating, and a second thread there would only take CPU
+from generation — measured slower on 2 cores.) Annotations: ``stream = {chunk = C}`` on
 the generate stage, ``stream_from = "<rollout>"`` on each consumer.
 
 Chunk size: a small chunk hides more of the consumers' work behind generation
@@ -49,7 +50,8 @@ class Stream(Pass):
         g = module.graph
         for gen in [s for s in g.stages if s.op == "generate"]:
             roll = gen.outputs[0]
-            consumers = [s for s in g.users(roll) if s.op.startswith("forward.") and len(s.inputs) == 1]
+            consumers = [s for s in g.users(roll) if s.op.startswith("forward.") and s.target != gen.target
+                         and len(s.inputs) == 1]
             if not consumers:
                 continue
             batch = roll.type.batch or 1
@@ -71,9 +73,9 @@ def auto_chunk(module: Module, gen, consumers) -> int:
 def forward_seconds(module: Module, stage, gen) -> float:
     """Predicted time of one forward stage over the whole rollout (cost model; analytic fallback)."""
     try:
-        from rlhfc.cost import stage_time  # the calibrated cost model, when available
+        from rlhfc.cost import CostModel  # calibrated by `rlhfc profile` when a profile exists
 
-        return float(stage_time(module, stage))
+        return float(CostModel(module).stage_cost(stage).time_s)
     except (ImportError, AttributeError, TypeError, KeyError, ValueError):
         pass
     model = module.models[stage.target]

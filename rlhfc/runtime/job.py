@@ -234,21 +234,21 @@ class Job:
         refs = {}
         for name, w in placement["workers"].items():
             model = self.plan["models"][name]
-            # "stream": a second thread for forwards on streamed chunks while the default thread generates
-            actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0), max_restarts=0,
-                                   concurrency_groups={"stream": 1})(ModelWorker)
+            actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
+                                   max_restarts=0)(ModelWorker)
             handle = actor_cls.options(
                 name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w["bundle"]),
             ).remote(name, model["spec"], model["init"], self.seed, w.get("threads", 1),
-                     "cuda" if use_gpu else "cpu")
+                     "cuda" if use_gpu else "cpu", w.get("cores"))
             self.workers[name] = handle
             refs[name] = handle.ready.remote()
             setattr(self.handles, name, handle)
+        self.worker_info: dict[str, dict] = {}
         for name, ref in refs.items():
             self.current_stage = f"start {name}"
             try:
-                ray.get(ref)
+                self.worker_info[name] = ray.get(ref)
             except Exception as exc:
                 cause = getattr(exc, "cause", None) or exc
                 raise JobError(f"worker for model '{name}' failed to start: {type(cause).__name__}: {cause}",

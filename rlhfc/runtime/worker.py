@@ -42,7 +42,11 @@ class ModelWorker:
     weights of model NAME (built here from the same seed, so no transfer is needed).
     """
 
-    def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu"):
+    def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
+                 cores: list[int] | None = None):
+        if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
+            os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
+        self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         torch.set_num_threads(max(1, int(threads)))
         torch.manual_seed(derive_seed(seed, name, "global"))
         self.name = name
@@ -65,8 +69,11 @@ class ModelWorker:
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def ready(self) -> dict:
+        import ray
+
         return {"name": self.name, "params": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
-                "threads": torch.get_num_threads(), "device": self.device}
+                "threads": torch.get_num_threads(), "device": self.device, "cores": self.cores,
+                "node": ray.get_runtime_context().get_node_id()}
 
     def get_version(self) -> int:
         return self.version

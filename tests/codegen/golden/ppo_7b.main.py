@@ -20,22 +20,22 @@ from rlhfc.runtime.job import main
 def step(job, w):
     """One step of pipeline 'ppo' (batch = 512)."""
     prompts = job.next_prompts('prompts', 512)
-    # stream: finished samples flow in chunks of 7 to logp, ref_logp, values, scores while generation goes on
-    roll, logp, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=7, take=None, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1),
+    # stream: finished samples flow in chunks of 17 to ref_logp, values, scores while generation goes on
+    roll, ref_logp, values, scores = job.stream(
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=17, take=None, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1),
         prompts=prompts,
         consumers={
-            'logp': lambda chunk: w.actor.logprobs.options(concurrency_group='stream').remote(chunk, temperature=1.0),
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
             'values': lambda chunk: w.critic.values.remote(chunk),
             'scores': lambda chunk: w.reward.score.remote(chunk),
         },
     )
     # overlap group 1: launched together, awaited where the driver needs them
-    # logp: computed chunk by chunk inside the stream of %roll above
+    logp = w.actor.logprobs.remote(roll, temperature=1.0)
     # ref_logp: computed chunk by chunk inside the stream of %roll above
     # values: computed chunk by chunk inside the stream of %roll above
     # scores: computed chunk by chunk inside the stream of %roll above
+    logp, = job.wait({'logp': logp})
     adv, ret = job.compute('adv', ops.gae, scores, values, logp, ref_logp, gamma=1.0, lam=0.95, kl_coef=0.05, estimator='k1', whiten=True)
     ppo_clip = job.compute('ppo_clip', ops.ppo_clip, roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator='k3', temperature=1.0)
     value_loss = job.compute('value_loss', ops.value_loss, roll, values, ret, clip=0.2)

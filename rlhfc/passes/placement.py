@@ -1,0 +1,273 @@
+"""``placement``: which devices each model uses, and its parallel layout (Ant's strategies, ReaL's search).
+
+Strategies (``placement{strategy=...}``, the program's ``run { placement = ... }``
+or ``--placement``):
+
+- ``flatten`` — every model on every device, one layout (DeepSpeed-Chat style).
+- ``interleave`` — models get exclusive device shares sized by their work and
+  run concurrently; with fewer devices than models, models are packed into
+  shares by longest-processing-time (on 2 CPU cores: the actor alone on one
+  core, critic + reference + reward on the other).
+- ``separate`` — generation on its own devices, apart from training and the
+  other forwards (a shadow copy of the actor serves generation; ``realloc``
+  inserts the weight transfer after each train step).
+- ``search`` (the default on clusters of more than one device) — start from the
+  best of the three, then a Metropolis (MCMC) walk over per-model meshes
+  (aligned power-of-two device ranges) and generation meshes, each plan priced
+  by the simulator over 3 unrolled steps; plans that overflow memory cost ×3
+  (as ReaL). Returns the fastest plan that fits; bounded by ``seconds``.
+
+Each model stage gets ``mesh = {first, count}`` and ``parallel = {dp, tp, pp}``:
+the fastest split of its mesh (cost model) whose memory fits beside the other
+models there. A plan that cannot fit is a compile error naming the stage, the
+device, bytes needed vs available, and what would make it fit.
+
+Exact: placement decides where and how stages run, not what they compute (on
+CPU every worker keeps one torch thread per core, so results are bitwise equal).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from rlhfc.ir import DiagnosticSink, Module
+
+from .base import Pass, register_pass
+
+STRATEGIES = ("flatten", "interleave", "separate", "search")
+#: whether search may put a model's generation on other devices than its training (needs realloc)
+SPLIT_GENERATION = False
+
+
+@register_pass
+@dataclass(frozen=True)
+class Placement(Pass):
+    name = "placement"
+    description = "place models on devices: flatten | interleave | separate | search (cost-model MCMC)"
+    exact = True
+    strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
+    seconds: float = field(default=20.0, metadata={"doc": "time budget of the search"})
+    seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES + ("auto",):
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or auto")
+
+    def run(self, module: Module) -> Module:
+        strategy = self.strategy if self.strategy != "auto" else module.run.placement
+        if strategy == "auto":
+            strategy = "search" if module.cluster.num_devices > 1 else "flatten"
+        plan = {"flatten": flatten, "interleave": interleave, "separate": separate}.get(strategy)
+        if plan is not None:
+            assign = plan(module)
+        else:
+            assign = search(module, self.seconds, self.seed)
+        apply(module, assign)
+        module.annotations["strategy"] = strategy
+        from rlhfc.cost import check_memory
+
+        sink = DiagnosticSink()
+        check_memory(module, sink)
+        sink.raise_if_errors()
+        return module
+
+
+# -- plans: {stage name: (first, count)} --------------------------------------------------------------------
+
+def _model_stages(module: Module) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for s in module.graph.stages:
+        if s.target in module.models:
+            out.setdefault(s.target, []).append(s)
+    return out
+
+
+def flatten(module: Module) -> dict[str, tuple[int, int]]:
+    n = module.cluster.num_devices
+    return {s.name: (0, n) for stages in _model_stages(module).values() for s in stages}
+
+
+def _work(module: Module) -> dict[str, float]:
+    """Seconds of work per model with the whole cluster to itself (cost model)."""
+    from rlhfc.cost import CostModel
+
+    trial = module.clone()
+    apply(trial, flatten(trial), layouts=False)
+    cm = CostModel(trial)
+    work: dict[str, float] = {}
+    for name, stages in _model_stages(trial).items():
+        work[name] = sum(cm.stage_cost(s).time_s for s in stages)
+    return work
+
+
+def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]]:
+    """Exclusive device ranges sized by work; packed by longest-processing-time when devices are few."""
+    n = module.cluster.num_devices
+    names = sorted(work, key=lambda m: (-work[m], m))
+    if n < len(names):
+        bins = [[] for _ in range(n)]
+        load = [0.0] * n
+        for m in names:
+            i = min(range(n), key=lambda b: (load[b], b))
+            bins[i].append(m)
+            load[i] += work[m]
+        return {m: (i, 1) for i, ms in enumerate(bins) for m in ms}
+    total = sum(work.values()) or 1.0
+    counts = {m: max(1, int(n * work[m] / total)) for m in names}
+    while sum(counts.values()) > n:                       # trim the largest shares
+        big = max(counts, key=lambda m: counts[m])
+        counts[big] -= 1
+    spare = n - sum(counts.values())
+    for m in names:                                       # hand spare devices to the heaviest
+        if spare <= 0:
+            break
+        counts[m] += 1
+        spare -= 1
+    out, first = {}, 0
+    for m in names:
+        out[m] = (first, counts[m])
+        first += counts[m]
+    return out
+
+
+def interleave(module: Module) -> dict[str, tuple[int, int]]:
+    share = _shares(module, _work(module))
+    return {s.name: share[m] for m, stages in _model_stages(module).items() for s in stages}
+
+
+def separate(module: Module) -> dict[str, tuple[int, int]]:
+    """Generation on the first devices (sized by its share of the work), everything else on the rest."""
+    n = module.cluster.num_devices
+    if n < 2:
+        return flatten(module)
+    from rlhfc.cost import CostModel
+
+    trial = module.clone()
+    apply(trial, flatten(trial), layouts=False)
+    cm = CostModel(trial)
+    gen = sum(cm.stage_cost(s).time_s for s in trial.graph.stages if s.op == "generate")
+    rest = sum(cm.stage_cost(s).time_s for s in trial.graph.stages if s.target in trial.models and s.op != "generate")
+    k = min(n - 1, max(1, round(n * gen / max(gen + rest, 1e-9))))
+    out = {}
+    for stages in _model_stages(module).values():
+        for s in stages:
+            out[s.name] = (0, k) if s.op == "generate" else (k, n - k)
+    return out
+
+
+def _meshes(n: int, per_node: int) -> list[tuple[int, int]]:
+    """Aligned power-of-two ranges (within a node, or whole nodes)."""
+    out = []
+    size = 1
+    while size <= n:
+        if size <= per_node or size % per_node == 0:
+            out += [(first, size) for first in range(0, n - size + 1, size)]
+        size *= 2
+    if (0, n) not in out:
+        out.append((0, n))
+    return out
+
+
+#: proposals without improvement after which the walk stops
+PATIENCE = 150
+#: a search space at most this large is enumerated instead of sampled
+EXHAUSTIVE = 256
+
+
+def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, int]]:
+    """The fastest plan that fits: the strategies' plans, then every per-model mesh assignment when
+    there are few, else a Metropolis walk (ReaL) until ``seconds`` or ``PATIENCE`` idle proposals."""
+    import itertools
+
+    from rlhfc.cost import memory_issues, simulate
+
+    cache: dict[tuple, float] = {}
+
+    def price(assign) -> float:
+        key = tuple(sorted(assign.items()))
+        if key not in cache:
+            trial = module.clone()
+            apply(trial, assign)
+            t = simulate(trial, steps=3).step_time_s
+            cache[key] = t * 3 if memory_issues(trial) else t
+        return cache[key]
+
+    start = time.perf_counter()
+    by_model = _model_stages(module)
+    seeds = [flatten(module), interleave(module)]
+    if SPLIT_GENERATION and module.cluster.num_devices > 1:
+        seeds.append(separate(module))
+    best = min(seeds, key=price)
+    best_t = price(best)
+    meshes = _meshes(module.cluster.num_devices, module.cluster.per_node)
+    models = sorted(by_model)
+    if len(meshes) ** len(models) <= EXHAUSTIVE:
+        for combo in itertools.product(meshes, repeat=len(models)):
+            if time.perf_counter() - start > seconds:
+                break
+            plan = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
+            if price(plan) < best_t:
+                best, best_t = plan, price(plan)
+        return best
+    keys = [(m, False) for m in models]
+    if SPLIT_GENERATION:
+        keys += [(m, True) for m in models if any(s.op == "generate" for s in by_model[m])]
+    rng = random.Random(seed)
+    temp = max(best_t, 1e-9) * 0.05
+    cur, cur_t, idle = best, best_t, 0
+    while time.perf_counter() - start < seconds and idle < PATIENCE:
+        model, gen_only = rng.choice(keys)
+        mesh = rng.choice(meshes)
+        prop = dict(cur)
+        for s in by_model[model]:
+            if (s.op == "generate") == gen_only or not gen_only:
+                prop[s.name] = mesh
+        t = price(prop)
+        idle += 1
+        if t < cur_t or rng.random() < math.exp(-(t - cur_t) / temp):
+            cur, cur_t = prop, t
+            if t < best_t:
+                best, best_t, idle = prop, t, 0
+    return best
+
+
+# -- applying a plan ----------------------------------------------------------------------------------------
+
+def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True) -> None:
+    """Annotate every model stage with its mesh and the fastest parallel split that fits."""
+    for s in module.graph.stages:
+        if s.name not in assign:
+            continue
+        first, count = assign[s.name]
+        s.annotations["mesh"] = {"first": first, "count": count}
+        s.annotations["parallel"] = {"dp": count, "tp": 1, "pp": 1}
+    if not layouts or module.cluster.device == "cpu":
+        return
+    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+
+    cm = CostModel(module)
+    meshes: dict[str, set] = {}
+    for name, (first, count) in assign.items():
+        meshes.setdefault(module.graph.stage(name).target, set()).update(range(first, first + count))
+    for s in module.graph.stages:
+        if s.name not in assign or s.op.split(".")[0] not in ("generate", "forward", "train"):
+            continue
+        model = module.models[s.target]
+        first, count = assign[s.name]
+        # a fair share of each device: every model living on these devices keeps its weights there
+        mine = set(range(first, first + count))
+        sharing = sum(1 for devs in meshes.values() if devs & mine) or 1
+        capacity = cm.spec.memory / sharing
+        cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
+                                  layers=model.layers)
+        if not cands:
+            continue
+        res = evaluate(module, s.name, cands, cost_model=cm)
+        mem = res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]
+        order = sorted(range(len(cands)), key=lambda i: res["total"][i])
+        fits = [i for i in order if capacity is None or mem[i] <= capacity]
+        pick = cands[(fits or sorted(range(len(cands)), key=lambda i: mem[i]))[0]]
+        s.annotations["parallel"] = {"dp": pick.dp, "tp": pick.tp, "pp": pick.pp}
