@@ -102,7 +102,7 @@ def geometric(T: int, p: float) -> LengthDist:
 
 def lognormal(T: int, median_frac: float, sigma: float) -> LengthDist:
     mu = math.log(max(median_frac * T, 1.0))
-    edges = np.arange(0, T + 1, dtype=np.float64) + 0.5
+    edges = np.arange(1, T + 1, dtype=np.float64) + 0.5    # length l takes (l - 0.5, l + 0.5]; 1 takes all below
     z = (np.log(edges) - mu) / (sigma * math.sqrt(2))
     cdf = 0.5 * (1 + np.vectorize(math.erf)(z))
     pmf = np.diff(np.concatenate([[0.0], cdf]))

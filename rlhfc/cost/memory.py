@@ -110,24 +110,29 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
     parts = [f"device {dev.index} holds {held or 'nothing resident'}"]
     if cost.transient_bytes:
         parts[0] += f"; %{stage} adds {_gib(cost.transient_bytes)} of activations/KV cache while it runs"
-    suggestion = suggest_layout(cm, module, stage, dev.capacity_bytes - (sum(dev.static.values()) -
-                                                                          _own_static(dev, cost.model)))
+    # what the candidate layouts of this stage re-price: the model's weights (and its training state when the
+    # stage is its train stage); everything else on the device stays
+    repriced = _own_static(dev, cost.model, with_state=bool(cost.state_bytes))
+    suggestion = suggest_layout(cm, module, stage, dev.capacity_bytes - (sum(dev.static.values()) - repriced))
+    if suggestion is not None and cost.layout is not None and suggestion[0] == cost.layout:
+        suggestion = None
     if suggestion is not None:
         lay, need = suggestion
         parts.append(f"shard @{cost.model} more: parallel = {{dp = {lay.dp}, tp = {lay.tp}, pp = {lay.pp}}}"
                      + (f", recompute = \"{lay.recompute}\"" if lay.recompute != "none" else "")
                      + f" needs {_gib(need)} per device for it")
     else:
-        parts.append(f"no (dp, tp, pp) split of {cost.layout.count if cost.layout else 0} devices fits "
-                     f"@{cost.model} beside the other models: give models separate meshes "
-                     "(mesh = {first = I, count = N}), add devices, or offload")
+        parts.append(f"no other (dp, tp, pp) split of its {cost.layout.count if cost.layout else 0} devices fits "
+                     f"@{cost.model} beside what else they hold: give models separate meshes "
+                     "(mesh = {first = I, count = N}), more micro-batches, more devices, or offload")
     return "; ".join(parts)
 
 
-def _own_static(dev, model: str | None) -> float:
+def _own_static(dev, model: str | None, with_state: bool) -> float:
     if not model:
         return 0.0
-    return sum(v for k, v in dev.static.items() if k.startswith(f"@{model} "))
+    keys = [f"@{model} weights"] + ([f"@{model} grads+optimizer"] if with_state else [])
+    return sum(dev.static.get(k, 0.0) for k in keys)
 
 
 def suggest_layout(cm: CostModel, module: Module, stage: str, budget: float) -> tuple[Layout, float] | None:

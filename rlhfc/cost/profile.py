@@ -250,8 +250,12 @@ def _timeit(fn, reps: int = 5) -> float:
 
 def _set_passive_waits() -> None:
     """Idle OpenMP threads sleep instead of spinning, so a busy co-tenant on a small machine does not turn
-    2-thread kernels into 10-100x slower ones (the same setting makes measurements repeatable)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    2-thread kernels into 10-100x slower ones (the same setting makes measurements repeatable). OpenMP reads
+    it once, so it only matters before torch is first imported (``rlhfc profile`` on the command line)."""
+    import sys
+
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def measure_host(threads: int, device: str = "cpu") -> dict:

@@ -188,7 +188,8 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
         return None
 
     # static dependencies (within a step)
-    data_deps = {s.name: sorted({producers[id(v)].name for v in s.inputs if id(v) in producers}, key=index.get)
+    data_deps = {s.name: sorted({producers[id(v)].name for v in s.inputs if id(v) in producers
+                                 and producers[id(v)] is not stream_source(s)}, key=index.get)
                  for s in stages}
     order_deps: dict[str, list[str]] = {}
     for i, s in enumerate(stages):

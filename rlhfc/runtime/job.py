@@ -223,7 +223,10 @@ class Job:
 
         from .worker import ModelWorker
 
-        pg = placement_group(placement["bundles"], strategy=placement.get("strategy", "PACK"))
+        strategy = placement.get("strategy", "PACK")
+        if len(ray.nodes()) < len(placement["bundles"]):
+            strategy = "PACK"   # a local (one-node) Ray runs a multi-node plan on this machine
+        pg = placement_group(placement["bundles"], strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=60)
         except Exception:

@@ -1,0 +1,113 @@
+"""Calibration: NNLS fits, profile files, merging, and a real (small) measurement through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rlhfc.cli import main
+from rlhfc.cost import CostConfig, CostModel, Profile, ProfileError, load_profile, model_key
+from rlhfc.cost.profile import (default_profile_path, find_default_profile, fit_relative, forward_features,
+                                generate_features, merge_profiles, nnls, refit)
+
+from .helpers import example
+
+MICRO = """
+cluster local { devices = cpu:1 }
+model actor  = llama(layers = 1, hidden = 16, heads = 2, vocab = 32, max_seq = 48) trainable
+model critic = like(actor) head = value trainable
+data prompts = synthetic(count = 64, min_len = 3, max_len = 6)
+pipeline ppo(batch = 4) {
+  roll   = actor.generate(prompts, max_new_tokens = 6)
+  logp   = actor.logprobs(roll)
+  values = critic.values(roll)
+  scores = rule("rlhfc.runtime.rewards:vowel_fraction", roll)
+  adv, ret = gae(scores, values)
+  actor.train(ppo_clip(roll, logp, adv), lr = 1e-3)
+  critic.train(value_loss(roll, values, ret), lr = 1e-3)
+}
+"""
+
+
+def test_nnls_matches_least_squares_and_stays_non_negative():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.1, 1.0, size=(30, 4))
+    x = np.array([0.5, 0.0, 2.0, 1.0])
+    got = nnls(a, a @ x)
+    np.testing.assert_allclose(got, x, atol=1e-9)
+    b = a @ np.array([1.0, -3.0, 0.5, 0.0])              # the unconstrained optimum has a negative entry
+    got = nnls(a, b)
+    assert (got >= 0).all()
+    assert np.linalg.norm(a @ got - b) <= np.linalg.norm(a @ np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0, None) - b)
+
+
+def test_fits_recover_known_costs():
+    coef = [2e-3, 1e-6, 1.5e-3, 2e-5, 3e-8]
+    pts = [(b, p, t) for b in (4, 16, 48) for p in (6, 16) for t in (8, 40)]
+    secs = [float(np.dot(generate_features(*x), coef)) for x in pts]
+    np.testing.assert_allclose(fit_relative([generate_features(*x) for x in pts], secs), coef, rtol=1e-6)
+    fcoef = [4e-3, 7e-6, 2e-9]
+    fpts = [(b, s) for b in (4, 16, 48) for s in (16, 40, 64)]
+    got = fit_relative([forward_features(*x) for x in fpts], [float(np.dot(forward_features(*x), fcoef)) for x in fpts])
+    np.testing.assert_allclose(got, fcoef, rtol=1e-6)
+
+
+def test_profile_round_trip_merge_and_errors(tmp_path):
+    entry = refit({"spec": {}, "threads": 2, "points": {"forward": [[4, 16, 0.010], [16, 64, 0.030], [8, 32, 0.02]],
+                                                        "optimizer": [0.003]}})
+    slow = refit(json.loads(json.dumps(entry)))
+    slow["points"]["forward"] = [[b, s, t * 1.5] for b, s, t in slow["points"]["forward"]]
+    a = Profile("cpu", "cpu x", 2, {"matmul_flops_1": 1e10}, {"k": entry})
+    b = Profile("cpu", "cpu x", 2, {"matmul_flops_1": 2e10}, {"k": refit(slow)})
+    merged = merge_profiles(b, a)
+    assert [p[2] for p in merged.models["k"]["points"]["forward"]] == [0.010, 0.030, 0.02]
+    assert merged.host["matmul_flops_1"] == 2e10
+    path = str(tmp_path / "p.json")
+    merged.save(path)
+    again = load_profile(path)
+    assert again.models == merged.models and again.path == path and again.fit("k", "optimizer") == 0.003
+    (tmp_path / "bad.json").write_text("{\"format\": 99}")
+    with pytest.raises(ProfileError, match="format 99"):
+        load_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+def test_default_location_follows_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHFC_CACHE_DIR", str(tmp_path))
+    path = default_profile_path("cpu", "AMD EPYC 7B13")
+    assert path == str(tmp_path / "profile-amd-epyc-7b13.json")
+    assert find_default_profile("cpu") is None
+
+
+def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
+    src = tmp_path / "micro.rlhf"
+    src.write_text(MICRO)
+    out = tmp_path / "prof.json"
+    code = main(["profile", str(src), "--quick", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    prof = load_profile(str(out))
+    assert prof.device_kind == "cpu" and prof.threads == 1
+    keys = set(prof.models)
+    assert {k.rsplit("-", 1)[1] for k in keys} == {"lm", "value"}
+    lm = next(v for k, v in prof.models.items() if k.endswith("-lm"))
+    assert set(lm["fit"]) == {"generate", "forward", "train", "optimizer"}
+    assert all(len(lm["fit"][k]) in (3, 5) for k in ("generate", "forward", "train"))
+    assert "compute.gae" in prof.compute and "compute.rule" in prof.compute
+    assert prof.host["matmul_flops_1"] > 1e8 and prof.host["thread_speedup"][0] == 1.0
+    code = main(["explain", str(src), "-O1", "--profile", str(out), "--format", "json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    sources = {s["name"]: s["source"] for s in report["stages"]}
+    assert sources["roll"] == "profile" and sources["actor_train"] == "profile" and sources["adv"] == "profile"
+    assert report["profile"] == str(out) and report["predicted_step_time_s"] > 0
+    # a profile taken on another device kind is not used for this cluster
+    gpu = Profile("H100-80GB", "H100", 8, {"matmul_flops": 6e14, "copy_bw": 2.8e12})
+    m = example("ppo_70b")
+    assert CostModel(m, CostConfig(profile=gpu)).spec.mem_eff == pytest.approx(2.8e12 / 3.35e12)
+    assert CostModel(example("ppo_tiny"), CostConfig(profile=gpu)).profile is None
+    assert model_key(m.models["ref"]) == model_key(m.models["actor"])

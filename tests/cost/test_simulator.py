@@ -1,0 +1,113 @@
+"""The discrete-event simulator: dependencies, overlap groups, streaming, versions, memory, bottleneck."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfc.cost import CostConfig, CostModel, simulate
+
+from .helpers import annotate, example, gpu_ppo, mesh
+
+CFG = CostConfig(dispatch_s=0.0)
+
+
+def _task(result, stage, step=None):
+    return next(t for t in result.step_tasks(step) if t.stage == stage)
+
+
+def test_sequential_plan_is_the_sum_of_its_stages():
+    m = example("ppo_tiny")
+    r = simulate(m, CFG, steps=3)
+    total = sum(c.time_s for c in r.costs.values())
+    assert r.step_time_s == pytest.approx(total, rel=1e-9)
+    # one after another, in IR order, within every step; steps one after another
+    tasks = r.step_tasks()
+    assert all(a.end <= b.start + 1e-12 for a, b in zip(tasks, tasks[1:]))
+    assert r.step_spans[1][0] >= r.step_spans[0][1]
+    assert len(r.tasks) == 3 * len(m.graph.stages)
+
+
+def test_overlap_group_runs_concurrently_only_on_disjoint_meshes():
+    m = gpu_ppo()
+    seq = simulate(m, CFG, steps=2)
+    group = {s: {"overlap": 1} for s in ("logp", "ref_logp", "values", "scores")}
+    shared = simulate(annotate(gpu_ppo(), group), CFG, steps=2)
+    # same devices: launching together cannot run them at the same time
+    assert shared.step_time_s == pytest.approx(seq.step_time_s, rel=1e-9)
+    split = annotate(gpu_ppo(), {"logp": mesh(0, 2, overlap=1), "ref_logp": mesh(2, 2, overlap=1),
+                                 "values": mesh(4, 2, overlap=1), "scores": mesh(6, 2, overlap=1)})
+    r = simulate(split, CFG, steps=2)
+    starts = {s: _task(r, s).start for s in ("logp", "ref_logp", "values", "scores")}
+    assert max(starts.values()) - min(starts.values()) < 1e-9            # launched together
+    assert _task(r, "adv").start >= max(_task(r, s).end for s in starts) - 1e-12
+    # without the group the same placement runs them one after another
+    alone = simulate(annotate(gpu_ppo(), {"logp": mesh(0, 2), "ref_logp": mesh(2, 2), "values": mesh(4, 2),
+                                          "scores": mesh(6, 2)}), CFG, steps=2)
+    assert _task(alone, "ref_logp").start >= _task(alone, "logp").end - 1e-12
+    assert r.step_time_s < alone.step_time_s
+
+
+def test_streaming_starts_consumers_before_generation_ends():
+    plan = {"roll": mesh(0, 4, stream={"chunk": 64}), "logp": mesh(4, 4)}
+    m = annotate(gpu_ppo(batch=256, new=512), plan)
+    cfg = CostConfig(dispatch_s=0.0, response_lengths="lognormal:0.25:1.0")
+    r = simulate(m, cfg, steps=2)
+    roll, logp = _task(r, "roll"), _task(r, "logp")
+    assert len(logp.chunks) == 4 and logp.start < roll.end                 # overlaps the decoding tail
+    assert logp.chunks[-1][0] >= roll.end - 1e-9                           # the last chunk waits for the end
+    plain = simulate(annotate(gpu_ppo(batch=256, new=512), {"roll": mesh(0, 4), "logp": mesh(4, 4)}), cfg, steps=2)
+    assert _task(plain, "logp").start >= _task(plain, "roll").end - 1e-12
+    # consumers on the generating devices cannot start early
+    shared = simulate(annotate(gpu_ppo(batch=256, new=512), {"roll": {"stream": {"chunk": 64}}}), cfg, steps=2)
+    assert _task(shared, "logp").start >= _task(shared, "roll").end - 1e-12
+
+
+def test_parameter_versions_order_unrolled_steps_without_a_barrier():
+    m = annotate(gpu_ppo(), {"roll": mesh(0, 4), "actor_train": mesh(4, 4)})
+    r = simulate(m, CFG, steps=3, step_barrier=False)
+    for k in (1, 2):
+        roll = next(t for t in r.tasks if t.stage == "roll" and t.step == k)
+        train = next(t for t in r.tasks if t.stage == "actor_train" and t.step == k - 1)
+        assert roll.start >= train.end - 1e-12          # version @actor %actor_train -> %roll [+1]
+    # the critic trains on the step's values: its next values wait for it, other stages need not
+    crit = next(t for t in r.tasks if t.stage == "critic_train" and t.step == 0)
+    vals = next(t for t in r.tasks if t.stage == "values" and t.step == 1)
+    assert vals.start >= crit.end - 1e-12
+
+
+def test_reallocation_is_charged_when_layouts_change():
+    plan = {"roll": mesh(0, 8, tp=8), "logp": mesh(0, 8, tp=8), "actor_train": mesh(0, 8, tp=2, pp=4)}
+    r = simulate(annotate(gpu_ppo(), plan), CFG, steps=2)
+    assert r.reshard.get("roll", 0) > 0 and r.reshard.get("actor_train", 0) > 0 and "logp" not in r.reshard
+    assert any("changes layout" in n for n in r.notes)
+    assert _task(r, "roll").duration == pytest.approx(r.costs["roll"].time_s + r.reshard["roll"], rel=1e-9)
+
+
+def test_memory_peak_is_resident_plus_running():
+    m = gpu_ppo()
+    r = simulate(m, CFG, steps=1)
+    d = r.devices[0]
+    resident = sum(d.static.values())
+    biggest = max(c.transient_bytes for c in r.costs.values() if c.layout is not None)
+    assert d.peak_memory_bytes == pytest.approx(resident + biggest, rel=1e-9)
+    assert {"@actor weights", "@actor grads+optimizer", "@ref weights", "@reward weights"} <= set(d.static)
+    assert "@ref grads+optimizer" not in d.static
+    # a model placed on half the devices is not resident on the other half
+    r2 = simulate(annotate(gpu_ppo(), {"scores": mesh(4, 4)}), CFG, steps=1)
+    assert "@reward weights" not in r2.devices[0].static and "@reward weights" in r2.devices[5].static
+
+
+def test_utilisation_and_bottleneck():
+    m = annotate(gpu_ppo(), {"roll": mesh(0, 4), "logp": mesh(0, 4), "ref_logp": mesh(0, 4), "values": mesh(0, 4),
+                             "scores": mesh(0, 4), "actor_train": mesh(0, 4), "critic_train": mesh(0, 4)})
+    r = simulate(m, CFG, steps=3)
+    assert r.devices[0].utilisation > 0.9 and r.devices[7].utilisation == 0.0
+    b = r.bottleneck
+    assert b["stage"] in r.costs and 0 < b["share"] <= 1 and b["bound"] in ("compute", "memory", "comm", "overhead")
+    assert r.critical_path and r.critical_path[-1].end == pytest.approx(r.makespan_s)
+
+
+def test_cost_model_reuse_gives_identical_results():
+    m = example("grpo_tiny")
+    cm = CostModel(m, CFG)
+    assert simulate(m, steps=2, cost_model=cm).step_time_s == simulate(m, CFG, steps=2).step_time_s
