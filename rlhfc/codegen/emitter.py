@@ -12,6 +12,8 @@ import keyword
 
 from rlhfc.ir import Module, Stage
 
+from .plan import stage_worker, worker_name
+
 _RESERVED = {"job", "w", "ops", "step", "main", "sys", "ray", "torch"}
 
 
@@ -97,10 +99,14 @@ class PythonEmitter:
             return self.stream_line(s)
         if s.op == "load":
             return f"{outs} = job.next_prompts({s.target!r}, {s.attrs['batch']})"
+        if s.op == "sync":
+            dst = worker_name(self.m, s.target, (s.attrs["to_first"], s.attrs["to_count"]))
+            return (f"{outs} = job.sync({name!r}, w.{stage_worker(self.m, s)}, w.{dst}, "
+                    f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)})")
         if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
             method = s.op.split(".")[-1]
             call = ", ".join(_args(s.inputs) + _kwargs(s.attrs))
-            remote = f"w.{s.target}.{method}.remote({call})"
+            remote = f"w.{stage_worker(self.m, s)}.{method}.remote({call})"
             if s.annotations.get("overlap") is not None:
                 self.pending.extend(v.name for v in s.outputs)
                 return f"{outs} = {remote}"
@@ -126,7 +132,7 @@ class PythonEmitter:
         chunk = s.annotations.get("stream", {}).get("chunk", 0)
         oc = s.annotations.get("overcommit")
         gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs})
-        launch = f"lambda prompts, carry: w.{s.target}.generate_chunks.remote(prompts, carry=carry, " \
+        launch = f"lambda prompts, carry: w.{stage_worker(self.m, s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",
                  f"        {s.name!r}, {launch},"]
@@ -140,7 +146,7 @@ class PythonEmitter:
             for c in consumers:
                 method = c.op.split(".")[-1]
                 call = ", ".join(["chunk"] + _kwargs(c.attrs))
-                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: w.{c.target}.{method}.remote({call}),")
+                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: w.{stage_worker(self.m, c)}.{method}.remote({call}),")
             lines.append("        },")
         lines.append("    )")
         what = []

@@ -38,8 +38,8 @@ def _init(module: Module, m) -> dict:
 
 
 def model_mesh(module: Module, name: str) -> tuple[int, int]:
-    """Devices (first, count) hosting a model's worker: its train stage's mesh, else its first stage's,
-    else the whole cluster (the flattened default)."""
+    """A model's home devices (first, count): its train stage's mesh, else its first stage's, else
+    the whole cluster (the flattened default). Its weights are authoritative there."""
     stages = module.graph.stages_on(name)
     ordered = [s for s in stages if s.op == "train"] + [s for s in stages if s.op != "train"]
     for s in ordered:
@@ -49,8 +49,25 @@ def model_mesh(module: Module, name: str) -> tuple[int, int]:
     return 0, module.cluster.num_devices
 
 
+def stage_mesh(module: Module, stage) -> tuple[int, int]:
+    mesh = stage.annotations.get("mesh")
+    if isinstance(mesh, dict) and "first" in mesh and "count" in mesh:
+        return int(mesh["first"]), int(mesh["count"])
+    return model_mesh(module, stage.target)
+
+
+def worker_name(module: Module, model: str, mesh: tuple[int, int]) -> str:
+    """The worker hosting ``model`` on ``mesh``: the model's name at home, ``model_at_F_N`` for a copy."""
+    return model if mesh == model_mesh(module, model) else f"{model}_at_{mesh[0]}_{mesh[1]}"
+
+
+def stage_worker(module: Module, stage) -> str:
+    return worker_name(module, stage.target, stage_mesh(module, stage))
+
+
 def placement(module: Module) -> dict:
-    """Ray bundles (one per node) and, per model worker, its node, devices, resource share and threads.
+    """Ray bundles (one per node) and, per worker — one per (model, mesh) — its node, devices,
+    resource share and threads.
 
     A worker on devices shared with k other workers gets 1/(k+1) of each shared device, so shares
     add up to the node's bundle. On CPU clusters the worker is pinned to its cores (``cores``) and
@@ -59,24 +76,30 @@ def placement(module: Module) -> dict:
     """
     c = module.cluster
     gpu = c.device != "cpu"
-    used = [name for name in module.models if module.graph.stages_on(name)]
     bundles = [({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
                for _ in range(c.nodes)]
-    local: dict[str, tuple[int, list[int]]] = {}
-    for name in used:
-        first, count = model_mesh(module, name)
-        node = first // c.per_node
-        start = first % c.per_node
-        local[name] = (node, list(range(start, min(c.per_node, start + count))))
+    local: dict[str, tuple[str, int, list[int], tuple[int, int]]] = {}
+    for s in module.graph.stages:
+        if s.target not in module.models:
+            continue
+        meshes = [stage_mesh(module, s)]
+        if s.op == "sync":
+            meshes.append((int(s.attrs["to_first"]), int(s.attrs["to_count"])))
+        for first, count in meshes:
+            key = worker_name(module, s.target, (first, count))
+            node, start = first // c.per_node, first % c.per_node
+            local.setdefault(key, (s.target, node, list(range(start, min(c.per_node, start + count))),
+                                   (first, count)))
     load: dict[tuple[int, int], int] = {}
-    for node, cores in local.values():
+    for _, node, cores, _ in local.values():
         for core in cores:
             load[(node, core)] = load.get((node, core), 0) + 1
     workers: dict[str, dict] = {}
-    for name, (node, cores) in local.items():
+    for key, (model, node, cores, mesh) in local.items():
         share = sum(1.0 / load[(node, core)] for core in cores)
-        workers[name] = {"bundle": node, "num_cpus": 0 if gpu else share, "num_gpus": share if gpu else 0,
-                         "threads": 1 if gpu else max(1, int(share + 1e-9)), "cores": cores}
+        workers[key] = {"model": model, "mesh": list(mesh), "bundle": node, "num_cpus": 0 if gpu else share,
+                        "num_gpus": share if gpu else 0, "threads": 1 if gpu else max(1, int(share + 1e-9)),
+                        "cores": cores}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 
 

@@ -335,12 +335,15 @@ class CostModel:
             width = float(self.generation_work(gen)["T"])
         fit = self.profile.compute_fit(op) if self.profile is not None else None
         a, b = (fit if fit else DEFAULT_COMPUTE.get(op, DEFAULT_OTHER_COMPUTE))
+        layout = None
         if op.split(".")[0] in ("sync", "offload", "onload"):
-            a, b = 0.0, 0.0  # priced by the simulator (weight transfers)
+            a, b = 0.0, 0.0  # weight transfers: priced by the simulator, on the model's mesh
+            layout = self.layout(stage)
         t = float(a + b * batch * width)
         model = stage.target if stage.target in self.module.models else None
-        return StageCost(stage.name, op, model, None, t, {"overhead": t}, "overhead",
-                         "profile" if fit else "driver", work={"rows": float(batch), "response": width})
+        return StageCost(stage.name, op, model, layout, t, {"overhead": t} if not layout else {"comm": t},
+                         "overhead" if not layout else "comm", "profile" if fit else
+                         ("driver" if not layout else "transfer"), work={"rows": float(batch), "response": width})
 
     def price_inputs(self, stage: Stage, layouts: list[Layout], rows: float | None = None) -> PriceInputs:
         """The formulas' inputs for ``stage`` under each of ``layouts`` (a model stage)."""

@@ -67,6 +67,7 @@ class Task:
     chunks: list = field(default_factory=list)
     reshard_s: float = 0.0
     waits_for: str = ""          # what decided the start: "stage@step", "devices", "barrier" or ""
+    resources: list = field(default_factory=list)   # every device it occupies (a sync: senders and receivers)
 
     @property
     def duration(self) -> float:
@@ -116,45 +117,81 @@ def _members(cost_model: CostModel, stage: Stage) -> tuple[int, int] | None:
     return None
 
 
-def _reallocations(cm: CostModel) -> tuple[dict, dict, list]:
-    """Transfer time charged to stages when a model's layout changes between consecutive stages on it."""
+def _sync_destination(stage: Stage, cluster) -> tuple[int, int] | None:
+    """The destination mesh of a ``sync`` stage (its ``to_first``/``to_count`` attributes), if it has one."""
+    first, count = stage.attrs.get("to_first"), stage.attrs.get("to_count")
+    if isinstance(first, int) and isinstance(count, int) and count >= 1:
+        return first, min(count, cluster.nodes * cluster.per_node - first)
+    return None
+
+
+def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
+    """Weight-transfer time: (charged to compute stages, carried by sync/offload/onload stages, notes, the
+    extra devices a sync occupies).
+
+    Two ways a plan can use a model under several layouts:
+
+    - it keeps one copy per mesh, refreshed after training by ``sync`` stages (the ``realloc`` pass): a sync
+      moves the trained weights from the train stage's layout to its destination mesh (``to_first``,
+      ``to_count``; the layout of the model's stage there), in buckets of ``bucket_mb``;
+    - it has no sync stage: the weights move between consecutive stages whose layouts differ (ReaL's
+      reallocation; cyclically, the first stage of a step follows the last one of the step before), and the
+      time is charged to the later stage.
+    """
     g = cm.module.graph
     extra: dict[str, float] = {}
-    sync_time: dict[str, float] = {}
+    carried: dict[str, float] = {}
+    sync_devices: dict[str, list[int]] = {}
     notes: list[str] = []
     per_node = cm.cluster.per_node
+    fam = lambda st: st.op.split(".", 1)[0]  # noqa: E731
     for name, model in cm.module.models.items():
-        on = [s for s in g.stages if s.target == name and s.op.split(".", 1)[0] in ("generate", "forward", "train",
-                                                                                     "sync", "offload", "onload")]
-        compute = [s for s in on if s.op.split(".", 1)[0] in ("generate", "forward", "train")]
-        if len(compute) < 2:
-            continue
+        on = [s for s in g.stages if s.target == name and fam(s) in ("generate", "forward", "train", "sync",
+                                                                      "offload", "onload")]
+        compute = [s for s in on if fam(s) in ("generate", "forward", "train")]
+        syncs = [s for s in on if fam(s) == "sync"]
         nbytes = cm.spec.bytes_per_param * model.params
-        for i, s in enumerate(compute):
-            prev = compute[i - 1]          # cyclic: the first stage follows the last one of the previous step
-            src, dst = cm.layout(prev), cm.layout(s)
-            if src.same_placement(dst):
-                continue
-            seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
-            between = [x for x in on if x.op.split(".", 1)[0] == "sync" and
-                       _between(g.stages, prev, s, x)]
-            if between:
-                sync_time[between[0].name] = sync_time.get(between[0].name, 0.0) + seconds
-            else:
+        if syncs:
+            train = next((s for s in compute if s.op == "train"), None)
+            src = cm.layout(train) if train is not None else cm.layout(syncs[0])
+            covered = {(src.first, src.count)}
+            for sy in syncs:
+                dest = _sync_destination(sy, cm.cluster)
+                if dest is None:
+                    continue
+                covered.add(dest)
+                there = next((x for x in compute if (cm.layout(x).first, cm.layout(x).count) == dest), None)
+                dst = cm.layout(there) if there is not None else Layout(dest[0], dest[1], dest[1], 1, 1)
+                seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
+                bucket = float(sy.attrs.get("bucket_mb", 64)) * 2 ** 20
+                seconds += math.ceil(nbytes / max(dst.tp * dst.pp, 1) / bucket) * cm.spec.latency
+                carried[sy.name] = carried.get(sy.name, 0.0) + seconds
+                sync_devices[sy.name] = sorted(set(src.devices) | set(range(dest[0], dest[0] + dest[1])))
+            for x in compute:
+                lay = cm.layout(x)
+                if (lay.first, lay.count) not in covered:
+                    notes.append(f"@{name} is used on devices {lay.describe(per_node)} by %{x.name}, which no sync "
+                                 "stage refreshes after training: that copy serves stale weights")
+        elif len(compute) > 1:
+            for i, s in enumerate(compute):
+                prev = compute[i - 1]
+                src, dst = cm.layout(prev), cm.layout(s)
+                if src.same_placement(dst):
+                    continue
+                seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
                 extra[s.name] = extra.get(s.name, 0.0) + seconds
                 notes.append(f"@{name} changes layout between %{prev.name} ({src.parallel_text()} on "
                              f"{src.describe(per_node)}) and %{s.name} ({dst.parallel_text()} on "
                              f"{dst.describe(per_node)}) with no sync stage: {seconds:.3g} s of weight "
                              "transfer charged to %" + s.name)
         for s in on:
-            fam = s.op.split(".", 1)[0]
-            if fam in ("offload", "onload"):
+            if fam(s) in ("offload", "onload"):
                 lay = cm.layout(s)
                 per_dev = nbytes / (lay.tp * lay.pp)
                 if model.trainable:
                     per_dev += (2 + 12) * model.params / (lay.tp * lay.pp * lay.dp)
-                sync_time[s.name] = sync_time.get(s.name, 0.0) + host_transfer_time(per_dev, cm.spec)
-    return extra, sync_time, notes
+                carried[s.name] = carried.get(s.name, 0.0) + host_transfer_time(per_dev, cm.spec)
+    return extra, carried, notes, sync_devices
 
 
 def _between(stages: list[Stage], a: Stage, b: Stage, x: Stage) -> bool:
@@ -172,7 +209,7 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
     stages = list(g.stages)
     index = {s.name: i for i, s in enumerate(stages)}
     costs: dict[str, StageCost] = {s.name: cm.stage_cost(s) for s in stages}
-    extra, sync_time, notes = _reallocations(cm)
+    extra, sync_time, notes, sync_devices = _reallocations(cm)
     members = {s.name: _members(cm, s) for s in stages}
     producers = {id(v): s for s in stages for v in s.outputs}
     streams = {s.name: stream_chunk(s) for s in stages if s.op == "generate" and stream_chunk(s)}
@@ -227,7 +264,7 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
                 deps.append((step_end[k - 1], "barrier"))
             ready, why = max(deps, default=(0.0, ""))
             mem = members[s.name]
-            res = list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER]
+            res = sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER])
             dev_free = max((free.get(d, 0.0) for d in res), default=0.0)
             cost = costs[s.name]
             duration = cost.time_s + extra.get(s.name, 0.0) + sync_time.get(s.name, 0.0)
@@ -270,7 +307,7 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
             for d in res:
                 free[d] = end
             task = Task(s.name, k, s.op, s.target if mem else None, start, end, mem, busy, transient, chunks,
-                        extra.get(s.name, 0.0), why)
+                        extra.get(s.name, 0.0), why, res if res != [DRIVER] else [])
             done[(s.name, k)] = task
             tasks.append(task)
         step_end[k] = max(t.end for t in tasks if t.step == k)
@@ -312,8 +349,8 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
     out = []
     per_dev_tasks: list[list[Task]] = [[] for _ in range(n)]
     for t in tasks:
-        if t.devices:
-            for d in range(t.devices[0], min(t.devices[0] + t.devices[1], n)):
+        for d in t.resources:
+            if 0 <= d < n:
                 per_dev_tasks[d].append(t)
     capacity = cm.spec.memory
     for d in range(n):

@@ -216,6 +216,14 @@ register_op(OpSpec(
     ("Metrics",), model="model", trains=True, pure=False, batch_from="none",
     doc="update the model's weights on a loss"))
 
+register_op(OpSpec(
+    "sync", (Operand("after", ("Metrics",), doc="the train stage whose new weights are sent"),),
+    (Attr("bucket_mb", "int", 64, min=1, doc="transfer bucket size (MiB)"),
+     Attr("to_first", "int", 0, min=0, doc="first device of the destination mesh"),
+     Attr("to_count", "int", 1, min=1, doc="devices of the destination mesh")),
+    ("Metrics",), model="model", pure=False, batch_from="none",
+    doc="copy a model's freshly trained weights to its copy on another mesh (inserted by realloc)"))
+
 #: which loss type trains which head
 LOSS_FOR_HEAD = {"lm": "PolicyLoss", "value": "ValueLoss"}
 

@@ -14,6 +14,7 @@ for _name, _module in {
     "stream": "rlhfc.passes.stream",
     "overcommit": "rlhfc.passes.overcommit",
     "placement": "rlhfc.passes.placement",
+    "realloc": "rlhfc.passes.realloc",
 }.items():
     register_lazy(_name, _module)
 

@@ -20,8 +20,8 @@ from .base import Pass, parse_pipeline
 PIPELINES: dict[str, list[str]] = {
     "O0": [],
     "O1": ["dce"],
-    "O2": ["dce", "parallelize", "stream", "placement"],
-    "O3": ["dce", "parallelize", "stream", "overcommit", "placement"],
+    "O2": ["dce", "parallelize", "stream", "placement", "realloc"],
+    "O3": ["dce", "parallelize", "stream", "overcommit", "placement", "realloc"],
 }
 
 

@@ -39,7 +39,7 @@ from .base import Pass, register_pass
 
 STRATEGIES = ("flatten", "interleave", "separate", "search")
 #: whether search may put a model's generation on other devices than its training (needs realloc)
-SPLIT_GENERATION = False
+SPLIT_GENERATION = True
 
 
 @register_pass
@@ -65,9 +65,13 @@ class Placement(Pass):
             assign = plan(module)
         else:
             assign = search(module, self.seconds, self.seed)
-        apply(module, assign)
+        from rlhfc.cost import check_memory, memory_issues
+
+        for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
+            apply(module, assign, squeeze=squeeze)
+            if module.cluster.device == "cpu" or not memory_issues(module):
+                break
         module.annotations["strategy"] = strategy
-        from rlhfc.cost import check_memory
 
         sink = DiagnosticSink()
         check_memory(module, sink)
@@ -185,6 +189,7 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
     from rlhfc.cost import memory_issues, simulate
 
     cache: dict[tuple, float] = {}
+    fitting: dict[tuple, float] = {}
 
     def price(assign) -> float:
         key = tuple(sorted(assign.items()))
@@ -192,8 +197,17 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
             trial = module.clone()
             apply(trial, assign)
             t = simulate(trial, steps=3).step_time_s
-            cache[key] = t * 3 if memory_issues(trial) else t
+            fits = not memory_issues(trial)
+            cache[key] = t if fits else t * 3   # ReaL's penalty keeps the walk moving through overflows
+            if fits:
+                fitting[key] = t
         return cache[key]
+
+    def result(best):
+        """The fastest plan that fits, when any does (else the best penalised one, reported later)."""
+        if fitting:
+            return dict(min(fitting, key=fitting.get))
+        return best
 
     start = time.perf_counter()
     by_model = _model_stages(module)
@@ -211,7 +225,7 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
             plan = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
             if price(plan) < best_t:
                 best, best_t = plan, price(plan)
-        return best
+        return result(best)
     keys = [(m, False) for m in models]
     if SPLIT_GENERATION:
         keys += [(m, True) for m in models if any(s.op == "generate" for s in by_model[m])]
@@ -231,17 +245,19 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
             cur, cur_t = prop, t
             if t < best_t:
                 best, best_t, idle = prop, t, 0
-    return best
+    return result(best)
 
 
 # -- applying a plan ----------------------------------------------------------------------------------------
 
-def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True) -> None:
+def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
     """Annotate every model stage with its mesh and the fastest parallel split that fits."""
     for s in module.graph.stages:
         if s.name not in assign:
             continue
         first, count = assign[s.name]
+        for key in ("microbatches", "recompute"):
+            s.annotations.pop(key, None)
         s.annotations["mesh"] = {"first": first, "count": count}
         s.annotations["parallel"] = {"dp": count, "tp": 1, "pp": 1}
     if not layouts or module.cluster.device == "cpu":
@@ -260,14 +276,20 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         # a fair share of each device: every model living on these devices keeps its weights there
         mine = set(range(first, first + count))
         sharing = sum(1 for devs in meshes.values() if devs & mine) or 1
-        capacity = cm.spec.memory / sharing
+        capacity = cm.spec.memory / sharing / squeeze
+        train = s.op == "train"
         cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
-                                  layers=model.layers)
+                                  layers=model.layers, microbatches=(1, 2, 4, 8),
+                                  recompute=("none", "selective", "full") if train else ("none",))
         if not cands:
             continue
         res = evaluate(module, s.name, cands, cost_model=cm)
         mem = res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]
         order = sorted(range(len(cands)), key=lambda i: res["total"][i])
-        fits = [i for i in order if capacity is None or mem[i] <= capacity]
+        fits = [i for i in order if mem[i] <= capacity]
         pick = cands[(fits or sorted(range(len(cands)), key=lambda i: mem[i]))[0]]
         s.annotations["parallel"] = {"dp": pick.dp, "tp": pick.tp, "pp": pick.pp}
+        if pick.microbatches > 1:
+            s.annotations["microbatches"] = pick.microbatches
+        if pick.recompute != "none":
+            s.annotations["recompute"] = pick.recompute

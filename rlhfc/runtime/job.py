@@ -177,6 +177,21 @@ class Job:
             delta = max(int(cfg.get("min_delta", 0)), min(int(cfg.get("max_delta", delta)), delta))
         state["delta"] = delta
 
+    def sync(self, stage: str, src, dst, *, bucket_mb: int, after=None) -> dict[str, float]:
+        """Copy ``src``'s weights to ``dst`` (another mesh) in buckets through the object store."""
+        ray = _ray()
+        self.current_stage = stage
+        t0 = time.perf_counter()
+        try:
+            refs, version, nbytes = ray.get(src.export_buckets.remote(bucket_mb))
+            ray.get([dst.import_bucket.remote(r) for r in refs])
+            ray.get(dst.set_version.remote(version))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise self._stage_failed(stage, f"{type(cause).__name__}: {cause}") from None
+        self._timed(stage, t0)
+        return {"bytes": float(nbytes), "buckets": float(len(refs)), "seconds": time.perf_counter() - t0}
+
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):
         """Run a driver-side compute stage, naming it if it fails."""
         self.current_stage = stage
@@ -236,13 +251,13 @@ class Job:
         use_gpu = self.plan["cluster"]["device"] != "cpu"
         refs = {}
         for name, w in placement["workers"].items():
-            model = self.plan["models"][name]
+            model = self.plan["models"][w.get("model", name)]
             actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
                                    max_restarts=0)(ModelWorker)
             handle = actor_cls.options(
                 name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=w["bundle"]),
-            ).remote(name, model["spec"], model["init"], self.seed, w.get("threads", 1),
+            ).remote(w.get("model", name), model["spec"], model["init"], self.seed, w.get("threads", 1),
                      "cuda" if use_gpu else "cpu", w.get("cores"))
             self.workers[name] = handle
             refs[name] = handle.ready.remote()

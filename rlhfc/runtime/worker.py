@@ -194,6 +194,37 @@ class ModelWorker:
             self.version = version
         return self.version
 
+    def export_buckets(self, bucket_mb: int) -> tuple[list, int, int]:
+        """Put the weights into the object store in buckets of about ``bucket_mb`` MiB (numpy arrays:
+        zero-copy for the receiver). Returns (bucket refs, weights version, total bytes)."""
+        import ray
+
+        limit = max(1, int(bucket_mb)) * 2**20
+        refs, bucket, size, total = [], {}, 0, 0
+        for name, tensor in self.get_weights().items():
+            array = tensor.contiguous().numpy()
+            bucket[name] = array
+            size += array.nbytes
+            total += array.nbytes
+            if size >= limit:
+                refs.append(ray.put(bucket))
+                bucket, size = {}, 0
+        if bucket:
+            refs.append(ray.put(bucket))
+        return refs, self.version, total
+
+    def import_bucket(self, bucket: dict) -> int:
+        """Load one bucket of weights (exact copies) into this worker's model."""
+        current = self.model.state_dict()
+        with torch.no_grad():
+            for name, array in bucket.items():
+                current[name].copy_(torch.from_numpy(array))
+        return len(bucket)
+
+    def set_version(self, version: int) -> int:
+        self.version = int(version)
+        return self.version
+
     # -- checkpoints (safetensors + JSON only: loading never unpickles) ----------------------------
     def save(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)

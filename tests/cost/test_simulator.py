@@ -111,3 +111,25 @@ def test_cost_model_reuse_gives_identical_results():
     m = example("grpo_tiny")
     cm = CostModel(m, CFG)
     assert simulate(m, steps=2, cost_model=cm).step_time_s == simulate(m, CFG, steps=2).step_time_s
+
+
+def test_sync_stages_keep_per_mesh_copies():
+    """With sync stages (the realloc pass's), each mesh keeps a copy: the sync carries the transfer."""
+    from rlhfc.ir import Stage, Value, ValueType, get_op
+
+    if get_op("sync") is None:
+        pytest.skip("no sync op registered")
+    m = annotate(gpu_ppo(), {"roll": mesh(0, 4, tp=4), "logp": mesh(4, 4, tp=4), "actor_train": mesh(4, 4, tp=4)})
+    g = m.graph
+    train = g.stage("actor_train")
+    out = Value(g.fresh_name("actor_sync"), ValueType("Metrics"))
+    g.insert(g.stages.index(train) + 1, Stage("sync", "actor", [train.outputs[0]], [out],
+                                              {"bucket_mb": 64, "to_first": 0, "to_count": 4},
+                                              {"mesh": {"first": 4, "count": 4}}))
+    m.refresh_versions()
+    r = simulate(m, CFG, steps=2)
+    assert set(r.reshard) == {"actor_sync"} and r.reshard["actor_sync"] > 0.03 and not r.notes
+    sync = _task(r, "actor_sync")
+    assert sync.resources == list(range(8)) and sync.duration == pytest.approx(r.reshard["actor_sync"], rel=1e-9)
+    # both meshes hold the actor's weights
+    assert "@actor weights" in r.devices[0].static and "@actor weights" in r.devices[5].static

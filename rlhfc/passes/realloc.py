@@ -1,0 +1,67 @@
+"""``realloc`` (ReaL's parameter reallocation, Baidu's weight "refit"): keep copies of a trained model in sync.
+
+When a trained model has stages on a mesh other than its train stage's (e.g.
+``separate`` puts the actor's generation on its own devices), each such mesh
+holds a copy of the weights. Right after the train stage, a ``sync`` stage
+sends the new weights to every other mesh::
+
+    %actor_sync = sync @actor(%actor_train) {bucket_mb = 64, to_first = 0, to_count = 1}
+                  annot {mesh = {first = 1, count = 1}} : Metrics
+
+Its cost is bytes / bandwidth per destination (``rlhfc.cost.transfer``); the
+runtime moves the weights in buckets through Ray's object store (NCCL
+broadcast is the GPU path). Frozen models need no sync: every copy is built
+from the same initial weights.
+
+Exact: the copy holds bit-identical weights before it is used again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhfc.ir import Module, Stage, Value, ValueType
+
+from .base import Pass, register_pass
+
+
+def mesh_of(stage: Stage, module: Module) -> tuple[int, int]:
+    m = stage.annotations.get("mesh")
+    if isinstance(m, dict) and "first" in m and "count" in m:
+        return int(m["first"]), int(m["count"])
+    return 0, module.cluster.num_devices
+
+
+@register_pass
+@dataclass(frozen=True)
+class Realloc(Pass):
+    name = "realloc"
+    description = "insert sync stages where a trained model is used on another mesh"
+    exact = True
+    bucket_mb: int = field(default=64, metadata={"doc": "transfer bucket size in MiB"})
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb < 1:
+            raise ValueError("bucket_mb must be >= 1")
+
+    def run(self, module: Module) -> Module:
+        g = module.graph
+        for s in [s for s in g.stages if s.op == "sync"]:   # idempotent: recompute from the placement
+            g.remove(s)
+        for train in [s for s in g.stages if s.op == "train"]:
+            home = mesh_of(train, module)
+            others = []
+            for s in g.stages_on(train.target):
+                mesh = mesh_of(s, module)
+                if s.op != "sync" and mesh != home and mesh not in others:
+                    others.append(mesh)
+            at = g.stages.index(train) + 1
+            for first, count in others:
+                out = Value(g.fresh_name(f"{train.target}_sync"), ValueType("Metrics"))
+                sync = Stage("sync", train.target, [train.outputs[0]], [out],
+                             {"bucket_mb": self.bucket_mb, "to_first": first, "to_count": count},
+                             {"mesh": {"first": home[0], "count": home[1]}}, train.loc)
+                g.insert(at, sync)
+                at += 1
+        module.refresh_versions()
+        return module
