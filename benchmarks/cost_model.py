@@ -1,6 +1,6 @@
 """Cost-model accuracy on this machine: predicted vs measured stage and step times of the tiny examples.
 
-    python benchmarks/cost_model.py                 # profile this CPU and measure 13 configurations (~1 min)
+    python benchmarks/cost_model.py                 # profile this CPU and measure 13 configurations (~1-2 min)
     python benchmarks/cost_model.py --profile P     # reuse a profile from `rlhfc profile`
     python benchmarks/cost_model.py --scale         # also print the cluster-scale predictions (docs/benchmarks.md)
 
@@ -22,7 +22,7 @@ configuration's step-time error is under 20 %.
 
 Shared machines: another tenant's load can make this CPU 1.5x slower for tens
 of seconds. So the benchmark runs ``--rounds`` rounds, each one profiling pass
-(one timing per point) followed by one step of every configuration, and keeps
+(one timing per point) followed by ``--steps`` steps of every configuration, and keeps
 at every profile point and for every configuration the fastest time over the
 rounds: profile and measurements sample the same spell of machine states, and
 the least-disturbed runs are compared. The measured step time is the sum of
@@ -154,10 +154,11 @@ def accuracy(args) -> list[float]:
             p = profile_pass(base, 1, args.quick)
             prof = p if prof is None else merge_profiles(prof, p)
         for c, module in modules.items():
-            times = jobs[c[0]].step(module)
-            best[c] = {k: min(v, best.get(c, times)[k]) for k, v in times.items()}
+            for _ in range(args.steps):
+                times = jobs[c[0]].step(module)
+                best[c] = {k: min(v, best.get(c, times)[k]) for k, v in times.items()}
         print(f"  round {r + 1}/{args.rounds}: {'profiled, ' if not args.profile else ''}measured "
-              f"{len(modules)} configurations ({time.time() - t0:.0f} s)", flush=True)
+              f"{len(modules)} configurations x {args.steps} steps ({time.time() - t0:.0f} s)", flush=True)
     if not args.profile:
         path = args.save_profile or os.path.join(tempfile.mkdtemp(prefix="rlhfc-bench-"), "profile.json")
         prof.save(path)
@@ -342,8 +343,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="use this profile instead of profiling in rounds")
     ap.add_argument("--save-profile", help="where to save the merged profile")
     ap.add_argument("--quick", action="store_true", help="a coarser profile grid")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of (profile pass, one step of every "
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of (profile pass, --steps steps of every "
                     "configuration); times are the fastest over the rounds")
+    ap.add_argument("--steps", type=int, default=2, help="steps of every configuration per round")
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations of each example")
     ap.add_argument("--scale", action="store_true", help="also print the cluster-scale predictions")
     ap.add_argument("--scale-only", action="store_true", help="only the cluster-scale predictions")

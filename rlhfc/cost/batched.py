@@ -89,7 +89,7 @@ def _evaluate_jax(inp, dispatch: float, n: int) -> dict[str, np.ndarray]:
 
         def run(lay):
             p = type(static)(static.family, static.hw, static.arch, work, lay, static.fit, static.opt_fit,
-                             static.flop_rc)
+                             static.flop_rc, static.grid)
             out = price(jnp, p, dispatch)
             return {k: jnp.broadcast_to(jnp.asarray(out[k], dtype=jnp.float64), (n,)) for k in KEYS}
 

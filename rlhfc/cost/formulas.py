@@ -54,7 +54,17 @@ def allreduce(xp, nbytes, group, bw, latency):
 # ----------------------------------------------------------------------------------------- time
 
 
-def forward_time(xp, hw, arch, work, lay, fit=None):
+def grid_ratio(xp, grid, b, s):
+    """Bilinear interpolation of a profile's measured/fitted ratio at (b, s) (held at the grid's edges)."""
+    if not grid:
+        return 1.0 + 0.0 * b
+    bs = xp.asarray(grid["B"], dtype=float)
+    ss = xp.asarray(grid["S"], dtype=float)
+    along_s = xp.stack([xp.interp(s + 0.0 * bs[0], ss, xp.asarray(row, dtype=float)) for row in grid["ratio"]])
+    return xp.interp(b, bs, along_s)
+
+
+def forward_time(xp, hw, arch, work, lay, fit=None, grid=None):
     """No-grad forward (logprobs / values / score) of ``work['rows']`` sequences of ``work['seq']`` tokens."""
     B, S = work["rows"], work["seq"]
     dp, tp, pp, mb = lay["dp"], lay["tp"], lay["pp"], lay["mb"]
@@ -62,7 +72,7 @@ def forward_time(xp, hw, arch, work, lay, fit=None):
         a, b1, b2 = fit
         k = lay["thread_factor"]
         per = B / mb
-        total = mb * (a + k * (b1 * per * S + b2 * per * S * S))
+        total = mb * (a + k * (b1 * per * S + b2 * per * S * S)) * grid_ratio(xp, grid, per, S)
         return {"total": total, "compute": total - mb * a, "memory": 0.0 * total, "comm": 0.0 * total,
                 "overhead": mb * a + 0.0 * total}
     b = B / (dp * mb)
@@ -79,7 +89,7 @@ def forward_time(xp, hw, arch, work, lay, fit=None):
             "overhead": slots * overhead}
 
 
-def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None):
+def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None, grid=None):
     """``epochs * minibatches`` optimizer steps on ``rows/minibatches`` sequences of ``seq`` tokens each."""
     B, S = work["rows"], work["seq"]
     steps = work["epochs"] * work["minibatches"]
@@ -91,9 +101,10 @@ def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None):
         opt = min(opt_fit if opt_fit is not None else 0.0, a)
         rcf = _rc_factor(xp, lay["rc"]) / 3.0
         micro = per_step / mb
-        fwd_bwd = (a - opt) + k * rcf * (b1 * micro * S + b2 * micro * S * S)
-        total = steps * (mb * fwd_bwd + opt)
-        overhead = steps * (mb * (a - opt) + opt) + 0.0 * total
+        ratio = grid_ratio(xp, grid, micro, S)
+        fwd_bwd = ((a - opt) + k * rcf * (b1 * micro * S + b2 * micro * S * S)) * ratio
+        total = steps * (mb * fwd_bwd + opt * ratio)
+        overhead = steps * (mb * (a - opt) + opt) * ratio + 0.0 * total
         return {"total": total, "compute": total - overhead, "memory": 0.0 * total, "comm": 0.0 * total,
                 "overhead": overhead}
     b = per_step / (dp * mb)

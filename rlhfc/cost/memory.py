@@ -41,11 +41,14 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None) -> list[MemoryIssue]:
-    """Every group of devices whose simulated peak exceeds capacity (one issue per culprit stage)."""
+def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None,
+                  cost_model: CostModel | None = None) -> list[MemoryIssue]:
+    """Every group of devices whose simulated peak exceeds capacity (one issue per culprit stage).
+
+    ``sim``: a :func:`~rlhfc.cost.simulate` result of this module to reuse (else one step is simulated)."""
     from .simulator import simulate
 
-    cm = CostModel(module, config)
+    cm = cost_model or CostModel(module, config)
     result = sim or simulate(module, steps=1, cost_model=cm)
     over = [d for d in result.devices if d.peak_memory_bytes > d.capacity_bytes]
     groups: dict[tuple, list] = {}

@@ -155,6 +155,7 @@ class PriceInputs:
     fit: object
     opt_fit: object
     flop_rc: list
+    grid: object = None
 
 
 def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
@@ -165,11 +166,11 @@ def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
         transient = F.generate_cache_bytes(xp, hw, arch, work, lay)
         state = 0.0 * lay["dp"]
     elif f == "forward":
-        res = F.forward_time(xp, hw, arch, work, lay, inp.fit)
+        res = F.forward_time(xp, hw, arch, work, lay, inp.fit, inp.grid)
         transient = F.forward_activation_bytes(xp, hw, arch, work, lay)
         state = 0.0 * lay["dp"]
     else:
-        res = F.train_time(xp, hw, arch, work, lay, inp.fit, inp.opt_fit)
+        res = F.train_time(xp, hw, arch, work, lay, inp.fit, inp.opt_fit, inp.grid)
         transient = F.train_activation_bytes(xp, hw, arch, work, lay)
         state = F.train_state_bytes(xp, hw, arch, lay)
     out = {k: v for k, v in res.items() if k != "step"}
@@ -366,8 +367,10 @@ class CostModel:
                 work.update(epochs=float(stage.attrs.get("epochs", 1)),
                             minibatches=float(max(1, min(stage.attrs.get("minibatches", 1), work["rows"]))))
                 opt_fit = self._fit(model, "optimizer")
-        return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay,
-                           self._fit(model, family), opt_fit, [l.recompute for l in layouts])
+        fit = self._fit(model, family)
+        grid = self._fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
+        return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
+                           [l.recompute for l in layouts], grid)
 
     def _model_cost(self, stage: Stage, model, layout: Layout, rows: float | None) -> StageCost:
         inp = self.price_inputs(stage, [layout], rows)

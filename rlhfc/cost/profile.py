@@ -10,14 +10,16 @@ primitive                 what is timed                                         
 ========================  ====================================================  =============================
 ``generate`` (lm head)    ``ModelWorker.generate``: B prompts of P tokens,       a + b*B*P + T*(c + d*B + e*B*(P+T/2))
                           T = the decode steps it took (prefill + T steps)
-``forward``               ``ModelWorker.logprobs`` / ``values`` / ``score`` on   a + b*B*S + c*B*S^2
+``forward``               ``ModelWorker.logprobs`` / ``values`` / ``score`` on   (a + b*B*S + c*B*S^2) * r(B, S)
                           B sequences of S tokens
-``train`` (lm, value)     ``ModelWorker.train``, one optimizer step (actor or    a + b*B*S + c*B*S^2
+``train`` (lm, value)     ``ModelWorker.train``, one optimizer step (actor or    (a + b*B*S + c*B*S^2) * r(B, S)
                           critic loss, forward+backward+clip+AdamW)
 ``optimizer``             ``clip_grad_norm_`` + ``AdamW.step`` alone            constant
 ``compute.<op>``          the driver-side op of ``rlhfc.runtime.ops``           a + b*B*R
 ========================  ====================================================  =============================
 
+``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated
+bilinearly (held at the grid's edges): small CPU kernels do not scale smoothly.
 Each point is the fastest of a few repetitions (after a warm-up): on a shared
 machine the least-disturbed run is the most repeatable estimate of what the
 code costs. Fits are non-negative least squares on relative error (every
@@ -219,6 +221,23 @@ def fit_errors(features: list[list[float]], seconds: list[float], coef: list[flo
     return [float(p / t - 1) for p, t in zip(pred, seconds)]
 
 
+def correction_grid(points: list, coef: list) -> dict | None:
+    """Measured / fitted time on the (B, S) grid of the points, for bilinear interpolation.
+
+    Small CPU kernels do not scale smoothly with size (threading thresholds, cache effects), so the fit alone
+    can be 10-20 % off between its points; the model multiplies the fit by this ratio, interpolated inside the
+    grid and held at its edges outside it (where the fit's shape extrapolates). None unless the points form a
+    full grid.
+    """
+    bs = sorted({float(p[0]) for p in points})
+    ss = sorted({float(p[1]) for p in points})
+    table = {(float(p[0]), float(p[1])): p[2] for p in points}
+    if len(bs) < 2 or len(ss) < 2 or len(table) != len(bs) * len(ss):
+        return None
+    ratio = [[table[(b, s_)] / max(float(np.dot(forward_features(b, s_), coef)), 1e-12) for s_ in ss] for b in bs]
+    return {"B": bs, "S": ss, "ratio": ratio}
+
+
 def refit(entry: dict) -> dict:
     """(Re)compute an entry's fits from its raw points."""
     pts = entry.get("points", {})
@@ -229,6 +248,9 @@ def refit(entry: dict) -> dict:
     for prim in ("forward", "train"):
         if pts.get(prim):
             fits[prim] = fit_relative([forward_features(*p[:2]) for p in pts[prim]], [p[2] for p in pts[prim]])
+            grid = correction_grid(pts[prim], fits[prim])
+            if grid is not None:
+                fits[prim + "_grid"] = grid
     if pts.get("optimizer"):
         fits["optimizer"] = float(statistics.median(pts["optimizer"]))
     entry["fit"] = fits
@@ -323,7 +345,7 @@ def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):
 
 def _grid(max_seq: int, quick: bool):
     """Batch sizes and lengths to measure, within the model's max_seq."""
-    batches = (4, 16, 48) if not quick else (4, 24)
+    batches = (4, 16, 64) if not quick else (4, 24)
     seqs = sorted({min(max_seq, s) for s in ((16, 40, 64) if not quick else (16, 48))})
     gen_p = sorted({min(p, max(1, max_seq // 4)) for p in (6, 16)})
     gen_t = sorted({max(1, min(t, max_seq - max(gen_p))) for t in ((8, 40) if not quick else (8, 32))})
@@ -391,7 +413,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
         if log:
             log(f"  forward: {len(points['forward'])} points")
         if head in ("lm", "value"):
-            for B in (2, 8, 24) if not quick else (2, 12):
+            for B in (2, 8, 32) if not quick else (2, 12):
                 for S in seqs:
                     r = rollout(B, S)
                     zeros = torch.zeros(B, r.batch.response_width)
@@ -529,8 +551,9 @@ def merge_profiles(a: Profile, b: Profile) -> Profile:
 
 
 def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
-                max_params: float = 5e8, reps: int = 5) -> Profile:
-    """Measure the host and every model shape of ``module`` that is small enough to build here."""
+                max_params: float | None = None, reps: int = 5) -> Profile:
+    """Measure the host and every model shape of ``module`` that is small enough to build here
+    (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model)."""
     _set_passive_waits()
     import torch
 
@@ -540,6 +563,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         threads = module.cluster.per_node if (module is not None and module.cluster.device == "cpu") \
             else (os.cpu_count() or 1)
     log = log or (lambda msg: None)
+    if max_params is None:
+        max_params = 5e8 if device == "cpu" else 3e9
     log(f"profiling {name} ({kind}) with {threads} torch thread(s)")
     prof = Profile(kind, name, threads, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     prof.host = measure_host(threads, device)

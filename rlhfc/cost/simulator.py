@@ -294,7 +294,7 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
                     busy += c_cost
                     t_prev = end
                 start, end = first_start, t_prev
-                why = why if first_start > dev_free else "devices"
+                why = f"%{src.name}@{k}"   # its last chunk waits for the end of generation
                 busy += extra.get(s.name, 0.0)
                 transient = cm.stage_cost(s, rows=float(min(chunk, batch))).transient_bytes
             else:

@@ -47,7 +47,7 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     """Price, simulate and check ``module`` (the IR after the passes)."""
     cm = CostModel(module, config)
     sim = simulate(module, steps=steps, cost_model=cm)
-    issues = memory_issues(module, cm.config, sim=simulate(module, steps=1, cost_model=cm))
+    issues = memory_issues(module, cm.config, sim=sim, cost_model=cm)
     notes = list(sim.notes)
     if cm.spec.source == "uncalibrated":
         notes.append("cpu times are uncalibrated guesses: run `rlhfc profile FILE` once on this machine "

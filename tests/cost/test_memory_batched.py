@@ -92,7 +92,9 @@ def test_jax_on_a_profiled_cpu_program():
     prof = Profile("cpu", "test cpu", 2, host={"matmul_flops_1": 5e10, "thread_speedup": [1.0, 1.8]},
                    models={"llama-L2-h64-a4-kv4-f192-v96-lm": {"threads": 2, "fit": {
                        "generate": [1e-3, 1e-6, 2e-3, 1e-5, 1e-8], "forward": [3e-3, 5e-6, 1e-8],
-                       "train": [1e-2, 1e-5, 1e-7], "optimizer": 3e-3}}})
+                       "train": [1e-2, 1e-5, 1e-7], "optimizer": 3e-3,
+                       "forward_grid": {"B": [4, 16, 64], "S": [16, 64], "ratio": [[1.1, 0.9], [1.0, 1.2], [0.8, 1.0]]},
+                       "train_grid": {"B": [2, 32], "S": [16, 64], "ratio": [[1.0, 1.3], [0.7, 1.0]]}}}})
     cm = CostModel(m, CostConfig(profile=prof))
     cands = [Layout(0, 1), Layout(0, 2), Layout(0, 2, 2, 1, 1, 2)]
     for stage in ("roll", "logp", "actor_train"):

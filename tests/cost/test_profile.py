@@ -94,7 +94,9 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
     keys = set(prof.models)
     assert {k.rsplit("-", 1)[1] for k in keys} == {"lm", "value"}
     lm = next(v for k, v in prof.models.items() if k.endswith("-lm"))
-    assert set(lm["fit"]) == {"generate", "forward", "train", "optimizer"}
+    assert set(lm["fit"]) == {"generate", "forward", "train", "optimizer", "forward_grid", "train_grid"}
+    grid = lm["fit"]["forward_grid"]
+    assert len(grid["ratio"]) == len(grid["B"]) and all(len(r) == len(grid["S"]) for r in grid["ratio"])
     assert all(len(lm["fit"][k]) in (3, 5) for k in ("generate", "forward", "train"))
     assert "compute.gae" in prof.compute and "compute.rule" in prof.compute
     assert prof.host["matmul_flops_1"] > 1e8 and prof.host["thread_speedup"][0] == 1.0
@@ -111,3 +113,18 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
     assert CostModel(m, CostConfig(profile=gpu)).spec.mem_eff == pytest.approx(2.8e12 / 3.35e12)
     assert CostModel(example("ppo_tiny"), CostConfig(profile=gpu)).profile is None
     assert model_key(m.models["ref"]) == model_key(m.models["actor"])
+
+
+def test_grid_correction_interpolates_measurements():
+    from rlhfc.cost.formulas import grid_ratio
+
+    pts = [[b, s, 0.001 * b * s * (1.2 if (b, s) == (16, 40) else 1.0)] for b in (4, 16, 64) for s in (16, 40, 64)]
+    entry = refit({"spec": {}, "threads": 1, "points": {"forward": pts}})
+    grid = entry["fit"]["forward_grid"]
+    coef = entry["fit"]["forward"]
+    for b, s, t in pts:                                   # exact at the grid points
+        pred = float(np.dot(forward_features(b, s), coef)) * float(grid_ratio(np, grid, np.array([b]), s)[0])
+        assert pred == pytest.approx(t, rel=1e-9)
+    mid = float(grid_ratio(np, grid, np.array([10.0]), 28.0)[0])
+    assert min(min(r) for r in grid["ratio"]) <= mid <= max(max(r) for r in grid["ratio"])
+    assert float(grid_ratio(np, grid, np.array([500.0]), 1000.0)[0]) == pytest.approx(grid["ratio"][-1][-1])
