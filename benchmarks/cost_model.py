@@ -22,7 +22,7 @@ configuration's step-time error is under 20 %.
 
 Shared machines: another tenant's load can make this CPU 1.5x slower for tens
 of seconds. So the benchmark runs ``--rounds`` rounds, each one profiling pass
-(one timing per point) followed by ``--steps`` steps of every configuration, and keeps
+(``--steps`` timings per point) followed by ``--steps`` steps of every configuration, and keeps
 at every profile point and for every configuration the fastest time over the
 rounds: profile and measurements sample the same spell of machine states, and
 the least-disturbed runs are compared. The measured step time is the sum of
@@ -151,7 +151,7 @@ def accuracy(args) -> list[float]:
     t0 = time.time()
     for r in range(args.rounds):
         if not args.profile:
-            p = profile_pass(base, 1, args.quick)
+            p = profile_pass(base, args.steps, args.quick)   # as many tries per point as per stage
             prof = p if prof is None else merge_profiles(prof, p)
         for c, module in modules.items():
             for _ in range(args.steps):

@@ -20,9 +20,9 @@ from rlhfc.runtime.job import main
 def step(job, w):
     """One step of pipeline 'ppo' (batch = 512)."""
     prompts = job.next_prompts('prompts', 512)
-    # stream: finished samples flow in chunks of 17 to ref_logp, values, scores while generation goes on
+    # stream: finished samples flow in chunks of 12 to ref_logp, values, scores while generation goes on
     roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=17, take=None, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=12, take=None, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1),
         prompts=prompts,
         consumers={
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),

@@ -20,9 +20,9 @@ from rlhfc.runtime.job import main
 def step(job, w):
     """One step of pipeline 'ppo' (batch = 16)."""
     prompts = job.next_prompts('prompts', 16)
-    # stream: finished samples flow in chunks of 16 to ref_logp, values, scores while generation goes on
+    # stream: finished samples flow in chunks of 8 to ref_logp, values, scores while generation goes on
     roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=16, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=8, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1),
         prompts=prompts,
         consumers={
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
