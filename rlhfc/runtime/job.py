@@ -227,8 +227,8 @@ class Job:
             else:
                 need_cpu = sum(b.get("CPU", 0) for b in placement["bundles"])
                 tmp = os.path.join(self.out, "ray")
-                if len(tmp) > 60:  # unix socket paths are limited to ~107 bytes
-                    tmp = tempfile.mkdtemp(prefix="rlhfc-ray-")
+                if len(tmp) > 40:  # Ray adds ~62 bytes to it for its sockets; unix socket paths hold 107
+                    tmp = tempfile.mkdtemp(prefix="rlhfc-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
                 ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need_cpu)), include_dashboard=False,
                          log_to_driver=False, logging_level="ERROR", _temp_dir=tmp)
             self._started_ray = True
