@@ -35,10 +35,20 @@ def _load(path: str, plugins: list[str] | None = None) -> tuple[Module, str]:
     return module, text
 
 
+PLACEMENTS = ("auto", "flatten", "interleave", "separate", "search")
+
+
 def optimise(module: Module, level: str | None, passes: str | None, *, verify_each: bool = True,
-             print_after: set[str] | None = None):
-    """Run ``--passes`` if given, else the pipeline of ``level`` (default: the program's run.optimize)."""
+             print_after: set[str] | None = None, placement: str | None = None):
+    """Run ``--passes`` if given, else the pipeline of ``level`` (default: the program's run.optimize).
+    ``placement`` overrides the program's ``run { placement = ... }`` strategy."""
     from rlhfc.passes import PassManager, parse_pipeline, pipeline_for
+
+    if placement is not None:
+        if placement not in PLACEMENTS:
+            raise CompileError([Diagnostic("error", f"unknown --placement '{placement}'", None,
+                                           f"strategies: {', '.join(PLACEMENTS)}")])
+        module.run.placement = placement
 
     chosen = parse_pipeline(passes) if passes is not None else pipeline_for(level or module.run.optimize)
 
@@ -69,13 +79,14 @@ def compile_cmd(
     print_after_all: bool = typer.Option(False, "--print-after-all", help="print the IR after every pass"),
     print_after: List[str] = typer.Option([], "--print-after", help="print the IR after this pass"),
     no_verify: bool = typer.Option(False, "--no-verify-each", help="skip the verifier between passes (debugging)"),
+    placement: Optional[str] = typer.Option(None, "--placement", help="flatten|interleave|separate|search|auto"),
 ):
     """Compile a program: optimise it and write canonical IR or a runnable job."""
     if emit not in ("ir", "job"):
         raise CompileError([Diagnostic("error", f"unknown --emit '{emit}'", None, "use --emit ir or --emit job")])
     module, text = _load(file, plugin)
     module, _ = optimise(module, opt, passes, verify_each=not no_verify,
-                         print_after={"*"} if print_after_all else set(print_after))
+                         print_after={"*"} if print_after_all else set(print_after), placement=placement)
     if emit == "ir":
         ir = print_module(module)
         if out:
@@ -122,6 +133,7 @@ def run(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="use an existing Ray cluster"),
     plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    placement: Optional[str] = typer.Option(None, "--placement", help="flatten|interleave|separate|search|auto"),
 ):
     """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address."""
     from rlhfc.runtime.job import JobError, run_job
@@ -134,7 +146,7 @@ def run(
         name = os.path.basename(os.path.normpath(target))
     else:
         module, _ = _load(target, plugin)
-        module, _ = optimise(module, opt, passes)
+        module, _ = optimise(module, opt, passes, placement=placement)
         name = module.name
         out = out or _default_run_dir(name, resume)
         job_dir = os.path.join(out, "job")

@@ -283,7 +283,7 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         s.annotations["parallel"] = {"dp": count, "tp": 1, "pp": 1}
     if not layouts or module.cluster.device == "cpu":
         return
-    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+    from rlhfc.cost import CostModel, candidate_layouts, evaluate, have_jax
 
     cm = CostModel(module)
     meshes: dict[str, set] = {}
@@ -304,7 +304,7 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
                                   recompute=("none", "selective", "full") if train else ("none",))
         if not cands:
             continue
-        res = evaluate(module, s.name, cands, cost_model=cm)
+        res = evaluate(module, s.name, cands, cost_model=cm, backend="jax" if have_jax() else "numpy")
         mem = res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]
         order = sorted(range(len(cands)), key=lambda i: res["total"][i])
         fits = [i for i in order if mem[i] <= capacity]

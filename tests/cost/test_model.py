@@ -156,3 +156,12 @@ def test_cpu_layout_counts_threads_not_ranks():
     two = cm.stage_cost(m.graph.stage("ref_logp"))
     assert one.layout.count == 1 and two.layout.count == 2
     assert math.isfinite(one.time_s) and one.time_s >= two.time_s * 0.99
+
+
+def test_importing_the_cost_model_imports_neither_torch_nor_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, rlhfc.cost, rlhfc.explain; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
