@@ -270,8 +270,9 @@ PLAN_70B_REAL = {
     "actor_train": _mesh(0, 96, 3, 8, 4, microbatches=16, recompute="selective", overlap=3),
     "critic_train": _mesh(96, 32, 16, 2, 1, microbatches=4, overlap=3),
 }
-#: OpenRLHF's placement (its Table 3): vLLM engines DP=4 x TP=4 on 16 GPUs fed micro-batches of 4 prompts, actor, critic, reference and reward
-#: 4 GPUs each (ZeRO-3 there; tensor parallel 4 here), the four forwards and the two trainings concurrent.
+#: OpenRLHF's placement (its Table 3): vLLM engines DP=4 x TP=4 on 16 GPUs fed micro-batches of 4 prompts;
+#: actor, critic, reference and reward on 4 GPUs each (ZeRO-3 there; tensor parallel 4 here); the four
+#: forwards run concurrently, and so do the two trainings.
 PLAN_OPENRLHF = {
     "roll": _mesh(0, 16, 4, 4, 1, microbatches=64),   # 256 prompts per engine, 4 at a time (MBS = 4)
     "logp": _mesh(16, 4, 1, 4, overlap=1), "ref_logp": _mesh(20, 4, 1, 4, overlap=1),
@@ -319,8 +320,8 @@ def scale() -> dict:
     o = _summary("  OpenRLHF placement", _annotated(OPENRLHF_70B, PLAN_OPENRLHF), lt)
     forwards = max(o["stages"][s] for s in ("logp", "ref_logp", "values", "scores"))
     train = max(o["stages"]["actor_train"], o["stages"]["critic_train"])
-    print(f"    published: generation 2252.8 s, weight sync 111.7 s, logits+reward 323.4 s, training 1800.7 s, "
-          f"total 4488.5 s")
+    print("    published: generation 2252.8 s, weight sync 111.7 s, logits+reward 323.4 s, training 1800.7 s, "
+          "total 4488.5 s")
     print(f"    predicted: generation {o['stages']['roll']:.1f} s, weight sync {o['reshard']:.1f} s, "
           f"logits+reward {forwards:.1f} s, training {train:.1f} s, total {o['step']:.1f} s")
     out["openrlhf"] = o
@@ -328,7 +329,8 @@ def scale() -> dict:
     print("== Baidu: 4 x 10B models, 16 x A100-80GB (0.012 -> 0.054 samples/GPU/s published)")
     out["baidu"] = {}
     for length in (512, 1024, 2048):
-        text = BAIDU_10B.replace("min_len = 256, max_len = 767", f"min_len = {length // 2}, max_len = {length * 3 // 2 - 1}")
+        text = BAIDU_10B.replace("min_len = 256, max_len = 767",
+                                 f"min_len = {length // 2}, max_len = {length * 3 // 2 - 1}")
         text = text.replace("max_new_tokens = 512", f"max_new_tokens = {length}").replace(
             "max_seq = 2048", f"max_seq = {4 * length}")
         b = _summary(f"  all on 16 GPUs, tp8, prompts ~{length} + up to {length} new tokens",

@@ -40,6 +40,7 @@ def explain(
     lengths: str = typer.Option("auto", "--response-lengths",
                                 help="response-length law: auto | max | geometric:P | lognormal:F:S"),
     strict: bool = typer.Option(False, "--strict", help="exit 2 when the plan does not fit in memory"),
+    placement: Optional[str] = typer.Option(None, "--placement", help="flatten|interleave|separate|search|auto"),
 ):
     """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
     from rlhfc.cost import CostConfig, response_dist
@@ -55,7 +56,7 @@ def explain(
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
     module, _ = _load(file, plugin)
-    module, pm = optimise(module, opt, passes)
+    module, pm = optimise(module, opt, passes, placement=placement)
     level = None
     if passes is None:
         text = str(opt or module.run.optimize).strip()

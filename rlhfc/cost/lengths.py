@@ -79,7 +79,8 @@ def _fewer_than(pmf: tuple, n: int) -> np.ndarray:
     j = np.arange(n + 1)
     logc = np.array([math.lgamma(n + 1) - math.lgamma(x + 1) - math.lgamma(n - x + 1) for x in j])
     with np.errstate(divide="ignore", invalid="ignore"):
-        lp = np.where(f[:, None] > 0, j[None, :] * np.log(np.where(f > 0, f, 1.0))[:, None], np.where(j == 0, 0.0, -np.inf))
+        lp = np.where(f[:, None] > 0, j[None, :] * np.log(np.where(f > 0, f, 1.0))[:, None],
+                      np.where(j == 0, 0.0, -np.inf))
         lq = np.where(f[:, None] < 1, (n - j)[None, :] * np.log(np.where(f < 1, 1 - f, 1.0))[:, None],
                       np.where(j == n, 0.0, -np.inf))
         probs = np.exp(logc[None, :] + lp + lq)

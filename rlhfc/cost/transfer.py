@@ -32,7 +32,8 @@ def shards(layout: Layout) -> list[Shard]:
     for i, d in enumerate(layout.devices):
         tp_rank = i % layout.tp
         pp_rank = (i // layout.tp) % layout.pp
-        out.append(Shard(d, (pp_rank / layout.pp, (pp_rank + 1) / layout.pp), (tp_rank / layout.tp, (tp_rank + 1) / layout.tp)))
+        out.append(Shard(d, (pp_rank / layout.pp, (pp_rank + 1) / layout.pp),
+                         (tp_rank / layout.tp, (tp_rank + 1) / layout.tp)))
     return out
 
 

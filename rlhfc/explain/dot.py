@@ -37,12 +37,14 @@ def render_dot(report: Report) -> str:
 
     def node(s, indent="  "):
         c = report.costs[s.name]
-        where = c.layout.describe(per_node) + "\\n" + c.layout.parallel_text(report.module.cluster.device == "cpu") if c.layout else "driver"
+        cpu = report.module.cluster.device == "cpu"
+        where = c.layout.describe(per_node) + "\\n" + c.layout.parallel_text(cpu) if c.layout else "driver"
         label = f"%{s.name}\\n{s.op}" + (f" @{c.model}" if c.model else "") + f"\\n{where}\\n{fmt_seconds(c.time_s)}"
         if stream_chunk(s):
             label += f"\\nstream chunk {stream_chunk(s)}"
         fill = colours.get(c.model or "", "#dddddd") if c.model else "#eeeeee"
-        return f'{indent}{_q(s.name)} [label="{label}", fillcolor="{fill}", fontcolor="{"white" if c.model else "black"}"];'
+        font = "white" if c.model else "black"
+        return f'{indent}{_q(s.name)} [label="{label}", fillcolor="{fill}", fontcolor="{font}"];'
 
     for g, ss in sorted(groups.items()):
         lines.append(f"  subgraph cluster_overlap_{g} {{")

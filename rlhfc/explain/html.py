@@ -42,6 +42,7 @@ def _graph_svg(report: Report) -> str:
     height = pad * 2 + max(len(ss) for ss in layers.values()) * (h + gy) - gy
     colours = model_colours(report)
     per_node = m.cluster.per_node
+    cpu = m.cluster.device == "cpu"
     out = [f'<svg data-check="graph" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" style="max-width:100%;height:auto" role="img" aria-label="stage graph">',
            '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
@@ -73,7 +74,7 @@ def _graph_svg(report: Report) -> str:
                    f'<text x="{x + 8}" y="{y + 32}">{_e(s.op)}{" @" + _e(c.model) if c.model else ""}</text>'
                    f'<text x="{x + 8}" y="{y + 47}">{_e(where)} · {_e(fmt_seconds(c.time_s))}</text>'
                    f'<title>%{_e(s.name)}: {_e(s.op)}, {_e(where)}'
-                   f'{", " + _e(c.layout.parallel_text(report.module.cluster.device == "cpu")) if c.layout else ""}, {_e(fmt_seconds(c.time_s))}'
+                   f'{", " + _e(c.layout.parallel_text(cpu)) if c.layout else ""}, {_e(fmt_seconds(c.time_s))}'
                    f'{", stream chunk " + str(stream_chunk(s)) if stream_chunk(s) else ""}</title></g>')
     out.append("</svg>")
     return "\n".join(out)
@@ -233,7 +234,8 @@ def render_html(report: Report) -> str:
         f"<title>rlhfc explain: {_e(m.name)}</title><style>{STYLE}</style></head><body>",
         f"<h1>rlhfc explain: @{_e(m.name)}</h1>",
         f'<p class="summary">Predicted step time <b>{_e(fmt_seconds(sim.step_time_s))}</b> on cluster '
-        f'{_e(report.device_label())}; -{_e(report.level or "custom")} (passes: {_e(", ".join(report.passes) or "none")}).'
+        f'{_e(report.device_label())}; -{_e(report.level or "custom")} '
+        f'(passes: {_e(", ".join(report.passes) or "none")}).'
         + (f" Bottleneck: %{_e(b['stage'])} ({_e(b['op'])}), {b['share'] * 100:.0f}% of the step, "
            f"{_e(b['bound'])}-bound. {_e(b.get('hint', ''))}" if b else "") + "</p>",
         f'<p class="legend">{legend}</p>', diag,

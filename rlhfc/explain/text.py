@@ -67,7 +67,8 @@ def _gantt(report: Report) -> list[str]:
     out = [f"== Predicted timeline: step {sim.steps} of {sim.steps} simulated (steady state), "
            f"{fmt_seconds(sim.step_time_s)} per step",
            " " * (name_w + 2) + _axis(span)]
-    for t in sorted(tasks, key=lambda t: (t.start, report.module.graph.stages.index(report.module.graph.stage(t.stage)))):
+    order = {s.name: i for i, s in enumerate(report.module.graph.stages)}
+    for t in sorted(tasks, key=lambda t: (t.start, order[t.stage])):
         row = [" "] * WIDTH
         spans = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
         for a, b in spans:
@@ -114,11 +115,15 @@ def render_text(report: Report) -> str:
     m = report.module
     sim = report.sim
     level = f"-{report.level}" if report.level else "custom pipeline"
+    samples = sum(s.outputs[0].type.batch or 0 for s in m.graph.stages if s.op == "generate")
     head = [f"rlhfc explain: module @{m.name} at {level} (passes: {', '.join(report.passes) or 'none'})",
             f"cluster {report.device_label()}",
             f"predicted step time: {fmt_seconds(sim.step_time_s)} "
-            f"({sim.steps} steps simulated; {sum(s.outputs[0].type.batch or 0 for s in m.graph.stages if s.op == 'generate')}"
-            f" samples per step)"]
+            f"({sim.steps} steps simulated; {samples} samples per step)"]
+    changed = m.annotations.get("changes_training") or []
+    if changed:
+        head.append(f"note: {', '.join(changed)} changes what the job trains on (not an exact optimisation: "
+                    "-O2 and below never do this)")
     lines = head + [""] + _pass_section(report) + [""] + _placement(report) + [""] + _gantt(report) + [""] + \
         _devices(report) + [""]
     b = sim.bottleneck

@@ -52,6 +52,8 @@ class StepResult:
 def _ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # idle OpenMP threads must sleep, not spin: workers share cores (10-100x slower otherwise on 2 cores)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import ray
 
     return ray

@@ -13,7 +13,7 @@ from rlhfc.cli import main
 from rlhfc.cost import CostConfig
 from rlhfc.explain import build_report, render
 
-from .helpers import EXAMPLES, annotate, example, have_chromium, mesh
+from .helpers import EXAMPLES, annotate, example, have_chromium
 
 TINY = str(EXAMPLES / "ppo_tiny.rlhf")
 BIG = str(EXAMPLES / "ppo_70b.rlhf")
@@ -39,8 +39,8 @@ def test_text_has_passes_placement_gantt_and_bottleneck(capsys):
 
 def test_text_shows_what_each_pass_changed(capsys):
     plugin = str(EXAMPLES / "custom_pass.py")
-    code, out, err = run(capsys, "explain", TINY, "--plugin", plugin, "--passes", "dce,clamp-generation{max_new_tokens=8}",
-                         "--no-profile")
+    code, out, err = run(capsys, "explain", TINY, "--plugin", plugin, "--passes",
+                         "dce,clamp-generation{max_new_tokens=8}", "--no-profile")
     assert code == 0, err
     assert "-- after clamp-generation{max_new_tokens=8}: 1 line(s) added, 1 removed" in out
     assert re.search(r"^- .*max_new_tokens = 24", out, re.M) and re.search(r"^\+ .*max_new_tokens = 8", out, re.M)

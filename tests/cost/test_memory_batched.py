@@ -41,8 +41,8 @@ def test_a_sharded_plan_fits_and_the_hint_names_one():
     lay, need = tiny_budget
     assert lay.tp * lay.pp > 1 and need <= 30 * 2 ** 30
     # give each model its own two devices with tp 2: no overflow
-    plan = {"roll": mesh(0, 2, tp=2, microbatches=4), "logp": mesh(0, 2, tp=2), "actor_train": mesh(0, 2, tp=2, microbatches=8,
-                                                                                       recompute="selective"),
+    plan = {"roll": mesh(0, 2, tp=2, microbatches=4), "logp": mesh(0, 2, tp=2),
+            "actor_train": mesh(0, 2, tp=2, microbatches=8, recompute="selective"),
             "ref_logp": mesh(2, 2, tp=2), "values": mesh(4, 2, tp=2),
             "critic_train": mesh(4, 2, tp=2, microbatches=8, recompute="selective"), "scores": mesh(6, 2, tp=2)}
     assert memory_issues(annotate(gpu_ppo(gpu="A100-80GB"), plan)) == []

@@ -85,7 +85,8 @@ def test_gpu_scaling_laws():
     assert CostModel(a100).stage_cost(a100.graph.stage("logp")).time_s > 2 * base["logp"].time_s
     # full recomputation costs one more forward (8N vs 6N FLOPs); selective +20 %
     train = m.graph.stage("actor_train")
-    t = {rc: cm.stage_cost(train, Layout(0, 8, 8, 1, 1, 1, rc)).parts["compute"] for rc in ("none", "selective", "full")}
+    t = {rc: cm.stage_cost(train, Layout(0, 8, 8, 1, 1, 1, rc)).parts["compute"]
+         for rc in ("none", "selective", "full")}
     assert t["full"] / t["none"] == pytest.approx(4 / 3, rel=1e-6)
     assert t["selective"] / t["none"] == pytest.approx(1.2, rel=1e-6)
 
