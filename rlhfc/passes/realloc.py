@@ -9,8 +9,8 @@ sends the new weights to every other mesh::
                   annot {mesh = {first = 1, count = 1}} : Metrics
 
 Its cost is bytes / bandwidth per destination (``rlhfc.cost.transfer``); the
-runtime moves the weights in buckets through Ray's object store (NCCL
-broadcast is the GPU path). Frozen models need no sync: every copy is built
+runtime moves the weights in buckets through Ray's object store (an NCCL
+broadcast for GPUs is not written yet). Frozen models need no sync: every copy is built
 from the same initial weights.
 
 Exact: the copy holds bit-identical weights before it is used again.
