@@ -101,11 +101,8 @@ class Job:
             out = ray.get(ref)
             self._timed(stage, t0)
             return out
-        except ray.exceptions.RayActorError as exc:
-            raise self._stage_failed(stage, f"its worker died ({type(exc).__name__})") from None
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            raise self._stage_failed(stage, f"{type(cause).__name__}: {cause}") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise self._ray_failure(stage, exc) from None
 
     def wait(self, futures: dict[str, Any]) -> list[Any]:
         """Await several launched stages (``{value name: future}``); values in the same order."""
@@ -152,8 +149,7 @@ class Job:
                 for name, start in consumers.items():
                     parts[name].append(start(ref))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            cause = getattr(exc, "cause", None) or exc
-            raise self._stage_failed(stage, f"{type(cause).__name__}: {cause}") from None
+            raise self._ray_failure(stage, exc) from None
         self._timed(stage, t_start)
         roll = merge_rollouts(chunks)
         results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
@@ -189,8 +185,7 @@ class Job:
             ray.get([dst.import_bucket.remote(r) for r in refs])
             ray.get(dst.set_version.remote(version))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            cause = getattr(exc, "cause", None) or exc
-            raise self._stage_failed(stage, f"{type(cause).__name__}: {cause}") from None
+            raise self._ray_failure(stage, exc) from None
         self._timed(stage, t0)
         return {"bytes": float(nbytes), "buckets": float(len(refs)), "seconds": time.perf_counter() - t0}
 
@@ -208,6 +203,14 @@ class Job:
     def _timed(self, stage: str, t0: float) -> None:
         """Seconds the driver waited for a stage (its run time when nothing else was in flight)."""
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+    def _ray_failure(self, stage: str, exc: Exception) -> JobError:
+        """A JobError for a remote failure: a dead worker, or the exception a stage raised."""
+        ray = _ray()
+        if isinstance(exc, ray.exceptions.RayActorError):
+            return self._stage_failed(stage, f"its worker died ({type(exc).__name__})")
+        cause = getattr(exc, "cause", None) or exc
+        return self._stage_failed(stage, f"{type(cause).__name__}: {cause}")
 
     def _stage_failed(self, stage: str, why: str) -> JobError:
         info = self.plan["graph"]["stages_by_name"].get(stage, {})
