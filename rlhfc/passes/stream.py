@@ -74,7 +74,7 @@ def auto_chunk(module: Module, gen, consumers) -> int:
 def forward_seconds(module: Module, stage, gen) -> float:
     """Predicted time of one forward stage over the whole rollout (cost model; analytic fallback)."""
     try:
-        from rlhfc.cost import CostModel  # calibrated by `rlhfc profile` when a profile exists
+        from rlhfc.cost import CostModel  # catalog rates: the same build on every machine
 
         return float(CostModel(module).stage_cost(stage).time_s)
     except (ImportError, AttributeError, TypeError, KeyError, ValueError):
