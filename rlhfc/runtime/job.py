@@ -467,8 +467,13 @@ class _Progress:
             return self
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=False)
+        from rich.console import Console
+
+        # piped output (logs, CI) has no width: give the line room instead of squeezing it to 80 columns
+        console = None if sys.stdout.isatty() else Console(width=150)
+        self.progress = Progress(TextColumn("[bold]{task.fields[name]}"), BarColumn(bar_width=24),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[stats]}"),
+                                 transient=False, console=console)
         self.progress.__enter__()
         self.task = self.progress.add_task("train", total=self.total, completed=self.start,
                                            name=self.plan["module"], stats="starting workers…")
