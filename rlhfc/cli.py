@@ -95,7 +95,6 @@ def compile_cmd(
         else:
             typer.echo(ir, nl=False)
         return
-    from rlhfc.codegen import emit_job
 
     if not out:
         raise CompileError([Diagnostic("error", "--emit job needs an output folder", None, "add -o job/")])

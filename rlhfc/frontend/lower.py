@@ -15,7 +15,7 @@ import networkx as nx
 
 from rlhfc.ir import arch as archs
 from rlhfc.ir.core import RUN_KEYS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol, Value
-from rlhfc.ir.devices import DEVICE_MEMORY, GPU_KINDS
+from rlhfc.ir.devices import GPU_KINDS
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, get_op
 from rlhfc.ir.verifier import check_attr_value

@@ -94,17 +94,20 @@ def flatten(module: Module) -> dict[str, tuple[int, int]]:
     return {s.name: (0, n) for stages in _model_stages(module).values() for s in stages}
 
 
-def _work(module: Module) -> dict[str, float]:
-    """Seconds of work per model with the whole cluster to itself (cost model)."""
+def _flat_stage_seconds(module: Module) -> dict[str, float]:
+    """Seconds per model stage when every stage has the whole cluster (cost model, catalog rates)."""
     from rlhfc.cost import CostModel
 
     trial = module.clone()
     apply(trial, flatten(trial), layouts=False)
     cm = CostModel(trial)
-    work: dict[str, float] = {}
-    for name, stages in _model_stages(trial).items():
-        work[name] = sum(cm.stage_cost(s).time_s for s in stages)
-    return work
+    return {s.name: cm.stage_cost(s).time_s for s in trial.graph.stages if s.target in trial.models}
+
+
+def _work(module: Module) -> dict[str, float]:
+    """Seconds of work per model with the whole cluster to itself (cost model)."""
+    seconds = _flat_stage_seconds(module)
+    return {name: sum(seconds[s.name] for s in stages) for name, stages in _model_stages(module).items()}
 
 
 def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]]:
@@ -147,13 +150,9 @@ def separate(module: Module) -> dict[str, tuple[int, int]]:
     n = module.cluster.num_devices
     if n < 2:
         return flatten(module)
-    from rlhfc.cost import CostModel
-
-    trial = module.clone()
-    apply(trial, flatten(trial), layouts=False)
-    cm = CostModel(trial)
-    gen = sum(cm.stage_cost(s).time_s for s in trial.graph.stages if s.op == "generate")
-    rest = sum(cm.stage_cost(s).time_s for s in trial.graph.stages if s.target in trial.models and s.op != "generate")
+    seconds = _flat_stage_seconds(module)
+    gen = sum(t for name, t in seconds.items() if module.graph.stage(name).op == "generate")
+    rest = sum(seconds.values()) - gen
     k = min(n - 1, max(1, round(n * gen / max(gen + rest, 1e-9))))
     out = {}
     for stages in _model_stages(module).values():

@@ -26,10 +26,11 @@ from .base import Pass, register_pass
 
 
 def mesh_of(stage: Stage, module: Module) -> tuple[int, int]:
-    m = stage.annotations.get("mesh")
-    if isinstance(m, dict) and "first" in m and "count" in m:
-        return int(m["first"]), int(m["count"])
-    return 0, module.cluster.num_devices
+    """The stage's devices (first, count), read the way the cost model reads them."""
+    from rlhfc.cost import stage_layout
+
+    layout = stage_layout(stage, module.cluster)
+    return layout.first, layout.count
 
 
 @register_pass

@@ -25,11 +25,9 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
-import torch
 
 from .data import PromptSource, prompt_source_from_spec
 from .values import Rollout, TokenValues
@@ -41,12 +39,6 @@ class JobError(Exception):
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
         self.message, self.hint = message, hint
-
-
-@dataclass
-class StepResult:
-    step: int
-    metrics: dict[str, float]
 
 
 def _ray():
