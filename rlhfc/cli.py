@@ -174,7 +174,7 @@ def passes_cmd(plugin: List[str] = typer.Option([], "--plugin", help="also list 
         load_plugin(p)
     for name, cls in registered_passes().items():
         levels = [lvl for lvl, names in PIPELINES.items() if name in names]
-        tag = "exact" if cls.exact else "changes training"
+        tag = ("exact up to rounding" if cls.rounding else "exact") if cls.exact else "changes training"
         typer.echo(f"{name:<20} {cls.description}  [{tag}; {', '.join(levels) or 'by name only'}]")
         for opt, kind, default, doc in cls.option_help():
             typer.echo(f"    {opt}: {kind} = {default}" + (f"  — {doc}" if doc else ""))

@@ -129,7 +129,8 @@ def test_passes_lists_every_pass(capsys):
     for name, cls in registered_passes().items():
         line = next(line for line in out.splitlines() if line.startswith(name + " "))
         assert cls.description in line
-        assert ("[exact;" if cls.exact else "[changes training;") in line
+        tag = ("[exact up to rounding;" if cls.rounding else "[exact;") if cls.exact else "[changes training;"
+        assert tag in line
         levels = [lvl for lvl, names in PIPELINES.items() if name in names]
         assert (", ".join(levels) if levels else "by name only") in line
         for opt, kind, default, _doc in cls.option_help():

@@ -32,6 +32,11 @@ def _kwargs(attrs: dict) -> list[str]:
     return [f"{k}={v!r}" for k, v in attrs.items()]
 
 
+def _crop(s: Stage) -> list[str]:
+    """``crop=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response)."""
+    return ["crop=True"] if s.annotations.get("unpad") else []
+
+
 class PythonEmitter:
     """Turns a module into the text of ``main.py``."""
 
@@ -105,7 +110,7 @@ class PythonEmitter:
                     f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)})")
         if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
             method = s.op.split(".")[-1]
-            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs))
+            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _crop(s))
             remote = f"w.{stage_worker(self.m, s)}.{method}.remote({call})"
             if s.annotations.get("overlap") is not None:
                 self.pending.extend(v.name for v in s.outputs)
@@ -131,7 +136,7 @@ class PythonEmitter:
         consumers = [c for c in g.stages if c.annotations.get("stream_from") == roll.name]
         chunk = s.annotations.get("stream", {}).get("chunk", 0)
         oc = s.annotations.get("overcommit")
-        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs})
+        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _crop(s)
         launch = f"lambda prompts, carry: w.{stage_worker(self.m, s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",

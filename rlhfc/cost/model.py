@@ -11,7 +11,9 @@ analytical roofline ("source" says which).
 Backends: on ``cpu`` clusters the torch backend runs each model in one process
 with as many threads as the mesh has cores (``dp``/``tp``/``pp`` do not split
 work there), batches are static (a finished sample keeps its row until the
-longest one ends) and padded to the longest prompt and to ``max_new_tokens``.
+longest one ends) and padded to the longest prompt and to ``max_new_tokens``
+(to the longest response — of the batch, or of a training minibatch — after
+the ``unpad`` pass).
 On GPU clusters generation is priced as an inference engine (vLLM): continuous
 batching (the active batch shrinks as samples finish) on packed sequences.
 """
@@ -298,6 +300,11 @@ class CostModel:
         gw = self.generation_work(gen)
         if self.continuous:
             prompt, response = gw["prompt_mean"], gw["mean_response"]
+        elif gen.annotations.get("unpad"):  # cut to the longest response (of a minibatch when training)
+            group = gw["batch"]
+            if stage.op == "train" and stage.annotations.get("unpad"):
+                group = -(-group // max(1, int(stage.attrs.get("minibatches", 1))))
+            prompt, response = gw["prompt_max"], self.response_lengths(gen).expected_max(max(1, int(group)))
         else:  # the torch backend pads prompts to the batch's longest and responses to max_new_tokens
             prompt, response = gw["prompt_max"], float(gw["T"])
         return {"rows": rows, "seq": float(prompt + response), "prompt": float(prompt), "response": float(response)}

@@ -450,6 +450,12 @@ def _check_plan_annotations(module: Module, sink: DiagnosticSink) -> None:
         if "recompute" in ann and ann["recompute"] not in RECOMPUTE_POLICIES:
             sink.error(f"{label}: recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
                        f"got {_describe(ann['recompute'])}", at, 'write recompute = "selective"')
+        if "unpad" in ann and stage.op not in ("generate", "train"):
+            sink.error(f"{label}: 'unpad' applies to generate and train stages only, not {stage.op}", at,
+                       "forwards follow their rollout: mark the generate stage unpad = true")
+        elif "unpad" in ann and not isinstance(ann["unpad"], bool):
+            sink.error(f"{label}: unpad must be true or false, got {_describe(ann['unpad'])}", at,
+                       "write unpad = true")
         if "overlap" in ann and not _is_int(ann["overlap"]):
             sink.error(f"{label}: overlap must be an integer group id, got {_describe(ann['overlap'])}", at,
                        "stages with the same overlap = K are launched together, e.g. overlap = 1")

@@ -37,6 +37,7 @@ __all__ = [
     "broadcast_to_tokens",
     "make_optimizer",
     "train_epochs",
+    "crop_padding",
     "actor_loss_fn",
     "critic_loss_fn",
 ]
@@ -329,6 +330,34 @@ def _take(batch: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
     return out
 
 
+def crop_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop the trailing response columns that are padding in every row of a rollout-shaped batch.
+
+    ``batch`` holds ``prompt_len`` (P) and ``response_mask`` [B, R]; tensors R wide are cut to
+    the longest response r, tensors P + R wide to P + r. In real arithmetic nothing a loss reads
+    changes (the cut columns are masked out everywhere); in floating point the matrix products
+    are over fewer rows, so results can differ in the last bits.
+    """
+    mask = batch.get("response_mask")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or "prompt_len" not in batch:
+        return dict(batch)
+    width = mask.shape[1]
+    p = int(batch["prompt_len"])
+    used = mask.any(0).nonzero()
+    r = int(used.max()) + 1 if used.numel() else 1
+    if r >= width:
+        return dict(batch)
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == p + width:
+            out[k] = v[:, : p + r]
+        elif isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == width:
+            out[k] = v[:, :r]
+        else:
+            out[k] = v
+    return out
+
+
 def train_epochs(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -338,6 +367,7 @@ def train_epochs(
     minibatches: int = 1,
     max_grad_norm: float | None = 1.0,
     generator: torch.Generator | None = None,
+    crop: bool = False,
 ) -> dict[str, float]:
     """Run ``epochs`` passes over ``batch`` in ``minibatches`` optimizer steps each.
 
@@ -348,6 +378,7 @@ def train_epochs(
     ``zero_grad -> loss_fn(model, part) -> backward -> clip_grad_norm_ -> step``.
     Returns the mean of each metric over all steps, plus ``grad_norm`` (before
     clipping) and ``loss``. The model is put in train mode and left in eval mode.
+    ``crop``: each minibatch goes through :func:`crop_padding` first.
     """
     b = _batch_size(batch)
     if minibatches < 1 or minibatches > b:
@@ -361,7 +392,8 @@ def train_epochs(
             order = torch.randperm(b, generator=generator)
             for index in torch.tensor_split(order, minibatches):
                 optimizer.zero_grad(set_to_none=True)
-                loss, metrics = loss_fn(model, _take(batch, index))
+                part = _take(batch, index)
+                loss, metrics = loss_fn(model, crop_padding(part) if crop else part)
                 loss.backward()
                 if max_grad_norm is not None:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

@@ -29,8 +29,10 @@ class Rollout:
     ``rows``: each sample's row in the step's batch (a streamed chunk holds some rows);
     ``born``: the weights version each sample started with (older than ``version`` for
     samples carried over from an earlier step by overcommitment).
-    The response width is always the stage's ``max_new_tokens``, so a chunk and the
-    whole batch have the same shape and per-row forwards agree bitwise.
+    The response width is the stage's ``max_new_tokens``, so a chunk and the whole
+    batch have the same shape and per-row forwards agree bitwise; under the ``unpad``
+    pass (``crop=True``) it is the longest response in the chunk instead, and merging
+    pads chunks to the widest.
     """
 
     batch: RolloutBatch
@@ -103,13 +105,27 @@ def _order(chunks: list) -> list[int]:
     return sorted(range(len(rows)), key=lambda i: rows[i])
 
 
-def merge_rollouts(chunks: list[Rollout]) -> Rollout:
-    """Reassemble streamed chunks into one rollout, rows in batch order."""
+def _pad_cols(x: torch.Tensor, width: int, value: int | float = 0) -> torch.Tensor:
+    """``x`` [B, w, ...] right-padded with ``value`` to [B, width, ...]."""
+    if x.shape[1] == width:
+        return x
+    pad = torch.full((x.shape[0], width - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
+    """Reassemble streamed chunks into one rollout, rows in batch order (narrower chunks — cropped by
+    the ``unpad`` pass — are right-padded with ``pad_id`` to the widest)."""
     if len(chunks) == 1:
         return chunks[0]
     order = _order(chunks)
+    width = max(c.batch.response_width for c in chunks)
+    p = chunks[0].batch.prompt_len
     cat = {f: torch.cat([getattr(c.batch, f) for c in chunks])[order]
-           for f in ("input_ids", "attention_mask", "response_mask", "response_lengths", "prompt_lengths", "eos")}
+           for f in ("response_lengths", "prompt_lengths", "eos")}
+    cat["input_ids"] = torch.cat([_pad_cols(c.batch.input_ids, p + width, pad_id) for c in chunks])[order]
+    cat["attention_mask"] = torch.cat([_pad_cols(c.batch.attention_mask, p + width) for c in chunks])[order]
+    cat["response_mask"] = torch.cat([_pad_cols(c.batch.response_mask, width) for c in chunks])[order]
     batch = RolloutBatch(prompt_len=chunks[0].batch.prompt_len, **cat)
     flat = lambda attr: [x for c in chunks for x in getattr(c, attr)]  # noqa: E731
     prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
@@ -124,5 +140,7 @@ def merge_parts(parts: list, chunks: list[Rollout]):
         return parts[0]
     order = _order(chunks)
     if isinstance(parts[0], TokenValues):
-        return TokenValues(torch.cat([p.values for p in parts])[order], torch.cat([p.mask for p in parts])[order])
+        width = max(p.values.shape[1] for p in parts)
+        return TokenValues(torch.cat([_pad_cols(p.values, width) for p in parts])[order],
+                           torch.cat([_pad_cols(p.mask, width) for p in parts])[order])
     return torch.cat(list(parts))[order]

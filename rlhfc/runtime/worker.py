@@ -86,20 +86,24 @@ class ModelWorker:
     # -- stages --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 n: int = 1) -> Rollout:
+                 n: int = 1, crop: bool = False) -> Rollout:
+        """Generate one rollout; ``crop``: as wide as its longest response instead of ``max_new_tokens``."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0)))
+                                        top_p=top_p, n=n, chunk=0, crop=crop)))
 
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
-                        top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None):
+                        top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
+                        crop: bool = False):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
-        :class:`CarryOver` with the unfinished ones (their partial tokens kept)."""
+        :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``crop``: each chunk is
+        as wide as its own longest response (the ``unpad`` pass) instead of ``max_new_tokens``."""
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [])
+                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], crop=crop)
 
-    def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=()):
+    def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
+                  crop=False):
         texts = [p for p in prompts for _ in range(n)]
         inputs = [dict(c) for c in carry] + [
             {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
@@ -113,6 +117,7 @@ class ModelWorker:
         buf: list[FinishedSample] = []
         left: list[dict] = []
         size = chunk if chunk > 0 else len(inputs)
+        width_r = None if crop else max_new_tokens
         for item in stream:
             c = inputs[item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
@@ -121,14 +126,14 @@ class ModelWorker:
                 continue
             buf.append(FinishedSample(item.index, tuple(c["prompt_ids"]), response, item.eos, item.step))
             if len(buf) == size:
-                yield self._rollout(buf, inputs, width_p, max_new_tokens)
+                yield self._rollout(buf, inputs, width_p, width_r)
                 buf = []
         if buf:
-            yield self._rollout(buf, inputs, width_p, max_new_tokens)
+            yield self._rollout(buf, inputs, width_p, width_r)
         if take is not None:
             yield CarryOver(left)
 
-    def _rollout(self, samples, inputs, width_p: int, width_r: int) -> Rollout:
+    def _rollout(self, samples, inputs, width_p: int, width_r: int | None) -> Rollout:
         batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
         rows = sorted(s.index for s in samples)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
@@ -160,7 +165,9 @@ class ModelWorker:
         return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
 
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
-              max_grad_norm: float, weight_decay: float) -> dict[str, float]:
+              max_grad_norm: float, weight_decay: float, crop: bool = False) -> dict[str, float]:
+        """PPO/value updates on ``loss``; ``crop``: each minibatch drops the response columns that are
+        padding in all of its rows (the ``unpad`` pass)."""
         if self.optimizer is None:
             self.optimizer = ppo.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
         self._check_tokens(loss.rollout)
@@ -179,7 +186,7 @@ class ModelWorker:
             fn = ppo.critic_loss_fn(clip=loss.clip)
         metrics = ppo.train_epochs(self.model, self.optimizer, batch, fn, epochs=epochs,
                                    minibatches=min(minibatches, loss.rollout.size),
-                                   max_grad_norm=max_grad_norm or None, generator=self.train_gen)
+                                   max_grad_norm=max_grad_norm or None, generator=self.train_gen, crop=crop)
         self.version += 1
         metrics["version"] = float(self.version)
         return metrics

@@ -1,4 +1,9 @@
-"""Exact passes must not change training: -O0 and -O2 builds give identical per-step metrics on CPU."""
+"""Exact passes must not change training: -O0 and -O2 builds give the same per-step metrics on CPU.
+
+Every -O2 pass but ``unpad`` is bitwise exact; ``unpad`` (rollouts cut to their longest response)
+changes the order of floating-point sums, so with it the same tokens are sampled and every metric
+agrees to a relative 1e-4 (the stated tolerance; measured differences are around 1e-7).
+"""
 
 from __future__ import annotations
 
@@ -8,38 +13,61 @@ import pytest
 
 from rlhfc.codegen import emit_job
 from rlhfc.frontend import load_file
-from rlhfc.passes import PIPELINES, PassManager, get_pass, pipeline_for
+from rlhfc.passes import PIPELINES, PassManager, get_pass, parse_pipeline
 from rlhfc.runtime.job import run_job
 
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
+TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")   # long-tailed lengths: unpad really cuts columns
 TIMING = {"step_time_s", "samples_per_s", "wait_s"}
 
 pytestmark = pytest.mark.e2e
 
 
-def _train(tmp_path, level: str, steps: int = 3):
-    module, _, _ = load_file(PROGRAM)
-    module = PassManager(pipeline_for(level)).run(module)
-    job = str(tmp_path / f"job_{level}")
-    emit_job(module, job, source_path=PROGRAM, opt_level=level, passes=PIPELINES[level])
-    rows = run_job(job, out=str(tmp_path / f"run_{level}"), steps=steps, progress=False)
+def _train(tmp_path, level: str, steps: int = 3, program: str = PROGRAM, passes: list[str] | None = None):
+    module, _, _ = load_file(program)
+    passes = PIPELINES[level] if passes is None else passes
+    module = PassManager(parse_pipeline(",".join(passes))).run(module)
+    tag = f"{level}_{os.path.basename(program).split('.')[0]}_{len(passes)}"
+    job = str(tmp_path / f"job_{tag}")
+    emit_job(module, job, source_path=program, opt_level=level, passes=passes)
+    rows = run_job(job, out=str(tmp_path / f"run_{tag}"), steps=steps, progress=False)
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows], open(os.path.join(job, "main.py")).read()
 
 
-def test_O2_trains_bitwise_identically_to_O0(tmp_path):
+def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k], rel, abs_) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y, rel, abs_) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return b == pytest.approx(a, rel=rel, abs=abs_)
+    return a == b
+
+
+def test_O2_without_unpad_trains_bitwise_identically_to_O0(tmp_path):
     assert all(get_pass(n).exact for n in PIPELINES["O2"])
+    bitwise = [n for n in PIPELINES["O2"] if not get_pass(n).rounding]
+    assert bitwise == [n for n in PIPELINES["O2"] if n != "unpad"]
     o0, code0 = _train(tmp_path, "O0")
-    o2, code2 = _train(tmp_path, "O2")
+    o2, code2 = _train(tmp_path, "O2", passes=bitwise)
     assert "# overlap group 1" in code2 and "# overlap group" not in code0   # the O2 driver really overlaps
     assert o2 == o0
+
+
+def test_O2_trains_like_O0_within_rounding_on_long_tailed_lengths(tmp_path):
+    o0, _ = _train(tmp_path, "O0", program=TAIL)
+    o2, code2 = _train(tmp_path, "O2", program=TAIL)
+    assert "crop=True" in code2 and "generate_chunks" in code2
+    assert min(r["response_len_max"] for r in o0) < 30    # some rollout really was narrower than max_new_tokens
+    # same samples every step (integers compare exactly), metrics within the stated tolerance
+    assert [r["response_len_mean"] for r in o2] == [r["response_len_mean"] for r in o0]
+    assert _close(o0, o2), (o0, o2)
 
 
 def test_separated_generation_with_weight_sync_trains_identically(tmp_path):
     """placement{strategy=separate} puts generation on its own worker; realloc syncs the actor's
     weights to it after each train step (bucketed through the object store)."""
-    from rlhfc.passes import parse_pipeline
-
     module, _, _ = load_file(PROGRAM)
     passes = "dce,parallelize,stream,placement{strategy=separate},realloc"
     module = PassManager(parse_pipeline(passes)).run(module)

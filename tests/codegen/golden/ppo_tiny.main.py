@@ -22,7 +22,7 @@ def step(job, w):
     prompts = job.next_prompts('prompts', 16)
     # stream: finished samples flow in chunks of 8 to ref_logp, values, scores while generation goes on
     roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=8, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=8, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1, crop=True),
         prompts=prompts,
         consumers={
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
@@ -40,8 +40,8 @@ def step(job, w):
     ppo_clip = job.compute('ppo_clip', ops.ppo_clip, roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator='k3', temperature=1.0)
     value_loss = job.compute('value_loss', ops.value_loss, roll, values, ret, clip=0.2)
     # overlap group 2: launched together, awaited where the driver needs them
-    actor_train = w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0)
-    critic_train = w.critic.train.remote(value_loss, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0)
+    actor_train = w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, crop=True)
+    critic_train = w.critic.train.remote(value_loss, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, crop=True)
     return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'values': values, 'scores': scores, 'adv': adv, 'ret': ret, 'ppo_clip': ppo_clip, 'value_loss': value_loss, 'actor_train': actor_train, 'critic_train': critic_train}
 
 
