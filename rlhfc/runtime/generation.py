@@ -330,7 +330,9 @@ def generate_stream(
         if step == max_new_tokens - 1 or bool(finished.all()):
             return
         mask = torch.cat([mask, active.long().unsqueeze(1)], dim=1)
-        last_pos = last_pos + 1
+        # finished rows stay put: a row that resumed from a long prefix with a small budget would
+        # otherwise walk past the model's max positions while the others still decode
+        last_pos = last_pos + active.long()
         logits, cache = model.decode_step(token.unsqueeze(1), mask, last_pos.unsqueeze(1), cache)
         next_logits = logits[:, -1]
 

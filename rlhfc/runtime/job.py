@@ -202,7 +202,18 @@ class Job:
         if isinstance(exc, ray.exceptions.RayActorError):
             return self._stage_failed(stage, f"its worker died ({type(exc).__name__})")
         cause = getattr(exc, "cause", None) or exc
-        return self._stage_failed(stage, f"{type(cause).__name__}: {cause}")
+        log = self._log_error(stage, exc)
+        return self._stage_failed(stage, f"{type(cause).__name__}: {cause}" + (f" (traceback in {log})" if log else ""))
+
+    def _log_error(self, stage: str, exc: Exception) -> str | None:
+        """Append the remote traceback of a failed stage to ``OUT/errors.log`` (the console gets one line)."""
+        path = os.path.join(self.out, "errors.log")
+        try:
+            with open(path, "a") as fh:
+                fh.write(f"--- stage %{stage}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n{exc}\n")
+        except OSError:
+            return None
+        return path
 
     def _stage_failed(self, stage: str, why: str) -> JobError:
         info = self.plan["graph"]["stages_by_name"].get(stage, {})
@@ -363,6 +374,7 @@ class Job:
             lengths = roll.batch.response_lengths.float()
             m["response_len_mean"] = float(lengths.mean())
             m["response_len_max"] = float(lengths.max())
+            m["decode_steps"] = roll.decode_steps
             m["gen_version"] = roll.version
             m["samples"] = roll.size
             if roll.born:

@@ -43,6 +43,8 @@ class Rollout:
     tokenizer: str
     rows: list[int] = field(default_factory=list)
     born: list[int] = field(default_factory=list)
+    #: decoding steps the generation had run when the last of these samples finished
+    decode_steps: int = 0
 
     @property
     def size(self) -> int:
@@ -131,7 +133,7 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
     prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
     return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
                    max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
-                   [born[i] for i in order])
+                   [born[i] for i in order], max(c.decode_steps for c in chunks))
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

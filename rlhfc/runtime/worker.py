@@ -137,7 +137,8 @@ class ModelWorker:
         batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
         rows = sorted(s.index for s in samples)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
-                       self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows])
+                       self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
+                       max(s.step for s in samples) + 1)
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:

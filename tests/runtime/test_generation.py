@@ -218,3 +218,18 @@ def test_too_long_for_max_seq_is_a_clear_error(make_spec):
     with pytest.raises(ValueError, match="max_seq"):
         _gen(model, max_new_tokens=12)
     assert _gen(model, max_new_tokens=10).response_width <= 10
+
+
+def test_a_resumed_row_with_a_small_budget_does_not_walk_past_max_positions():
+    """Overcommitment resumes a carried sample from prompt + partial tokens with what is left of its
+    budget; while the other rows go on decoding, its (finished) row must not run past max_seq."""
+    import torch
+
+    from rlhfc.runtime.generation import generate_stream
+    from rlhfc.runtime.models import build_model
+
+    model = build_model(dict(arch="gpt2", layers=1, hidden=32, heads=2, vocab=16, max_seq=40, head="lm"), seed=0)
+    long_prefix, short = [1] + [5] * 29, [1, 4, 6]          # 30 + 2 and 3 + 30 tokens: both fit in 40
+    out = list(generate_stream(model, [long_prefix, short], 30, eos_id=999, pad_id=0,
+                               generator=torch.Generator().manual_seed(0), budgets=[2, 30]))
+    assert sorted(len(s.response_ids) for s in out) == [2, 30]

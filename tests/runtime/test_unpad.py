@@ -72,3 +72,4 @@ def test_crop_padding_cuts_every_response_aligned_tensor():
     assert torch.equal(out["response_lengths"], batch["response_lengths"]) and out["prompt_len"] == p
     again = crop_padding(out)
     assert all(torch.equal(again[k], out[k]) for k in out if isinstance(out[k], torch.Tensor))
+
