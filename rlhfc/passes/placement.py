@@ -49,7 +49,7 @@ class Placement(Pass):
     description = "place models on devices: flatten | interleave | separate | search (cost-model MCMC)"
     exact = True
     strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
-    seconds: float = field(default=20.0, metadata={"doc": "time budget of the search"})
+    seconds: float = field(default=15.0, metadata={"doc": "time budget of the search"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
 
     def __post_init__(self) -> None:
