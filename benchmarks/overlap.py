@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
+from statistics import median
 
 import networkx as nx
 
@@ -109,11 +110,6 @@ def critical_path(module, stage_s: dict[str, float]) -> float:
     return max(best.values(), default=0.0)
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
 
 def _cpu_name() -> str:
     cpu = platform.processor() or platform.machine()
@@ -160,11 +156,11 @@ def main(argv=None) -> int:
     def sps(r: dict) -> float:
         return r["samples_per_s"]
 
-    med = {lv: _median([sps(r) for r in rs]) for lv, rs in runs.items()}
+    med = {lv: median([sps(r) for r in rs]) for lv, rs in runs.items()}
     base = med.get("O0") or next(iter(med.values()))
     print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; program: benchmarks/overlap.rlhf; "
           f"{args.rounds} rounds x {args.steps - args.warmup} measured steps after {args.warmup} warm-up")
-    print(f"two busy cores deliver {_median(scaling):.2f}x one core's throughput here "
+    print(f"two busy cores deliver {median(scaling):.2f}x one core's throughput here "
           f"(per round: {', '.join(f'{x:.2f}' for x in scaling)}): the ceiling of any overlap")
     print(f"{'level':<6} {'samples/s':>10} {'(min-max)':>13} {'vs O0':>7} {'step s':>8} {'core util':>10} "
           f"{'resp len':>9} {'carried':>8}")
@@ -196,12 +192,12 @@ def main(argv=None) -> int:
     if trl_runs:
         trl_sps = [t.get("steady_samples_per_s") or t["samples_per_s"] for t in trl_runs]
         out["trl"] = [{k: v for k, v in t.items() if k != "per_step_s"} for t in trl_runs]
-        print(f"TRL {trl_runs[0]['versions']['trl']} PPO: {_median(trl_sps):.1f} samples/s median (steady; "
+        print(f"TRL {trl_runs[0]['versions']['trl']} PPO: {median(trl_sps):.1f} samples/s median (steady; "
               f"per round {', '.join(f'{x:.1f}' for x in trl_sps)}); mean generated length "
               f"{trl_runs[0].get('mean_generated_len', float('nan')):.1f}")
         if "O2" in runs:
             per = [o["samples_per_s"] / t for o, t in zip(runs["O2"], trl_sps)]
-            print(f"-O2 / TRL = {med['O2'] / _median(trl_sps):.2f}x (per round: "
+            print(f"-O2 / TRL = {med['O2'] / median(trl_sps):.2f}x (per round: "
                   f"{', '.join(f'{x:.2f}x' for x in per)})")
     if args.json:
         with open(args.json, "w") as fh:

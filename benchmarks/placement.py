@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from statistics import median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -84,11 +85,6 @@ def measure(strategies: dict, steps: int, rounds: int = 1) -> dict[str, list[flo
     return res
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
 
 def order_agrees(predicted_s: dict[str, float], measured_sps: dict[str, float], tie: float = 0.03) -> bool:
     """True when every pair of strategies whose predicted step times differ by more than ``tie``
@@ -126,7 +122,7 @@ def main(argv=None) -> int:
 
             scale = core_scaling()
             runs = measure(res, args.steps, args.rounds)
-            measured = {s: _median(v) for s, v in runs.items()}
+            measured = {s: median(v) for s, v in runs.items()}
             pred_order = sorted(measured, key=lambda s: res[s]["step_s"])
             meas_order = sorted(measured, key=lambda s: -measured[s])
             print(f"two busy cores deliver {scale:.2f}x one core's throughput here")

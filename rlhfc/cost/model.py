@@ -283,7 +283,7 @@ class CostModel:
             prompt = prompts.expected_max(wave)
             kv_tokens = float(wave * (prompt + steps_w.sum()))
         order = dist.order_stats(wave)
-        work = {"rows": float(wave), "batch": B, "delta": delta, "waves": micro, "prompt": float(prompt), "T": T,
+        work = {"dist": dist, "rows": float(wave), "batch": B, "delta": delta, "waves": micro, "prompt": float(prompt), "T": T,
                 "t": t, "steps_w": steps_w, "active": active, "kv_tokens": kv_tokens,
                 "expected_steps": float(steps_w.sum()), "mean_response": dist.mean(),
                 "order": order, "prompt_mean": prompts.mean(), "prompt_max": prompts.expected_max(n)}
@@ -304,7 +304,7 @@ class CostModel:
             group = gw["batch"]
             if stage.op == "train" and stage.annotations.get("unpad"):
                 group = -(-group // max(1, int(stage.attrs.get("minibatches", 1))))
-            prompt, response = gw["prompt_max"], self.response_lengths(gen).expected_max(max(1, int(group)))
+            prompt, response = gw["prompt_max"], gw["dist"].expected_max(max(1, int(group)))
         else:  # the torch backend pads prompts to the batch's longest and responses to max_new_tokens
             prompt, response = gw["prompt_max"], float(gw["T"])
         return {"rows": rows, "seq": float(prompt + response), "prompt": float(prompt), "response": float(response)}

@@ -128,7 +128,7 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
     cat["input_ids"] = torch.cat([_pad_cols(c.batch.input_ids, p + width, pad_id) for c in chunks])[order]
     cat["attention_mask"] = torch.cat([_pad_cols(c.batch.attention_mask, p + width) for c in chunks])[order]
     cat["response_mask"] = torch.cat([_pad_cols(c.batch.response_mask, width) for c in chunks])[order]
-    batch = RolloutBatch(prompt_len=chunks[0].batch.prompt_len, **cat)
+    batch = RolloutBatch(prompt_len=p, **cat)
     flat = lambda attr: [x for c in chunks for x in getattr(c, attr)]  # noqa: E731
     prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
     return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
