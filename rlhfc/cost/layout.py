@@ -109,3 +109,35 @@ def overcommit_delta(stage: Stage) -> int:
 def module_strategy(module: Module) -> str | None:
     s = module.annotations.get("strategy")
     return s if isinstance(s, str) else None
+
+
+def worker_key(stage: Stage, cluster: Cluster) -> tuple[str, tuple[int, int]]:
+    """The worker process that runs a model stage: one per (model, mesh), as the runtime starts them."""
+    lay = stage_layout(stage, cluster)
+    return stage.target, (lay.first, lay.count)
+
+
+def cpu_workers(module: Module) -> dict[tuple[str, tuple[int, int]], dict]:
+    """Per worker (model, mesh): its ``devices`` (global indices), its ``share`` of them (a device shared
+    by k workers gives each 1/k) and the torch ``threads`` it runs on a CPU cluster (one per whole core
+    of its share). ``sync`` stages also start a worker on their destination mesh. The runtime's
+    placement (:func:`rlhfc.codegen.plan.placement`) uses the same rule."""
+    total = module.cluster.num_devices
+    keys: dict[tuple[str, tuple[int, int]], list[int]] = {}
+    for s in module.graph.stages:
+        if s.target not in module.models or s.op.split(".", 1)[0] not in ("generate", "forward", "train", "sync"):
+            continue
+        meshes = [worker_key(s, module.cluster)[1]]
+        if s.op == "sync" and isinstance(s.attrs.get("to_first"), int) and isinstance(s.attrs.get("to_count"), int):
+            meshes.append((s.attrs["to_first"], s.attrs["to_count"]))
+        for first, count in meshes:
+            keys.setdefault((s.target, (first, count)), list(range(first, min(total, first + count))))
+    load: dict[int, int] = {}
+    for devices in keys.values():
+        for d in devices:
+            load[d] = load.get(d, 0) + 1
+    out = {}
+    for key, devices in keys.items():
+        share = sum(1.0 / load[d] for d in devices)
+        out[key] = {"devices": devices, "share": share, "threads": max(1, int(share + 1e-9))}
+    return out

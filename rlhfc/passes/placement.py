@@ -192,8 +192,6 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
 
     def price(assign) -> float:
         key = tuple(sorted(assign.items()))
-        if key not in cache and _cpu_contention(module, assign):
-            cache[key] = math.inf
         if key not in cache:
             trial = module.clone()
             apply(trial, assign)
@@ -250,25 +248,6 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
 
 
 # -- applying a plan ----------------------------------------------------------------------------------------
-
-def _cpu_contention(module: Module, assign: dict[str, tuple[int, int]]) -> bool:
-    """On CPU, a streamed consumer sharing cores with its generate stage runs *at the same time*
-    (the OS time-slices the two processes) and slows generation, the critical path; the simulator
-    treats a device as exclusive, so such plans are ruled out here rather than mispriced."""
-    if module.cluster.device != "cpu":
-        return False
-    for s in module.graph.stages:
-        src = s.annotations.get("stream_from")
-        if not src or s.name not in assign:
-            continue
-        gen = module.graph.producer(module.graph.values()[src])
-        if gen.name not in assign:
-            continue
-        (a, n), (b, m) = assign[s.name], assign[gen.name]
-        if a < b + m and b < a + n:
-            return True
-    return False
-
 
 def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
     """Annotate every model stage with its mesh and the fastest parallel split that fits."""

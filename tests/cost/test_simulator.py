@@ -6,7 +6,7 @@ import pytest
 
 from rlhfc.cost import CostConfig, CostModel, simulate
 
-from .helpers import annotate, example, gpu_ppo, mesh
+from .helpers import EXAMPLES, annotate, example, gpu_ppo, mesh
 
 CFG = CostConfig(dispatch_s=0.0)
 
@@ -133,3 +133,100 @@ def test_sync_stages_keep_per_mesh_copies():
     assert sync.resources == list(range(8)) and sync.duration == pytest.approx(r.reshard["actor_sync"], rel=1e-9)
     # both meshes hold the actor's weights
     assert "@actor weights" in r.devices[0].static and "@actor weights" in r.devices[5].static
+
+
+# -- CPU clusters: workers are processes that share cores ----------------------------------------------------
+
+def _cpu_cm(m, speedup=(1.0,)):
+    from dataclasses import replace
+
+    cm = CostModel(m, CFG)
+    cm.spec = replace(cm.spec, thread_speedup=tuple(speedup))
+    return cm
+
+
+def test_cpu_concurrent_workers_share_the_cores():
+    """On a CPU cluster co-located workers run at the same time, each with its fair share of the cores."""
+    group = {s: mesh(0, 2, overlap=1) for s in ("logp", "ref_logp", "values", "scores")}
+    m = annotate(example("ppo_tiny"), group)
+    r = simulate(m, CFG, steps=2)
+    names = ("logp", "ref_logp", "values", "scores")
+    tasks = [_task(r, s) for s in names]
+    assert max(t.start for t in tasks) - min(t.start for t in tasks) < 1e-12       # launched together
+    work = sum(r.costs[s].time_s for s in names)
+    span = max(t.end for t in tasks) - min(t.start for t in tasks)
+    # four one-thread processes on two cores: never faster than two cores' worth, much faster than in turn
+    assert work / 2 - 1e-12 <= span < 0.75 * work
+    # each core is busy while the four run (and the devices report it)
+    assert all(0 < d.utilisation <= 1 for d in r.devices)
+
+
+def test_cpu_streamed_consumer_runs_beside_generation():
+    """A streamed consumer on the generating cores starts before generation ends: the OS runs both
+    processes, one per core, and generation is not slowed (CPU time-sharing, unlike a GPU's queue)."""
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    m = PassManager(parse_pipeline("parallelize,stream{chunk=4}")).run(example("ppo_tiny"))
+    r = simulate(m, CFG, steps=2)
+    roll, ref = _task(r, "roll"), _task(r, "ref_logp")
+    assert ref.start < roll.end and len(ref.chunks) == 4
+    assert ref.chunks[-1][0] >= roll.end - 1e-12
+    # three streamed consumers beside generation: four processes on two cores while they run
+    assert r.costs["roll"].time_s < roll.duration < 2 * r.costs["roll"].time_s
+
+
+def test_cpu_thread_speedup_and_fewer_threads_per_shared_worker():
+    """A worker alone on its cores runs one thread per core (the priced time); a worker sharing its cores
+    runs a single thread, so its parallel part loses the measured multi-thread speed-up."""
+    from rlhfc.frontend import compile_source
+
+    text = (EXAMPLES / "ppo_tiny.rlhf").read_text().replace("devices = cpu:2", "devices = cpu:4")
+    actor = [s.name for s in example("ppo_tiny").graph.stages if s.target == "actor"]
+    others = ("ref_logp", "values", "scores", "critic_train")
+
+    def roll_time(other_mesh):
+        m, _ = compile_source(text, "<test>")
+        annotate(m, {**{s: mesh(0, 2) for s in actor}, **{s: other_mesh for s in others}})
+        r = simulate(m, steps=1, cost_model=_cpu_cm(m, (1.0, 1.8)))
+        return _task(r, "roll").duration, r.costs["roll"]
+
+    alone, cost = roll_time(mesh(2, 2))
+    assert alone == pytest.approx(cost.time_s, rel=1e-9)         # two threads on its own two cores
+    shared, _ = roll_time(mesh(0, 2))                             # three more workers on the same cores
+    sigma = cost.parts["overhead"] / cost.time_s
+    assert shared == pytest.approx(cost.time_s * (sigma + (1 - sigma) * 1.8), rel=1e-6)
+
+
+def test_fair_shares_are_max_min_fair_within_meshes():
+    from rlhfc.cost.simulator import _fair_shares, _Job
+
+    def job(cores, threads=1):
+        return _Job(None, 0, [], frozenset(cores), threads, [], [])
+
+    a, b, c = job({0, 1}), job({0, 1}), job({0, 1})
+    shares = _fair_shares([a, b, c])
+    assert [shares[id(j)] for j in (a, b, c)] == pytest.approx([2 / 3] * 3)
+    # a process pinned to core 1 alone gets it; the two on both cores share what is left
+    x, y, z = job({1}), job({0, 1}), job({0, 1})
+    s = _fair_shares([x, y, z])
+    assert s[id(x)] == pytest.approx(2 / 3) and s[id(y)] == pytest.approx(2 / 3)
+    assert sum(s.values()) == pytest.approx(2.0)
+    # one two-thread worker alone uses both cores; a one-thread worker at most one
+    w2, w1 = job({0, 1}, threads=2), job({0, 1})
+    assert _fair_shares([w2])[id(w2)] == pytest.approx(2.0) and _fair_shares([w1])[id(w1)] == pytest.approx(1.0)
+
+
+def test_cpu_workers_match_the_runtime_placement():
+    """The simulator's workers (and their threads) are the ones the generated job starts."""
+    from rlhfc.codegen.plan import placement, worker_name
+    from rlhfc.cost.layout import cpu_workers
+    from rlhfc.frontend import load_file
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    for strategy in ("flatten", "interleave", "separate"):
+        m, _, _ = load_file(str(EXAMPLES / "ppo_tiny.rlhf"))
+        m = PassManager(parse_pipeline(f"dce,parallelize,stream,placement{{strategy={strategy}}},realloc")).run(m)
+        sim = cpu_workers(m)
+        run = placement(m)["workers"]
+        assert {worker_name(m, model, mesh): w["threads"] for (model, mesh), w in sim.items()} == \
+            {name: w["threads"] for name, w in run.items()}
