@@ -8,7 +8,8 @@ flatten, whether memory fits, and how long the placement pass took.
 
 With ``--measure`` it also trains ``examples/ppo_tiny.rlhf`` on this CPU under
 each strategy (same steps, seed), in ``--rounds`` interleaved rounds (every
-strategy once per round, so slow spells of a shared machine hit all alike), and
+strategy once per round, each round starting with the next strategy, so slow
+spells of a shared machine and the first run's warm-up hit all alike), and
 compares the median measured ordering with the predicted one. Strategies whose
 predictions are within 3 % of each other count as tied: the measured order
 agrees when every pair the model separates is measured in the same order.
@@ -69,10 +70,10 @@ def measure(strategies: dict, steps: int, rounds: int = 1) -> dict[str, list[flo
     work = tempfile.mkdtemp(prefix="rlhfc-placement-")
     res: dict[str, list[float]] = {}
     try:
+        names = [k for k, r in strategies.items() if "module" in r]
         for rnd in range(rounds):
-            for strategy, r in strategies.items():
-                if "module" not in r:
-                    continue
+            for strategy in names[rnd % len(names):] + names[:rnd % len(names)]:   # each round starts elsewhere
+                r = strategies[strategy]
                 job = os.path.join(work, f"{strategy}{rnd}")
                 emit_job(r["module"], job, source_path="examples/ppo_tiny.rlhf", opt_level="custom",
                          passes=r["passes"].split(","))

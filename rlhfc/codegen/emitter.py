@@ -107,7 +107,9 @@ class PythonEmitter:
         if s.op == "sync":
             dst = worker_name(self.m, s.target, (s.attrs["to_first"], s.attrs["to_count"]))
             return (f"{outs} = job.sync({name!r}, w.{stage_worker(self.m, s)}, w.{dst}, "
-                    f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)})")
+                    f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)}"
+                    + (f", transport={s.attrs['transport']!r})" if s.attrs.get("transport", "object_store")
+                       != "object_store" else ")"))
         if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
             method = s.op.split(".")[-1]
             call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _crop(s))

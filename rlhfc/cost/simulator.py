@@ -140,7 +140,8 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
 
     - it keeps one copy per mesh, refreshed after training by ``sync`` stages (the ``realloc`` pass): a sync
       moves the trained weights from the train stage's layout to its destination mesh (``to_first``,
-      ``to_count``; the layout of the model's stage there), in buckets of ``bucket_mb``;
+      ``to_count``; the layout of the model's stage there), in buckets of ``bucket_mb``; on GPUs the
+      ``object_store`` transport also crosses host memory twice (``collective`` goes device to device);
     - it has no sync stage: the weights move between consecutive stages whose layouts differ (ReaL's
       reallocation; cyclically, the first stage of a step follows the last one of the step before), and the
       time is charged to the later stage.
@@ -172,6 +173,9 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
                 seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
                 bucket = float(sy.attrs.get("bucket_mb", 64)) * 2 ** 20
                 seconds += math.ceil(nbytes / max(dst.tp * dst.pp, 1) / bucket) * cm.spec.latency
+                if cm.gpu and sy.attrs.get("transport", "object_store") == "object_store":
+                    # through host memory: device -> host at the sender, host -> device at the receiver
+                    seconds += 2 * host_transfer_time(nbytes / max(dst.tp * dst.pp, 1), cm.spec)
                 carried[sy.name] = carried.get(sy.name, 0.0) + seconds
                 sync_devices[sy.name] = sorted(set(src.devices) | set(range(dest[0], dest[0] + dest[1])))
             for x in compute:

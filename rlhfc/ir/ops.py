@@ -220,7 +220,10 @@ register_op(OpSpec(
     "sync", (Operand("after", ("Metrics",), doc="the train stage whose new weights are sent"),),
     (Attr("bucket_mb", "int", 64, min=1, doc="transfer bucket size (MiB)"),
      Attr("to_first", "int", 0, min=0, doc="first device of the destination mesh"),
-     Attr("to_count", "int", 1, min=1, doc="devices of the destination mesh")),
+     Attr("to_count", "int", 1, min=1, doc="devices of the destination mesh"),
+     Attr("transport", "str", "object_store", choices=("object_store", "collective"),
+          doc="object_store: buckets through Ray's object store; collective: broadcast in a two-rank "
+              "process group (NCCL on GPUs, gloo on CPU)")),
     ("Metrics",), model="model", pure=False, batch_from="none",
     doc="copy a model's freshly trained weights to its copy on another mesh (inserted by realloc)"))
 

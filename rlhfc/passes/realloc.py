@@ -5,12 +5,16 @@ When a trained model has stages on a mesh other than its train stage's (e.g.
 holds a copy of the weights. Right after the train stage, a ``sync`` stage
 sends the new weights to every other mesh::
 
-    %actor_sync = sync @actor(%actor_train) {bucket_mb = 64, to_first = 0, to_count = 1}
+    %actor_sync = sync @actor(%actor_train) {bucket_mb = 64, to_first = 0, to_count = 1,
+                                             transport = "object_store"}
                   annot {mesh = {first = 1, count = 1}} : Metrics
 
-Its cost is bytes / bandwidth per destination (``rlhfc.cost.transfer``); the
-runtime moves the weights in buckets through Ray's object store (an NCCL
-broadcast for GPUs is not written yet). Frozen models need no sync: every copy is built
+Its cost is bytes / bandwidth per destination (``rlhfc.cost.transfer``). The
+runtime moves the weights in buckets, by ``transport``: ``object_store``
+(through Ray's object store; the default on CPU clusters) or ``collective``
+(the sender and the receiver form a two-rank process group and the sender
+broadcasts each flat bucket: NCCL between GPUs, the default on GPU clusters;
+gloo on CPU, where it is tested). Frozen models need no sync: every copy is built
 from the same initial weights.
 
 Exact: the copy holds bit-identical weights before it is used again.
@@ -40,13 +44,19 @@ class Realloc(Pass):
     description = "insert sync stages where a trained model is used on another mesh"
     exact = True
     bucket_mb: int = field(default=64, metadata={"doc": "transfer bucket size in MiB"})
+    transport: str = field(default="auto", metadata={
+        "doc": "object_store, collective (NCCL/gloo broadcast), or auto: collective on GPU clusters"})
 
     def __post_init__(self) -> None:
         if self.bucket_mb < 1:
             raise ValueError("bucket_mb must be >= 1")
+        if self.transport not in ("auto", "object_store", "collective"):
+            raise ValueError("transport must be auto, object_store or collective")
 
     def run(self, module: Module) -> Module:
         g = module.graph
+        transport = self.transport if self.transport != "auto" else \
+            ("object_store" if module.cluster.device == "cpu" else "collective")
         for s in [s for s in g.stages if s.op == "sync"]:   # idempotent: recompute from the placement
             g.remove(s)
         for train in [s for s in g.stages if s.op == "train"]:
@@ -60,7 +70,8 @@ class Realloc(Pass):
             for first, count in others:
                 out = Value(g.fresh_name(f"{train.target}_sync"), ValueType("Metrics"))
                 sync = Stage("sync", train.target, [train.outputs[0]], [out],
-                             {"bucket_mb": self.bucket_mb, "to_first": first, "to_count": count},
+                             {"bucket_mb": self.bucket_mb, "to_first": first, "to_count": count,
+                              "transport": transport},
                              {"mesh": {"first": home[0], "count": home[1]}}, train.loc)
                 g.insert(at, sync)
                 at += 1

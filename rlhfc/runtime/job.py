@@ -70,6 +70,7 @@ class Job:
         self.data: dict[str, PromptSource] = {name: prompt_source_from_spec(spec)
                                               for name, spec in self.plan["data"].items()}
         self.workers: dict[str, Any] = {}
+        self.groups: dict[str, str] = {}     # sync stage -> collective backend of its two-rank group
         self.handles = SimpleNamespace()
         self.current_stage = ""
         self.last_checkpoint: str | None = None
@@ -167,19 +168,36 @@ class Job:
             delta = max(int(cfg.get("min_delta", 0)), min(int(cfg.get("max_delta", delta)), delta))
         state["delta"] = delta
 
-    def sync(self, stage: str, src, dst, *, bucket_mb: int, after=None) -> dict[str, float]:
-        """Copy ``src``'s weights to ``dst`` (another mesh) in buckets through the object store."""
+    def sync(self, stage: str, src, dst, *, bucket_mb: int, after=None, transport: str = "object_store") \
+            -> dict[str, float]:
+        """Copy ``src``'s weights to ``dst`` (another mesh) in buckets: through Ray's object store, or
+        (``transport="collective"``) as broadcasts in a two-rank process group of the pair — NCCL when
+        the workers are on GPUs, gloo on CPU — set up on the first sync and kept."""
         ray = _ray()
         self.current_stage = stage
         t0 = time.perf_counter()
         try:
-            refs, version, nbytes = ray.get(src.export_buckets.remote(bucket_mb))
-            ray.get([dst.import_bucket.remote(r) for r in refs])
+            if transport == "collective":
+                if stage not in self.groups:
+                    backend = "gloo" if self.plan["cluster"]["device"] == "cpu" else "nccl"
+                    host, port = ray.get(src.open_group.remote(stage))
+                    ray.get([src.join_group.remote(stage, 0, host, port, backend),
+                             dst.join_group.remote(stage, 1, host, port, backend)])
+                    self.groups[stage] = backend
+                sent, received = src.send_weights.remote(stage, bucket_mb), dst.recv_weights.remote(stage, bucket_mb)
+                (version, nbytes, buckets), _ = ray.get([sent, received])
+            elif transport == "object_store":
+                refs, version, nbytes = ray.get(src.export_buckets.remote(bucket_mb))
+                ray.get([dst.import_bucket.remote(r) for r in refs])
+                buckets = len(refs)
+            else:
+                raise JobError(f"stage '{stage}': unknown weight transport {transport!r}",
+                               "use object_store or collective (realloc{transport=...})")
             ray.get(dst.set_version.remote(version))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
         self._timed(stage, t0)
-        return {"bytes": float(nbytes), "buckets": float(len(refs)), "seconds": time.perf_counter() - t0}
+        return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
 
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):
         """Run a driver-side compute stage, naming it if it fails."""

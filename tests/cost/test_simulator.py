@@ -230,3 +230,24 @@ def test_cpu_workers_match_the_runtime_placement():
         run = placement(m)["workers"]
         assert {worker_name(m, model, mesh): w["threads"] for (model, mesh), w in sim.items()} == \
             {name: w["threads"] for name, w in run.items()}
+
+
+def test_gpu_sync_through_the_object_store_pays_two_host_copies():
+    from rlhfc.cost.transfer import host_transfer_time
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    times = {}
+    for transport in ("object_store", "collective"):
+        m = annotate(gpu_ppo(), {"roll": mesh(0, 4, tp=4)} | {s: mesh(4, 4, tp=4) for s in
+                                                              ("logp", "ref_logp", "values", "scores",
+                                                               "actor_train", "critic_train")})
+        m = PassManager(parse_pipeline(f"realloc{{transport={transport}}}")).run(m)
+        r = simulate(m, CFG, steps=2)
+        times[transport] = r.reshard["actor_sync"]
+    cm = CostModel(gpu_ppo(), CFG)
+    nbytes = cm.spec.bytes_per_param * cm.module.models["actor"].params / 4
+    assert times["object_store"] - times["collective"] == pytest.approx(2 * host_transfer_time(nbytes, cm.spec))
+    # GPU clusters get the collective transport by default
+    m = annotate(gpu_ppo(), {"roll": mesh(0, 4, tp=4), "actor_train": mesh(4, 4, tp=4)})
+    m = PassManager(parse_pipeline("realloc")).run(m)
+    assert m.graph.stage("actor_sync").attrs["transport"] == "collective"

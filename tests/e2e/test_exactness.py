@@ -65,17 +65,20 @@ def test_O2_trains_like_O0_within_rounding_on_long_tailed_lengths(tmp_path):
     assert _close(o0, o2), (o0, o2)
 
 
-def test_separated_generation_with_weight_sync_trains_identically(tmp_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_separated_generation_with_weight_sync_trains_identically(tmp_path, transport):
     """placement{strategy=separate} puts generation on its own worker; realloc syncs the actor's
-    weights to it after each train step (bucketed through the object store)."""
+    weights to it after each train step: bucketed through the object store, or broadcast in a
+    two-rank gloo process group (the code path that is NCCL on GPUs)."""
     module, _, _ = load_file(PROGRAM)
-    passes = "dce,parallelize,stream,placement{strategy=separate},realloc"
+    passes = f"dce,parallelize,stream,placement{{strategy=separate}},realloc{{transport={transport}}}"
     module = PassManager(parse_pipeline(passes)).run(module)
     assert [s.op for s in module.graph.stages].count("sync") == 1
     job = str(tmp_path / "job_sep")
     emit_job(module, job, source_path=PROGRAM, opt_level="custom", passes=passes.split(","))
     code = open(os.path.join(job, "main.py")).read()
     assert "w.actor_at_0_1.generate_chunks" in code and "job.sync('actor_sync', w.actor, w.actor_at_0_1" in code
+    assert ("transport='collective'" in code) == (transport == "collective")
     rows = run_job(job, out=str(tmp_path / "run_sep"), steps=3, progress=False)
     sep = [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
     o0, _ = _train(tmp_path, "O0")
