@@ -33,8 +33,10 @@ def _kwargs(attrs: dict) -> list[str]:
 
 
 def _crop(s: Stage) -> list[str]:
-    """``crop=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response)."""
-    return ["crop=True"] if s.annotations.get("unpad") else []
+    """``crop=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response);
+    ``logprobs=True`` for generate stages that keep their sampling log-probs (``reuse_logprobs``)."""
+    return (["crop=True"] if s.annotations.get("unpad") else []) + \
+        (["logprobs=True"] if s.op == "generate" and s.annotations.get("logprobs") else [])
 
 
 class PythonEmitter:
@@ -181,4 +183,5 @@ class PythonEmitter:
     def _logp_temperature(self, s: Stage) -> float:
         """The policy loss must recompute log-probs exactly as the old ones were computed."""
         producer = self.m.graph.producer(s.inputs[1])
-        return float(producer.attrs.get("temperature", 1.0)) if producer.op == "forward.logprobs" else 1.0
+        return float(producer.attrs.get("temperature", 1.0)) \
+            if producer.op in ("forward.logprobs", "compute.sample_logprobs") else 1.0

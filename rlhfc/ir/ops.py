@@ -163,6 +163,12 @@ register_op(OpSpec(
     ("SeqFloat",), doc="score each sequence with a Python rule function"))
 
 register_op(OpSpec(
+    "compute.sample_logprobs", (Operand("rollout", ("Rollout",)),),
+    (Attr("temperature", "float", 1.0, min=0.0, doc="the generate's temperature (log-softmax of logits / T)"),),
+    _TF, doc="the log-probs the generating model's sampling kept (generate annotated logprobs = true; "
+             "inserted by reuse_logprobs in place of the generating model's forward.logprobs)"))
+
+register_op(OpSpec(
     "compute.kl_penalty",
     (Operand("scores", ("SeqFloat",)), Operand("logp", _TF), Operand("ref_logp", _TF)),
     (Attr("coef", "float", 0.05, min=0.0, doc="KL coefficient"), _KL),

@@ -456,6 +456,12 @@ def _check_plan_annotations(module: Module, sink: DiagnosticSink) -> None:
         elif "unpad" in ann and not isinstance(ann["unpad"], bool):
             sink.error(f"{label}: unpad must be true or false, got {_describe(ann['unpad'])}", at,
                        "write unpad = true")
+        if "logprobs" in ann and stage.op != "generate":
+            sink.error(f"{label}: 'logprobs' applies to generate stages only, not {stage.op}", at,
+                       "mark the generate stage whose sampling log-probs are kept: logprobs = true")
+        elif "logprobs" in ann and not isinstance(ann["logprobs"], bool):
+            sink.error(f"{label}: logprobs must be true or false, got {_describe(ann['logprobs'])}", at,
+                       "write logprobs = true")
         if "overlap" in ann and not _is_int(ann["overlap"]):
             sink.error(f"{label}: overlap must be an integer group id, got {_describe(ann['overlap'])}", at,
                        "stages with the same overlap = K are launched together, e.g. overlap = 1")

@@ -147,6 +147,9 @@ class FinishedSample:
     response_ids: tuple[int, ...]
     eos: bool
     step: int
+    #: with ``logprob_temperature``: the log-prob of each response token under the generating weights
+    #: (the resumed part's from the prefill, the rest as it was sampled); else empty
+    logprobs: tuple[float, ...] = ()
 
 
 def collate(
@@ -252,6 +255,8 @@ def generate_stream(
     generator: torch.Generator | None = None,
     budgets: Sequence[int] | None = None,
     stop_after: int | None = None,
+    logprob_temperature: float | None = None,
+    resumed: Sequence[int] | None = None,
 ) -> Iterator[FinishedSample | PartialSample]:
     """Decode all prompts together with a KV cache; yield each sample when it finishes.
 
@@ -263,6 +268,12 @@ def generate_stream(
     :class:`PartialSample` holding its tokens so far (OPPO's overcommitment). Finished rows keep occupying their batch slot, fed ``pad_id`` with
     attention mask 0, so unfinished rows are unaffected. Decoding stops early once
     every sample is finished.
+
+    With ``logprob_temperature = T`` each finished sample also carries the log-prob of its response
+    tokens under these weights at temperature T — what ``response_logprobs`` computes, here taken from
+    the logits decoding produces anyway (equal up to float rounding: the same math with a KV cache). A
+    row resumed from a carried partial response (its last ``resumed[row]`` prompt tokens are that
+    partial response) gets those tokens' log-probs from the prefill, i.e. under the current weights.
     """
     if not prompts:
         return
@@ -295,6 +306,17 @@ def generate_stream(
     positions = position_ids_from_mask(mask)
     logits, cache = model.decode_step(input_ids, mask, positions, None)
     next_logits = logits[:, -1]
+    T = logprob_temperature
+    want_lp = T is not None and T > 0
+    token_lps: list[list[float]] = [[] for _ in range(b)]
+    if want_lp and resumed is not None and any(resumed):
+        scaled = logits if T == 1.0 else logits / T
+        pre = scaled[:, :-1].gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - \
+            torch.logsumexp(scaled[:, :-1], dim=-1)        # column c predicts token c + 1
+        pre = pre.tolist()
+        for row, r in enumerate(resumed):
+            if r:
+                token_lps[row] = pre[row][p - 1 - r:p - 1]
     last_pos = positions[:, -1]
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -311,6 +333,9 @@ def generate_stream(
         active = ~finished
         token = torch.where(active, token, torch.full_like(token, pad_id))
         responses[:, step] = token
+        if want_lp:
+            scaled = next_logits if T == 1.0 else next_logits / T
+            lp = (scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)).tolist()
         done_now = active & ((token == eos_id) | (limit == step + 1))
         finished = finished | done_now
 
@@ -318,9 +343,11 @@ def generate_stream(
         for row in range(b):
             if active_list[row]:
                 lengths[row] += 1
+                if want_lp:
+                    token_lps[row].append(lp[row])
         for row in torch.nonzero(done_now).flatten().tolist():
             ids = responses[row, : lengths[row]].tolist()
-            yield FinishedSample(row, prompt_tuples[row], tuple(ids), ids[-1] == eos_id, step)
+            yield FinishedSample(row, prompt_tuples[row], tuple(ids), ids[-1] == eos_id, step, tuple(token_lps[row]))
             n_finished += 1
 
         if stop_after is not None and n_finished >= stop_after and not bool(finished.all()):

@@ -13,6 +13,14 @@ from .rewards import resolve_rule, rule_scores
 from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput
 
 
+def sample_logprobs(rollout: Rollout, *, temperature: float) -> TokenValues:
+    """The log-probs generation kept for the rollout's tokens (the ``reuse_logprobs`` pass)."""
+    if rollout.logprobs is None:
+        raise ValueError("the rollout carries no sampling log-probs: its generate stage needs the annotation "
+                         "logprobs = true (the reuse_logprobs pass sets it)")
+    return TokenValues(rollout.logprobs, rollout.mask)
+
+
 def gae(rewards, values: TokenValues, logp: TokenValues | None = None, ref_logp: TokenValues | None = None, *,
         gamma: float, lam: float, kl_coef: float, estimator: str, whiten: bool) -> tuple[TokenValues, TokenValues]:
     """Advantages and returns. ``rewards``: sequence scores [B] (KL-penalised with

@@ -45,6 +45,9 @@ class Rollout:
     born: list[int] = field(default_factory=list)
     #: decoding steps the generation had run when the last of these samples finished
     decode_steps: int = 0
+    #: [B, R] log-prob of each response token under the generating weights, kept when the generate
+    #: was asked for it (the ``reuse_logprobs`` pass); 0 past each response
+    logprobs: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -133,7 +136,9 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
     prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
     return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
                    max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
-                   [born[i] for i in order], max(c.decode_steps for c in chunks))
+                   [born[i] for i in order], max(c.decode_steps for c in chunks),
+                   torch.cat([_pad_cols(c.logprobs, width) for c in chunks])[order]
+                   if all(c.logprobs is not None for c in chunks) else None)
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

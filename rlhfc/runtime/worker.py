@@ -90,24 +90,28 @@ class ModelWorker:
     # -- stages --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 n: int = 1, crop: bool = False) -> Rollout:
-        """Generate one rollout; ``crop``: as wide as its longest response instead of ``max_new_tokens``."""
+                 n: int = 1, crop: bool = False, logprobs: bool = False) -> Rollout:
+        """Generate one rollout; ``crop``: as wide as its longest response instead of ``max_new_tokens``;
+        ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
+        pass)."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0, crop=crop)))
+                                        top_p=top_p, n=n, chunk=0, crop=crop, logprobs=logprobs)))
 
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
-                        crop: bool = False):
+                        crop: bool = False, logprobs: bool = False):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``crop``: each chunk is
-        as wide as its own longest response (the ``unpad`` pass) instead of ``max_new_tokens``."""
+        as wide as its own longest response (the ``unpad`` pass) instead of ``max_new_tokens``;
+        ``logprobs``: as in :meth:`generate`."""
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], crop=crop)
+                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], crop=crop,
+                                      logprobs=logprobs)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  crop=False):
+                  crop=False, logprobs=False):
         texts = [p for p in prompts for _ in range(n)]
         inputs = [dict(c) for c in carry] + [
             {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
@@ -117,7 +121,9 @@ class ModelWorker:
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         stream = generate_stream(self.model, prefixes, max_new_tokens, eos_id=self.tokenizer.eos_id,
                                  pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
-                                 generator=self.sample_gen, budgets=budgets, stop_after=take)
+                                 generator=self.sample_gen, budgets=budgets, stop_after=take,
+                                 logprob_temperature=temperature if logprobs else None,
+                                 resumed=[len(c["partial"]) for c in inputs])
         buf: list[FinishedSample] = []
         left: list[dict] = []
         size = chunk if chunk > 0 else len(inputs)
@@ -128,21 +134,27 @@ class ModelWorker:
             if isinstance(item, PartialSample):
                 left.append({**c, "partial": list(response)})
                 continue
-            buf.append(FinishedSample(item.index, tuple(c["prompt_ids"]), response, item.eos, item.step))
+            buf.append(FinishedSample(item.index, tuple(c["prompt_ids"]), response, item.eos, item.step,
+                                      item.logprobs))
             if len(buf) == size:
-                yield self._rollout(buf, inputs, width_p, width_r)
+                yield self._rollout(buf, inputs, width_p, width_r, logprobs)
                 buf = []
         if buf:
-            yield self._rollout(buf, inputs, width_p, width_r)
+            yield self._rollout(buf, inputs, width_p, width_r, logprobs)
         if take is not None:
             yield CarryOver(left)
 
-    def _rollout(self, samples, inputs, width_p: int, width_r: int | None) -> Rollout:
+    def _rollout(self, samples, inputs, width_p: int, width_r: int | None, with_logprobs: bool = False) -> Rollout:
         batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
         rows = sorted(s.index for s in samples)
+        logprobs = None
+        if with_logprobs:
+            logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+            for row, s in enumerate(sorted(samples, key=lambda x: x.index)):
+                logprobs[row, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
-                       max(s.step for s in samples) + 1)
+                       max(s.step for s in samples) + 1, logprobs)
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:

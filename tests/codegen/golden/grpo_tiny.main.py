@@ -22,18 +22,16 @@ def step(job, w):
     prompts = job.next_prompts('prompts', 8)
     # stream: finished samples flow in chunks of 16 to ref_logp while generation goes on
     roll, ref_logp = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=16, take=None, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4, crop=True),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=16, take=None, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4, crop=True, logprobs=True),
         prompts=prompts,
         consumers={
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
         },
     )
-    # overlap group 1: launched together, awaited where the driver needs them
-    logp = w.actor.logprobs.remote(roll, temperature=1.0)
+    logp = job.compute('logp', ops.sample_logprobs, roll, temperature=1.0)
     # ref_logp: computed chunk by chunk inside the stream of %roll above
     scores = job.compute('scores', ops.rule, roll, fn='rlhfc.runtime.rewards:vowel_count')
     adv = job.compute('adv', ops.group_advantages, roll, scores, method='grpo', normalize_std=True, group=4)
-    logp, = job.wait({'logp': logp})
     ppo_clip = job.compute('ppo_clip', ops.ppo_clip, roll, logp, adv, ref_logp, clip=0.2, entropy_coef=0.0, kl_coef=0.02, estimator='k3', temperature=1.0)
     actor_train = job.get('actor_train', w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, crop=True))
     return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'scores': scores, 'adv': adv, 'ppo_clip': ppo_clip, 'actor_train': actor_train}

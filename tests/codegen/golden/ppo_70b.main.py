@@ -22,7 +22,7 @@ def step(job, w):
     prompts = job.next_prompts('prompts', 1024)
     # stream: finished samples flow in chunks of 38 to ref_logp, values, scores while generation goes on
     roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=38, take=None, max_new_tokens=1024, temperature=1.0, top_p=1.0, n=1, crop=True),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=38, take=None, max_new_tokens=1024, temperature=1.0, top_p=1.0, n=1, crop=True, logprobs=True),
         prompts=prompts,
         consumers={
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
@@ -30,12 +30,11 @@ def step(job, w):
             'scores': lambda chunk: w.reward.score.remote(chunk),
         },
     )
+    logp = job.compute('logp', ops.sample_logprobs, roll, temperature=1.0)
     # overlap group 1: launched together, awaited where the driver needs them
-    logp = w.actor.logprobs.remote(roll, temperature=1.0)
     # ref_logp: computed chunk by chunk inside the stream of %roll above
     # values: computed chunk by chunk inside the stream of %roll above
     # scores: computed chunk by chunk inside the stream of %roll above
-    logp, = job.wait({'logp': logp})
     adv, ret = job.compute('adv', ops.gae, scores, values, logp, ref_logp, gamma=1.0, lam=0.95, kl_coef=0.05, estimator='k1', whiten=True)
     ppo_clip = job.compute('ppo_clip', ops.ppo_clip, roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator='k3', temperature=1.0)
     value_loss = job.compute('value_loss', ops.value_loss, roll, values, ret, clip=0.2)

@@ -1,0 +1,66 @@
+"""``reuse_logprobs``: the policy's old log-probs come from sampling instead of a second forward.
+
+PPO needs the log-prob of every response token under the weights that sampled
+it ("old" log-probs). Written plainly, the program recomputes them with a full
+forward of the actor over the rollout (``logp = actor.logprobs(roll)``) after
+generation ends — on the critical path, on the generating model's worker.
+Generation has already computed those numbers: the logits it sampled each token
+from. The pass marks the generate stage ``logprobs = true`` (the worker keeps
+``log_softmax(logits / T)`` of each sampled token) and turns the forward into a
+driver-side ``compute.sample_logprobs`` that reads them from the rollout.
+
+Applies to a ``forward.logprobs`` of the generating model on its own rollout,
+at the generate's temperature (> 0), with no train stage of that model between
+the two (the weights are those that sampled). With overcommitment a carried
+sample resumes with a prefill of its partial response; the pass takes those
+tokens' log-probs from that prefill, i.e. under the current weights — what the
+forward would compute.
+
+Exact in real arithmetic; in floating point, incremental decoding with a KV
+cache and a full forward sum in a different order, so values can differ in the
+last bits (measured ~1e-7). ``rlhfc passes`` lists it as exact up to rounding;
+tested end to end against -O0 (docs/runtime.md, "Exactness").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhfc.ir import Module
+
+from .base import Pass, register_pass
+
+
+@register_pass
+@dataclass(frozen=True)
+class ReuseLogprobs(Pass):
+    name = "reuse_logprobs"
+    description = "take the policy's old log-probs from sampling instead of a second forward"
+    exact = True
+    rounding = True
+
+    def run(self, module: Module) -> Module:
+        g = module.graph
+        changed = False
+        for s in list(g.stages):
+            if s.op != "forward.logprobs" or len(s.inputs) != 1:
+                continue
+            try:
+                gen = g.producer(s.inputs[0])
+            except KeyError:
+                continue
+            temperature = float(s.attrs.get("temperature", 1.0))
+            if gen.op != "generate" or gen.target != s.target or temperature <= 0 \
+                    or float(gen.attrs.get("temperature", 1.0)) != temperature:
+                continue
+            between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]
+            if any(x.op == "train" and x.target == s.target for x in between):
+                continue
+            gen.annotations["logprobs"] = True
+            s.op, s.target = "compute.sample_logprobs", None
+            s.attrs = {"temperature": temperature}
+            s.annotations = {}
+            changed = True
+        if changed:
+            module.refresh_versions()
+        return module
