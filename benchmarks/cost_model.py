@@ -11,9 +11,10 @@ policy, and so the length of its responses, does not drift over the ~100
 steps the benchmark runs). A step runs *in-process* as the job's driver runs it, stage by
 stage in IR order, through the runtime's own
 :class:`~rlhfc.runtime.worker.ModelWorker` (generate / logprobs / values /
-score / train) and ``rlhfc.runtime.ops`` (driver-side stages), with torch
-threads = the cluster's CPUs per node. Ray is not involved, so its per-call
-overhead is in neither number.
+score / train) and ``rlhfc.runtime.ops`` (driver-side stages), with as many
+torch threads as the job's workers would run (one per whole core of a worker's
+share: 1 when four models share two cores). Ray is not involved, so its
+per-call overhead is in neither number.
 
 What is predicted: :func:`rlhfc.cost.simulate` on the same IR with the profile
 (``rlhfc.cost.run_profile``, what ``rlhfc profile`` runs) and no dispatch
@@ -79,7 +80,9 @@ class InProcessJob:
         from rlhfc.runtime.worker import ModelWorker
 
         plan = build_plan(module, source=None, opt_level="O1", passes=["dce"])
-        threads = module.cluster.per_node
+        # as many torch threads as the job's workers get (one per whole core of their share of the
+        # cores: 1 when four models share two); in one process the setting is global
+        threads = min(w["threads"] for w in plan["placement"]["workers"].values())
         self.workers = {name: ModelWorker(name, m["spec"], m["init"], 0, threads, "cpu")
                         for name, m in plan["models"].items() if module.graph.stages_on(name)}
         self.data = {name: prompt_source_from_spec(spec) for name, spec in plan["data"].items()}

@@ -2,8 +2,9 @@
 
 ``rlhfc profile FILE`` times the runtime's own worker (the code a job runs)
 in-process, for every distinct model shape of the program, at a small grid of
-batch x length points, with as many torch threads as the cluster has devices
-per node:
+batch x length points, each model with as many torch threads as its workers
+will run (one per whole core of a worker's share of its cores: 1 when several
+models share a node's cores; the host probes use every core of a node):
 
 ========================  ====================================================  =============================
 primitive                 what is timed                                         fitted as (seconds)
@@ -572,6 +573,12 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     if module is None:
         return prof
     seen: set[str] = set()
+    worker_threads: dict[str, int] = {}
+    if device == "cpu":   # a model is measured with the threads its workers run (1 when models share cores)
+        from .layout import cpu_workers
+
+        for (model, _), w in cpu_workers(module).items():
+            worker_threads[model] = min(worker_threads.get(model, threads), w["threads"])
     for m in module.models.values():
         if not module.graph.stages_on(m.name):
             continue
@@ -586,7 +593,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
                 "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
         log(f"model @{m.name} ({key})")
-        prof.models[key] = measure_model(spec, threads, device=device, quick=quick, log=log, reps=reps)
+        prof.models[key] = measure_model(spec, min(threads, worker_threads.get(m.name, threads)), device=device,
+                                         quick=quick, log=log, reps=reps)
     ops = sorted({s.op for s in module.graph.stages if s.op.startswith("compute.")})
     if ops:
         prof.compute = measure_compute(ops, threads, reps=reps)
