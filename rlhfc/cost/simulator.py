@@ -542,8 +542,8 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     for j in jobs:
         s, k = j.stage, j.step
         mem = ctx.members[s.name]
-        chunked = ctx.stream_source(s) is not None
         src = ctx.stream_source(s)
+        chunked = src is not None
         res = ctx.sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [])
         chunk_rows = j.units[0][2] if chunked else None
         transient = cm.stage_cost(s, rows=float(chunk_rows)).transient_bytes if chunked else \
@@ -565,7 +565,7 @@ def _finish_unit(j: _Job, t: float, jobs: list, queues: dict, head: dict) -> Non
     for w in j.workers:
         head[w] += 1
         if head[w] >= len(queues[w]):
-            queues[w].append(-1)
+            queues[w].append(-1)   # the worker's queue is done: a sentinel no job index matches
 
 
 def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, jobs: list, pos: dict) -> _Job:

@@ -16,9 +16,11 @@ consumer). With consumer work ``W`` for the whole batch and per-chunk cost
 ``k = sqrt(W / o)``; ``W`` comes from the cost model's forward-time estimate.
 ``chunk = N`` overrides it.
 
-Exact: rollouts are always ``max_new_tokens`` wide, so a chunk's rows have the
-same shape as in the whole batch and every per-row forward gives the same bits
-(tested end to end: -O0 and -O2 train identically).
+Exact: without ``unpad`` rollouts are ``max_new_tokens`` wide, so a chunk's rows
+have the same shape as in the whole batch and every per-row forward gives the
+same bits (tested end to end: -O2 without ``unpad`` and ``reuse_logprobs``
+trains bitwise like -O0); with ``unpad`` each chunk is cut to its own longest
+response, which is exact up to float rounding (that pass's tolerance).
 """
 
 from __future__ import annotations
