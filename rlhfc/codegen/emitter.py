@@ -32,7 +32,7 @@ def _kwargs(attrs: dict) -> list[str]:
     return [f"{k}={v!r}" for k, v in attrs.items()]
 
 
-def _crop(s: Stage) -> list[str]:
+def _runtime_flags(s: Stage) -> list[str]:
     """``crop=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response);
     ``logprobs=True`` for generate stages that keep their sampling log-probs (``reuse_logprobs``)."""
     return (["crop=True"] if s.annotations.get("unpad") else []) + \
@@ -108,13 +108,13 @@ class PythonEmitter:
             return f"{outs} = job.next_prompts({s.target!r}, {s.attrs['batch']})"
         if s.op == "sync":
             dst = worker_name(self.m, s.target, (s.attrs["to_first"], s.attrs["to_count"]))
+            transport = s.attrs.get("transport", "object_store")
+            how = f", transport={transport!r}" if transport != "object_store" else ""
             return (f"{outs} = job.sync({name!r}, w.{stage_worker(self.m, s)}, w.{dst}, "
-                    f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)}"
-                    + (f", transport={s.attrs['transport']!r})" if s.attrs.get("transport", "object_store")
-                       != "object_store" else ")"))
+                    f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)}{how})")
         if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
             method = s.op.split(".")[-1]
-            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _crop(s))
+            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _runtime_flags(s))
             remote = f"w.{stage_worker(self.m, s)}.{method}.remote({call})"
             if s.annotations.get("overlap") is not None:
                 self.pending.extend(v.name for v in s.outputs)
@@ -140,7 +140,7 @@ class PythonEmitter:
         consumers = [c for c in g.stages if c.annotations.get("stream_from") == roll.name]
         chunk = s.annotations.get("stream", {}).get("chunk", 0)
         oc = s.annotations.get("overcommit")
-        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _crop(s)
+        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _runtime_flags(s)
         launch = f"lambda prompts, carry: w.{stage_worker(self.m, s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",

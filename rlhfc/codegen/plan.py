@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from rlhfc.cost.layout import device_shares
 from rlhfc.ir import Module, print_module
 
 
@@ -90,15 +91,12 @@ def placement(module: Module) -> dict:
             node, start = first // c.per_node, first % c.per_node
             local.setdefault(key, (s.target, node, list(range(start, min(c.per_node, start + count))),
                                    (first, count)))
-    load: dict[tuple[int, int], int] = {}
-    for _, node, cores, _ in local.values():
-        for core in cores:
-            load[(node, core)] = load.get((node, core), 0) + 1
+    shares = device_shares({key: [(node, core) for core in cores] for key, (_, node, cores, _) in local.items()})
     workers: dict[str, dict] = {}
     for key, (model, node, cores, mesh) in local.items():
-        share = sum(1.0 / load[(node, core)] for core in cores)
+        share = shares[key]["share"]
         workers[key] = {"model": model, "mesh": list(mesh), "bundle": node, "num_cpus": 0 if gpu else share,
-                        "num_gpus": share if gpu else 0, "threads": 1 if gpu else max(1, int(share + 1e-9)),
+                        "num_gpus": share if gpu else 0, "threads": 1 if gpu else shares[key]["threads"],
                         "cores": cores}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 

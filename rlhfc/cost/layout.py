@@ -132,12 +132,18 @@ def cpu_workers(module: Module) -> dict[tuple[str, tuple[int, int]], dict]:
             meshes.append((s.attrs["to_first"], s.attrs["to_count"]))
         for first, count in meshes:
             keys.setdefault((s.target, (first, count)), list(range(first, min(total, first + count))))
-    load: dict[int, int] = {}
-    for devices in keys.values():
+    return {key: {"devices": keys[key], **share} for key, share in device_shares(keys).items()}
+
+
+def device_shares(devices_by_worker: dict) -> dict:
+    """Each worker's ``share`` of its devices (a device used by k workers gives each 1/k) and the torch
+    ``threads`` it runs on CPU (one per whole core of its share). Devices are any hashable ids."""
+    load: dict = {}
+    for devices in devices_by_worker.values():
         for d in devices:
             load[d] = load.get(d, 0) + 1
     out = {}
-    for key, devices in keys.items():
+    for key, devices in devices_by_worker.items():
         share = sum(1.0 / load[d] for d in devices)
-        out[key] = {"devices": devices, "share": share, "threads": max(1, int(share + 1e-9))}
+        out[key] = {"share": share, "threads": max(1, int(share + 1e-9))}
     return out

@@ -205,13 +205,6 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
     return extra, carried, notes, sync_devices
 
 
-def _between(stages: list[Stage], a: Stage, b: Stage, x: Stage) -> bool:
-    ia, ib, ix = stages.index(a), stages.index(b), stages.index(x)
-    if ia < ib:
-        return ia < ix < ib
-    return ix > ia or ix < ib
-
-
 def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3, step_barrier: bool = True,
              cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``steps`` steps of ``module`` (see the module docstring)."""

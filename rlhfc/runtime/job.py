@@ -28,7 +28,6 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
-
 from .data import PromptSource, prompt_source_from_spec
 from .values import Rollout, TokenValues
 

@@ -70,6 +70,8 @@ class ModelWorker:
         self.train_gen = torch.Generator().manual_seed(derive_seed(seed, name, "train"))
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0
+        self._stores: dict[str, Any] = {}    # collective sync: rendezvous stores this worker hosts, by key
+        self._groups: dict[str, Any] = {}    # collective sync: two-rank process groups, by key
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def ready(self) -> dict:
@@ -145,12 +147,13 @@ class ModelWorker:
             yield CarryOver(left)
 
     def _rollout(self, samples, inputs, width_p: int, width_r: int | None, with_logprobs: bool = False) -> Rollout:
+        samples = sorted(samples, key=lambda x: x.index)
         batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
-        rows = sorted(s.index for s in samples)
+        rows = [s.index for s in samples]
         logprobs = None
         if with_logprobs:
             logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-            for row, s in enumerate(sorted(samples, key=lambda x: x.index)):
+            for row, s in enumerate(samples):
                 logprobs[row, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
@@ -223,18 +226,11 @@ class ModelWorker:
         zero-copy for the receiver). Returns (bucket refs, weights version, total bytes)."""
         import ray
 
-        limit = max(1, int(bucket_mb)) * 2**20
-        refs, bucket, size, total = [], {}, 0, 0
-        for name, tensor in self.get_weights().items():
-            array = tensor.contiguous().numpy()
-            bucket[name] = array
-            size += array.nbytes
-            total += array.nbytes
-            if size >= limit:
-                refs.append(ray.put(bucket))
-                bucket, size = {}, 0
-        if bucket:
-            refs.append(ray.put(bucket))
+        refs, total = [], 0
+        for bucket in self._buckets(bucket_mb):
+            arrays = {name: t.detach().to("cpu", copy=True).contiguous().numpy() for name, t in bucket}
+            refs.append(ray.put(arrays))
+            total += sum(a.nbytes for a in arrays.values())
         return refs, self.version, total
 
     def import_bucket(self, bucket: dict) -> int:
@@ -261,7 +257,7 @@ class ModelWorker:
         host = ray.util.get_node_ip_address()
         store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=GROUP_TIMEOUT_S),
                               wait_for_workers=False)
-        self._stores = {**getattr(self, "_stores", {}), key: store}
+        self._stores[key] = store
         return host, int(store.port)
 
     def join_group(self, key: str, rank: int, host: str, port: int, backend: str) -> str:
@@ -271,7 +267,7 @@ class ModelWorker:
         import torch.distributed as dist
 
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-        store = getattr(self, "_stores", {}).get(key) if rank == 0 else \
+        store = self._stores[key] if rank == 0 else \
             dist.TCPStore(host, int(port), 2, False, timeout=timeout)
         prefixed = dist.PrefixStore(f"rlhfc/{key}", store)
         if backend == "nccl":
@@ -280,7 +276,7 @@ class ModelWorker:
             group = dist.ProcessGroupGloo(prefixed, int(rank), 2, timeout)
         else:
             raise ValueError(f"unknown collective backend {backend!r} (nccl or gloo)")
-        self._groups = {**getattr(self, "_groups", {}), key: (group, store)}
+        self._groups[key] = (group, store)   # the store must outlive the group
         return backend
 
     def _buckets(self, bucket_mb: int) -> list[list[tuple[str, torch.Tensor]]]:
