@@ -14,7 +14,7 @@ from rlhfc.ir import Module, Stage
 
 from .plan import stage_worker, worker_name
 
-_RESERVED = {"job", "w", "ops", "step", "main", "sys", "ray", "torch"}
+_RESERVED = {"job", "w", "compute", "step", "main", "sys", "ray", "torch"}
 
 
 def py_name(name: str) -> str:
@@ -33,9 +33,9 @@ def _kwargs(attrs: dict) -> list[str]:
 
 
 def _runtime_flags(s: Stage) -> list[str]:
-    """``crop=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response);
+    """``unpad=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response);
     ``logprobs=True`` for generate stages that keep their sampling log-probs (``reuse_logprobs``)."""
-    return (["crop=True"] if s.annotations.get("unpad") else []) + \
+    return (["unpad=True"] if s.annotations.get("unpad") else []) + \
         (["logprobs=True"] if s.op == "generate" and s.annotations.get("logprobs") else [])
 
 
@@ -70,7 +70,7 @@ class PythonEmitter:
             "",
             "import sys",
             "",
-            "from rlhfc.runtime import ops",
+            "from rlhfc.runtime import compute",
             "from rlhfc.runtime.job import main",
             "",
             "",
@@ -125,7 +125,7 @@ class PythonEmitter:
             attrs = dict(s.attrs)
             if fn == "ppo_clip":
                 attrs["temperature"] = self._logp_temperature(s)
-            call = ", ".join([repr(name), f"ops.{fn}"] + _args(s.inputs) + _kwargs(attrs))
+            call = ", ".join([repr(name), f"compute.{fn}"] + _args(s.inputs) + _kwargs(attrs))
             return f"{outs} = job.compute({call})"
         raise NotImplementedError(f"no code generation for op '{s.op}' (stage %{name})")
 

@@ -16,7 +16,7 @@ primitive                 what is timed                                         
 ``train`` (lm, value)     ``ModelWorker.train``, one optimizer step (actor or    (a + b*B*S + c*B*S^2) * r(B, S)
                           critic loss, forward+backward+clip+AdamW)
 ``optimizer``             ``clip_grad_norm_`` + ``AdamW.step`` alone            constant
-``compute.<op>``          the driver-side op of ``rlhfc.runtime.ops``           a + b*B*R
+``compute.<op>``          the driver-side op of ``rlhfc.runtime.compute``       a + b*B*R
 ========================  ====================================================  =============================
 
 ``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated
@@ -451,7 +451,7 @@ def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
     """Time the driver-side ``compute.*`` ops of the runtime at two sizes each."""
     import torch
 
-    from rlhfc.runtime import ops as rt_ops
+    from rlhfc.runtime import compute as rt_ops
     from rlhfc.runtime.values import Rollout, TokenValues
 
     old = torch.get_num_threads()

@@ -367,7 +367,7 @@ def train_epochs(
     minibatches: int = 1,
     max_grad_norm: float | None = 1.0,
     generator: torch.Generator | None = None,
-    crop: bool = False,
+    unpad: bool = False,
 ) -> dict[str, float]:
     """Run ``epochs`` passes over ``batch`` in ``minibatches`` optimizer steps each.
 
@@ -378,7 +378,7 @@ def train_epochs(
     ``zero_grad -> loss_fn(model, part) -> backward -> clip_grad_norm_ -> step``.
     Returns the mean of each metric over all steps, plus ``grad_norm`` (before
     clipping) and ``loss``. The model is put in train mode and left in eval mode.
-    ``crop``: each minibatch goes through :func:`crop_padding` first.
+    ``unpad``: each minibatch goes through :func:`crop_padding` first.
     """
     b = _batch_size(batch)
     if minibatches < 1 or minibatches > b:
@@ -393,7 +393,7 @@ def train_epochs(
             for index in torch.tensor_split(order, minibatches):
                 optimizer.zero_grad(set_to_none=True)
                 part = _take(batch, index)
-                loss, metrics = loss_fn(model, crop_padding(part) if crop else part)
+                loss, metrics = loss_fn(model, crop_padding(part) if unpad else part)
                 loss.backward()
                 if max_grad_norm is not None:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

@@ -31,7 +31,7 @@ class Rollout:
     samples carried over from an earlier step by overcommitment).
     The response width is the stage's ``max_new_tokens``, so a chunk and the whole
     batch have the same shape and per-row forwards agree bitwise; under the ``unpad``
-    pass (``crop=True``) it is the longest response in the chunk instead, and merging
+    pass (``unpad=True``) it is the longest response in the chunk instead, and merging
     pads chunks to the widest.
     """
 

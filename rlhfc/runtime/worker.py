@@ -92,28 +92,28 @@ class ModelWorker:
     # -- stages --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 n: int = 1, crop: bool = False, logprobs: bool = False) -> Rollout:
-        """Generate one rollout; ``crop``: as wide as its longest response instead of ``max_new_tokens``;
+                 n: int = 1, unpad: bool = False, logprobs: bool = False) -> Rollout:
+        """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
         pass)."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0, crop=crop, logprobs=logprobs)))
+                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs)))
 
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
-                        crop: bool = False, logprobs: bool = False):
+                        unpad: bool = False, logprobs: bool = False):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
-        :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``crop``: each chunk is
+        :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
         as wide as its own longest response (the ``unpad`` pass) instead of ``max_new_tokens``;
         ``logprobs``: as in :meth:`generate`."""
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], crop=crop,
+                                      top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
                                       logprobs=logprobs)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  crop=False, logprobs=False):
+                  unpad=False, logprobs=False):
         texts = [p for p in prompts for _ in range(n)]
         inputs = [dict(c) for c in carry] + [
             {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
@@ -129,7 +129,7 @@ class ModelWorker:
         buf: list[FinishedSample] = []
         left: list[dict] = []
         size = chunk if chunk > 0 else len(inputs)
-        width_r = None if crop else max_new_tokens
+        width_r = None if unpad else max_new_tokens
         for item in stream:
             c = inputs[item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
@@ -185,8 +185,8 @@ class ModelWorker:
         return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
 
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
-              max_grad_norm: float, weight_decay: float, crop: bool = False) -> dict[str, float]:
-        """PPO/value updates on ``loss``; ``crop``: each minibatch drops the response columns that are
+              max_grad_norm: float, weight_decay: float, unpad: bool = False) -> dict[str, float]:
+        """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are
         padding in all of its rows (the ``unpad`` pass)."""
         if self.optimizer is None:
             self.optimizer = ppo.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
@@ -206,7 +206,7 @@ class ModelWorker:
             fn = ppo.critic_loss_fn(clip=loss.clip)
         metrics = ppo.train_epochs(self.model, self.optimizer, batch, fn, epochs=epochs,
                                    minibatches=min(minibatches, loss.rollout.size),
-                                   max_grad_norm=max_grad_norm or None, generator=self.train_gen, crop=crop)
+                                   max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad)
         self.version += 1
         metrics["version"] = float(self.version)
         return metrics

@@ -33,7 +33,7 @@ def test_streamed_chunks_and_carried_samples_keep_logprobs_of_the_current_weight
     weights, so the whole response's log-probs match a forward with the weights that finish it."""
     w = _worker(make_spec, arch)
     out = list(w.generate_chunks(PROMPTS, chunk=3, max_new_tokens=24, temperature=1.0, top_p=1.0, take=6,
-                                 crop=True, logprobs=True))
+                                 unpad=True, logprobs=True))
     carry = out[-1]
     assert isinstance(carry, CarryOver) and carry.samples
     first = merge_rollouts(out[:-1])
@@ -43,7 +43,7 @@ def test_streamed_chunks_and_carried_samples_keep_logprobs_of_the_current_weight
             p.mul_(1.05)
     w.version += 1
     out = list(w.generate_chunks(PROMPTS[:4], chunk=4, max_new_tokens=24, temperature=1.0, top_p=1.0,
-                                 take=8, carry=carry.samples, crop=True, logprobs=True))
+                                 take=8, carry=carry.samples, unpad=True, logprobs=True))
     second = merge_rollouts([x for x in out if not isinstance(x, CarryOver)])
     assert min(second.born) < second.version                  # some rows were carried over
     torch.testing.assert_close(second.logprobs, w.logprobs(second).values, rtol=1e-4, atol=1e-5)
