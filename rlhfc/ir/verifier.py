@@ -38,12 +38,11 @@ from .core import DATA_OPTIONS, Module, Stage, Symbol, Value, derive_versions
 from .devices import DEVICE_MEMORY
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, Loc, did_you_mean
 from .ops import LOSS_FOR_HEAD, OpSpec, all_ops, get_op
+from .plan import OPT_LEVELS, PLACEMENTS, verify_plan
+from .plan import describe as _describe
 from .types import ValueType
 
 _EXTRA_CHECKS: list[Callable[[Module, DiagnosticSink], None]] = []
-
-#: the -O levels a run block may name
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
 
 #: which stage produces each value type (for hints)
 PRODUCERS = {
@@ -76,7 +75,7 @@ def verify(module: Module) -> None:
     _check_data(module, sink)
     _check_run(module, sink)
     _check_graph(module, sink)
-    _check_plan_annotations(module, sink)
+    verify_plan(module, sink)
     for check in _EXTRA_CHECKS:
         check(module, sink)
     if sink.errors:
@@ -121,16 +120,6 @@ def _attr_hint(spec_attr, value) -> str:
     if spec_attr.doc:
         parts.append(f"({spec_attr.doc})")
     return " ".join(parts)
-
-
-def _describe(value) -> str:
-    if isinstance(value, bool):
-        return f"bool {str(value).lower()}"
-    if isinstance(value, str):
-        return f"string {value!r}"
-    if isinstance(value, Symbol):
-        return f"symbol {value}"
-    return f"{type(value).__name__} {value!r}"
 
 
 def _is_int(v) -> bool:
@@ -237,8 +226,8 @@ def _check_run(module: Module, sink: DiagnosticSink) -> None:
         if not _is_int(value) or value < lo:
             sink.error(f"run setting {key} must be an integer >= {lo}, got {_describe(value)}", where(r),
                        f"write {key} = {max(lo, 1) if key == 'steps' else lo} or more")
-    if r.placement not in ("auto", "flatten", "interleave", "separate", "search"):
-        sink.error(f"run setting placement must be auto, flatten, interleave, separate or search, got "
+    if r.placement not in PLACEMENTS:
+        sink.error(f"run setting placement must be {', '.join(PLACEMENTS[:-1])} or {PLACEMENTS[-1]}, got "
                    f"{_describe(r.placement)}", where(r), 'e.g. placement = "interleave"')
     if r.optimize not in OPT_LEVELS:
         sink.error(f"run setting optimize must name an -O level, got {_describe(r.optimize)}", where(r),
@@ -421,118 +410,6 @@ def _check_stage(module: Module, stage: Stage, spec: OpSpec, label: str, sink: D
         if v.type != t:
             sink.error(f"{label}: result %{v.name} has type {v.type}, expected {t}", at,
                        f"change the type to {t} (result batch follows {spec.batch_from})")
-
-
-#: values of the ``recompute`` stage annotation and the module's ``strategy`` annotation
-RECOMPUTE_POLICIES = ("none", "selective", "full")
-STRATEGIES = ("flatten", "interleave", "separate", "search")
-
-
-def _check_plan_annotations(module: Module, sink: DiagnosticSink) -> None:
-    """Check the plan annotations of docs/ir.md ("Annotations") where present; absent ones take defaults."""
-    strategy = module.annotations.get("strategy")
-    if strategy is not None and strategy not in STRATEGIES:
-        sink.error(f"module annotation strategy must be one of {', '.join(STRATEGIES)}, got {_describe(strategy)}",
-                   None, f'write strategy = "{STRATEGIES[0]}" (or remove it)')
-    total = module.cluster.num_devices if _is_int(module.cluster.num_devices) else None
-    for stage in module.graph.stages:
-        if not stage.outputs or not stage.annotations:
-            continue
-        ann = stage.annotations
-        at = where(stage)
-        label = f"stage %{stage.name}"
-        count = _check_mesh(ann.get("mesh"), total, module, label, at, sink) if "mesh" in ann else total
-        if "parallel" in ann:
-            _check_parallel(ann["parallel"], count, module.models.get(stage.target or ""), label, at, sink)
-        if "microbatches" in ann and not (_is_int(ann["microbatches"]) and ann["microbatches"] >= 1):
-            sink.error(f"{label}: microbatches must be an integer >= 1, got {_describe(ann['microbatches'])}", at,
-                       "write microbatches = 4 (micro-batches per forward / per optimizer step)")
-        if "recompute" in ann and ann["recompute"] not in RECOMPUTE_POLICIES:
-            sink.error(f"{label}: recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, "
-                       f"got {_describe(ann['recompute'])}", at, 'write recompute = "selective"')
-        if "unpad" in ann and stage.op not in ("generate", "train"):
-            sink.error(f"{label}: 'unpad' applies to generate and train stages only, not {stage.op}", at,
-                       "forwards follow their rollout: mark the generate stage unpad = true")
-        elif "unpad" in ann and not isinstance(ann["unpad"], bool):
-            sink.error(f"{label}: unpad must be true or false, got {_describe(ann['unpad'])}", at,
-                       "write unpad = true")
-        if "logprobs" in ann and stage.op != "generate":
-            sink.error(f"{label}: 'logprobs' applies to generate stages only, not {stage.op}", at,
-                       "mark the generate stage whose sampling log-probs are kept: logprobs = true")
-        elif "logprobs" in ann and not isinstance(ann["logprobs"], bool):
-            sink.error(f"{label}: logprobs must be true or false, got {_describe(ann['logprobs'])}", at,
-                       "write logprobs = true")
-        if "overlap" in ann and not _is_int(ann["overlap"]):
-            sink.error(f"{label}: overlap must be an integer group id, got {_describe(ann['overlap'])}", at,
-                       "stages with the same overlap = K are launched together, e.g. overlap = 1")
-        for key, field, lo in (("stream", "chunk", 1), ("overcommit", "delta", 0)):
-            if key not in ann:
-                continue
-            value = ann[key]
-            if stage.op != "generate":
-                sink.error(f"{label}: '{key}' applies to generate stages only, not {stage.op}", at,
-                           f"move {key} = {{...}} to the generate stage whose samples it concerns")
-                continue
-            inner = value.get(field) if isinstance(value, dict) else value
-            allowed = {field} | (_OVERCOMMIT_KNOBS if key == "overcommit" else set())
-            extra = sorted(set(value) - allowed) if isinstance(value, dict) else []
-            if not _is_int(inner) or inner < lo or extra:
-                sink.error(f"{label}: {key} must be {{{field} = N}} with an integer N >= {lo}, got "
-                           f"{_describe(value)}", at, f"write {key} = {{{field} = {max(lo, 4)}}}")
-
-
-#: optional settings of an overcommit annotation besides delta (see rlhfc/passes/overcommit.py)
-_OVERCOMMIT_KNOBS = {"adaptive", "min_delta", "max_delta", "max_staleness"}
-
-
-def _check_mesh(mesh, total, module: Module, label: str, at, sink: DiagnosticSink) -> int | None:
-    """Validate ``mesh = {first = I, count = N}``; return N when valid (else None)."""
-    c = module.cluster
-    span = f"devices 0..{total - 1}" if total else "no devices"
-    if not isinstance(mesh, dict) or set(mesh) != {"first", "count"} \
-            or not all(_is_int(mesh[k]) for k in ("first", "count")):
-        sink.error(f"{label}: mesh must be {{first = I, count = N}} with integers, got {_describe(mesh)}", at,
-                   f"e.g. mesh = {{first = 0, count = {total or 1}}} (the cluster @{c.name} has {span})")
-        return None
-    first, count = mesh["first"], mesh["count"]
-    if first < 0 or count < 1:
-        sink.error(f"{label}: mesh needs first >= 0 and count >= 1, got first = {first}, count = {count}", at,
-                   f"e.g. mesh = {{first = 0, count = {total or 1}}}")
-        return None
-    if total is not None and first + count > total:
-        fit = max(total - first, 0)
-        sink.error(f"{label}: mesh {{first = {first}, count = {count}}} covers devices {first}..{first + count - 1} "
-                   f"but cluster @{c.name} has {span} ({c.nodes} x {c.per_node})", at,
-                   f"use count = {fit} from first = {first}" if fit else
-                   f"start the mesh at a device below {total}, e.g. mesh = {{first = 0, count = {min(count, total)}}}")
-        return None
-    return count
-
-
-def _check_parallel(par, count, model, label: str, at, sink: DiagnosticSink) -> None:
-    """Validate ``parallel = {dp = D, tp = T, pp = P}``: D*T*P = mesh size; tp | heads, pp <= layers."""
-    if not isinstance(par, dict) or not par or set(par) - {"dp", "tp", "pp"} \
-            or not all(_is_int(v) and v >= 1 for v in par.values()):
-        sink.error(f"{label}: parallel must be {{dp = D, tp = T, pp = P}} with integers >= 1, got "
-                   f"{_describe(par)}", at, "e.g. parallel = {dp = 2, tp = 4, pp = 1} (missing tp/pp default to 1)")
-        return
-    tp, pp = par.get("tp", 1), par.get("pp", 1)
-    dp = par.get("dp", count // (tp * pp) if count else 1)
-    if count is not None and dp * tp * pp != count:
-        hint = f"dp * tp * pp must equal the mesh size {count}"
-        if count % (tp * pp) == 0:
-            hint += f": with tp = {tp}, pp = {pp} use dp = {count // (tp * pp)}"
-        else:
-            hint += f"; tp * pp = {tp * pp} does not divide {count}: choose tp and pp whose product divides it"
-        sink.error(f"{label}: parallel dp = {dp}, tp = {tp}, pp = {pp} uses {dp * tp * pp} devices but the mesh "
-                   f"has {count}", at, hint)
-    if model is not None and _is_int(model.heads) and model.heads >= 1 and model.heads % tp:
-        ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0]
-        sink.error(f"{label}: tp = {tp} does not divide the {model.heads} attention heads of @{model.name}", at,
-                   f"tensor parallelism splits the heads: tp must be one of {', '.join(map(str, ok))}")
-    if model is not None and _is_int(model.layers) and model.layers >= 1 and pp > model.layers:
-        sink.error(f"{label}: pp = {pp} is more pipeline stages than the {model.layers} layers of @{model.name}",
-                   at, f"use pp <= {model.layers}")
 
 
 def _count(spec: OpSpec) -> str:
