@@ -1,8 +1,11 @@
 """Emit the job's driver, ``main.py``: readable Python, one line per stage in schedule order.
 
-``PythonEmitter`` is a class so another backend can subclass it (override
-``stage_line`` for new ops). Names come from the program's values; a name that
-would clash with Python or with the driver's own names gets a trailing ``_``.
+The emitter walks the step's :class:`~rlhfc.ir.schedule.Schedule` (the one the
+simulator prices) and turns each entry into a line with the op's emit rule
+(:class:`~rlhfc.ir.ops.Emit`, registered with its spec). ``PythonEmitter`` is a
+class so another backend can subclass it (override ``stage_line``). Names come
+from the program's values; a name that would clash with Python or with the
+driver's own names gets a trailing ``_``.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ from __future__ import annotations
 import builtins
 import keyword
 
-from rlhfc.ir import Module, Stage
-
-from .plan import stage_worker, worker_name
+from rlhfc.ir import Module, Stage, get_op, plan
+from rlhfc.ir.ops import COMPUTE_MODULE
+from rlhfc.ir.schedule import Entry, build_schedule
 
 _RESERVED = {"job", "w", "compute", "step", "main", "sys", "ray", "torch"}
 
@@ -32,11 +35,15 @@ def _kwargs(attrs: dict) -> list[str]:
     return [f"{k}={v!r}" for k, v in attrs.items()]
 
 
-def _runtime_flags(s: Stage) -> list[str]:
-    """``unpad=True`` for stages the ``unpad`` pass marked (rollouts cut to their longest response);
-    ``logprobs=True`` for generate stages that keep their sampling log-probs (``reuse_logprobs``)."""
-    return (["unpad=True"] if s.annotations.get("unpad") else []) + \
-        (["logprobs=True"] if s.op == "generate" and s.annotations.get("logprobs") else [])
+def _flags(s: Stage) -> list[str]:
+    """The op's flag annotations that are set, as keywords: ``unpad=True`` (rollouts cut to their longest
+    response), ``logprobs=True`` (sampling log-probs kept)."""
+    return [f"{f}=True" for f in get_op(s.op).emit_rule.flags if plan.flag(s, f)]
+
+
+def _module_alias(module: str) -> str:
+    """The name a compute rule's module is imported as in ``main.py``."""
+    return "compute" if module == COMPUTE_MODULE else "_" + module.replace(".", "_")
 
 
 class PythonEmitter:
@@ -49,6 +56,7 @@ class PythonEmitter:
         self.source = source
         self.opt_level = opt_level
         self.passes = passes
+        self.schedule = build_schedule(module)
 
     def emit(self) -> str:
         g = self.m.graph
@@ -71,6 +79,7 @@ class PythonEmitter:
             "import sys",
             "",
             "from rlhfc.runtime import compute",
+            *self.imports(),
             "from rlhfc.runtime.job import main",
             "",
             "",
@@ -78,14 +87,14 @@ class PythonEmitter:
             f'    """One step of pipeline \'{g.name}\' ({", ".join(f"{k} = {v}" for k, v in g.params.items())})."""',
         ]
         results = []
-        self.pending: list[str] = []   # values that are still futures (launched, not awaited)
         group = None
-        for s in g.stages:
-            overlap = s.annotations.get("overlap")
+        for e in self.schedule.entries:
+            s = e.stage
+            overlap = plan.overlap_group(s)
             if overlap is not None and overlap != group:
                 lines.append(f"    # overlap group {overlap}: launched together, awaited where the driver needs them")
             group = overlap
-            wait = self.wait_line(s)
+            wait = self.wait_line(e)
             if wait:
                 lines.append(f"    {wait}")
             lines.append(f"    {self.stage_line(s)}")
@@ -95,67 +104,72 @@ class PythonEmitter:
         lines += ["", "", 'if __name__ == "__main__":', "    sys.exit(main(__file__))", ""]
         return "\n".join(lines)
 
+    def imports(self) -> list[str]:
+        """``import`` lines for the modules of compute rules other than the runtime's own (plugin ops)."""
+        modules = sorted({get_op(s.op).emit_rule.module for s in self.m.graph.stages
+                          if get_op(s.op).emit_rule.kind == "compute"} - {COMPUTE_MODULE})
+        return [f"import {m} as {_module_alias(m)}" for m in modules]
+
+    def worker(self, s: Stage) -> str:
+        return f"w.{plan.stage_worker(self.m, s)}"
+
     def stage_line(self, s: Stage) -> str:
+        """The line(s) that run stage ``s``, by its schedule entry and its op's emit rule."""
+        e = self.schedule[s.name]
         outs = ", ".join(_args(s.outputs))
         name = s.name
-        if s.annotations.get("stream_from"):
-            return f"# {outs}: computed chunk by chunk inside the stream of %{s.annotations['stream_from']} above"
-        if s.op == "load" and self._feeds_overcommit(s):
+        rule = get_op(s.op).emit_rule
+        if e.kind == "in_stream" and e.source:
+            return f"# {outs}: computed chunk by chunk inside the stream of %{e.source} above"
+        if e.kind == "in_stream":
             return f"# {outs}: drawn inside the overcommitted generate below (batch + delta - carried prompts)"
-        if s.op == "generate" and ("stream" in s.annotations or "overcommit" in s.annotations):
+        if e.kind == "stream":
             return self.stream_line(s)
-        if s.op == "load":
+        if e.kind == "load":
             return f"{outs} = job.next_prompts({s.target!r}, {s.attrs['batch']})"
-        if s.op == "sync":
-            dst = worker_name(self.m, s.target, (s.attrs["to_first"], s.attrs["to_count"]))
-            transport = s.attrs.get("transport", "object_store")
-            how = f", transport={transport!r}" if transport != "object_store" else ""
-            return (f"{outs} = job.sync({name!r}, w.{stage_worker(self.m, s)}, w.{dst}, "
-                    f"bucket_mb={s.attrs['bucket_mb']}, after={py_name(s.inputs[0].name)}{how})")
-        if s.op == "generate" or s.op.startswith("forward.") or s.op == "train":
-            method = s.op.split(".")[-1]
-            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _runtime_flags(s))
-            remote = f"w.{stage_worker(self.m, s)}.{method}.remote({call})"
-            if s.annotations.get("overlap") is not None:
-                self.pending.extend(v.name for v in s.outputs)
-                return f"{outs} = {remote}"
-            return f"{outs} = job.get({name!r}, {remote})"
-        if s.op.startswith("compute."):
-            fn = s.op.split(".", 1)[1]
+        if e.kind == "sync":
+            sync = plan.Sync.of(s)
+            dst = plan.worker_name(self.m, s.target, sync.dest)
+            how = f", transport={sync.transport!r}" if sync.transport != "object_store" else ""
+            return (f"{outs} = job.sync({name!r}, {self.worker(s)}, w.{dst}, "
+                    f"bucket_mb={sync.bucket_mb}, after={py_name(s.inputs[0].name)}{how})")
+        if e.kind == "remote":
+            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s))
+            remote = f"{self.worker(s)}.{rule.target}.remote({call})"
+            return f"{outs} = {remote}" if e.future else f"{outs} = job.get({name!r}, {remote})"
+        if e.kind == "compute":
             attrs = dict(s.attrs)
-            if fn == "ppo_clip":
-                attrs["temperature"] = self._logp_temperature(s)
-            call = ", ".join([repr(name), f"compute.{fn}"] + _args(s.inputs) + _kwargs(attrs))
+            if s.op == "compute.ppo_clip":
+                attrs["temperature"] = plan.policy_temperature(self.m.graph, s)
+            fn = f"{_module_alias(rule.module)}.{rule.function}"
+            call = ", ".join([repr(name), fn] + _args(s.inputs) + _kwargs(attrs))
             return f"{outs} = job.compute({call})"
         raise NotImplementedError(f"no code generation for op '{s.op}' (stage %{name})")
-
-    def _feeds_overcommit(self, load: Stage) -> bool:
-        users = self.m.graph.users(load.outputs[0])
-        return bool(users) and all("overcommit" in u.annotations for u in users)
 
     def stream_line(self, s: Stage) -> str:
         """A streamed / overcommitted generate: one ``job.stream`` call that also runs its consumers."""
         g = self.m.graph
         roll = s.outputs[0]
-        consumers = [c for c in g.stages if c.annotations.get("stream_from") == roll.name]
-        chunk = s.annotations.get("stream", {}).get("chunk", 0)
-        oc = s.annotations.get("overcommit")
-        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _runtime_flags(s)
-        launch = f"lambda prompts, carry: w.{stage_worker(self.m, s)}.generate_chunks.remote(prompts, carry=carry, " \
+        consumers = [g.stage(c) for c in self.schedule[s.name].consumers]
+        chunk = plan.stream_chunk(s) or 0
+        oc = plan.overcommit(s)
+        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _flags(s)
+        launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",
                  f"        {s.name!r}, {launch},"]
         if oc:
             load = g.producer(s.inputs[0])
-            lines.append(f"        data={load.target!r}, batch={load.attrs['batch']}, overcommit={dict(oc)!r},")
+            lines.append(f"        data={load.target!r}, batch={load.attrs['batch']}, "
+                         f"overcommit={s.annotations[oc.key]!r},")
         else:
             lines.append(f"        prompts={py_name(s.inputs[0].name)},")
         if consumers:
             lines.append("        consumers={")
             for c in consumers:
-                method = c.op.split(".")[-1]
                 call = ", ".join(["chunk"] + _kwargs(c.attrs))
-                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: w.{stage_worker(self.m, c)}.{method}.remote({call}),")
+                method = get_op(c.op).emit_rule.target
+                lines.append(f"            {c.outputs[0].name!r}: lambda chunk: {self.worker(c)}.{method}.remote({call}),")
             lines.append("        },")
         lines.append("    )")
         what = []
@@ -163,25 +177,14 @@ class PythonEmitter:
             what.append(f"finished samples flow in chunks of {chunk} to "
                         f"{', '.join(c.name for c in consumers) or 'nobody'} while generation goes on")
         if oc:
-            what.append(f"{roll.type.batch}+{oc['delta']} prompts in flight; the step takes the first "
+            what.append(f"{roll.type.batch}+{oc.delta} prompts in flight; the step takes the first "
                         f"{roll.type.batch} to finish, the rest carry over (changes training)")
         return "# stream: " + "; ".join(what) + "\n    " + "\n".join(lines)
 
-    def wait_line(self, s: Stage) -> str | None:
+    def wait_line(self, e: Entry) -> str | None:
         """Await the futures a driver-side stage reads (remote stages take futures as arguments)."""
-        if not self.pending or (s.op != "load" and not s.op.startswith("compute.")):
+        if not e.awaits:
             return None
-        needed = [v.name for v in s.inputs if v.name in self.pending]
-        if not needed:
-            return None
-        for n in needed:
-            self.pending.remove(n)
-        names = ", ".join(py_name(n) for n in needed) + ("," if len(needed) == 1 else "")
-        pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in needed)
+        names = ", ".join(py_name(n) for n in e.awaits) + ("," if len(e.awaits) == 1 else "")
+        pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in e.awaits)
         return f"{names} = job.wait({{{pairs}}})"
-
-    def _logp_temperature(self, s: Stage) -> float:
-        """The policy loss must recompute log-probs exactly as the old ones were computed."""
-        producer = self.m.graph.producer(s.inputs[1])
-        return float(producer.attrs.get("temperature", 1.0)) \
-            if producer.op in ("forward.logprobs", "compute.sample_logprobs") else 1.0

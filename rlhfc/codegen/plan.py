@@ -6,17 +6,15 @@ derived sections: ``placement`` (Ray placement-group bundles and which bundle
 each model worker sits on) and ``metrics`` (which values are the reward, the KL
 pair, the policy and value train stats).
 
-Placement is data-driven: a model's worker sits on the ``mesh`` annotation of
-its stages (set by the ``placement`` pass); without one it spans the whole
-cluster (flattened) — see :func:`placement`.
+Placement is data-driven: a model's workers are the ones :mod:`rlhfc.ir.plan`
+says the plan needs (one per model and mesh) — see :func:`placement`.
 """
 
 from __future__ import annotations
 
 import os
 
-from rlhfc.cost.layout import device_shares
-from rlhfc.ir import Module, print_module
+from rlhfc.ir import Module, plan, print_module
 
 
 def model_spec(m) -> dict:
@@ -38,37 +36,9 @@ def _init(module: Module, m) -> dict:
     return {"kind": m.init}
 
 
-def model_mesh(module: Module, name: str) -> tuple[int, int]:
-    """A model's home devices (first, count): its train stage's mesh, else its first stage's, else
-    the whole cluster (the flattened default). Its weights are authoritative there."""
-    stages = module.graph.stages_on(name)
-    ordered = [s for s in stages if s.op == "train"] + [s for s in stages if s.op != "train"]
-    for s in ordered:
-        mesh = s.annotations.get("mesh")
-        if isinstance(mesh, dict) and "first" in mesh and "count" in mesh:
-            return int(mesh["first"]), int(mesh["count"])
-    return 0, module.cluster.num_devices
-
-
-def stage_mesh(module: Module, stage) -> tuple[int, int]:
-    mesh = stage.annotations.get("mesh")
-    if isinstance(mesh, dict) and "first" in mesh and "count" in mesh:
-        return int(mesh["first"]), int(mesh["count"])
-    return model_mesh(module, stage.target)
-
-
-def worker_name(module: Module, model: str, mesh: tuple[int, int]) -> str:
-    """The worker hosting ``model`` on ``mesh``: the model's name at home, ``model_at_F_N`` for a copy."""
-    return model if mesh == model_mesh(module, model) else f"{model}_at_{mesh[0]}_{mesh[1]}"
-
-
-def stage_worker(module: Module, stage) -> str:
-    return worker_name(module, stage.target, stage_mesh(module, stage))
-
-
 def placement(module: Module) -> dict:
-    """Ray bundles (one per node) and, per worker — one per (model, mesh) — its node, devices,
-    resource share and threads.
+    """Ray bundles (one per node) and, per worker (:func:`rlhfc.ir.plan.workers`: one per model and mesh),
+    its node, devices, resource share and threads.
 
     A worker on devices shared with k other workers gets 1/(k+1) of each shared device, so shares
     add up to the node's bundle. On CPU clusters the worker is pinned to its cores (``cores``) and
@@ -79,25 +49,10 @@ def placement(module: Module) -> dict:
     gpu = c.device != "cpu"
     bundles = [({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
                for _ in range(c.nodes)]
-    local: dict[str, tuple[str, int, list[int], tuple[int, int]]] = {}
-    for s in module.graph.stages:
-        if s.target not in module.models:
-            continue
-        meshes = [stage_mesh(module, s)]
-        if s.op == "sync":
-            meshes.append((int(s.attrs["to_first"]), int(s.attrs["to_count"])))
-        for first, count in meshes:
-            key = worker_name(module, s.target, (first, count))
-            node, start = first // c.per_node, first % c.per_node
-            local.setdefault(key, (s.target, node, list(range(start, min(c.per_node, start + count))),
-                                   (first, count)))
-    shares = device_shares({key: [(node, core) for core in cores] for key, (_, node, cores, _) in local.items()})
-    workers: dict[str, dict] = {}
-    for key, (model, node, cores, mesh) in local.items():
-        share = shares[key]["share"]
-        workers[key] = {"model": model, "mesh": list(mesh), "bundle": node, "num_cpus": 0 if gpu else share,
-                        "num_gpus": share if gpu else 0, "threads": 1 if gpu else shares[key]["threads"],
-                        "cores": cores}
+    workers = {w.name: {"model": w.model, "mesh": list(w.mesh.pair()), "bundle": w.node,
+                        "num_cpus": 0 if gpu else w.share, "num_gpus": w.share if gpu else 0,
+                        "threads": 1 if gpu else w.threads, "cores": list(w.cores)}
+               for w in plan.workers(module).values()}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from rlhfc.ir import Module
 
-from .layout import Layout
+from rlhfc.ir.plan import Layout
 from .model import CostConfig, CostModel, price
 
 KEYS = ("total", "compute", "memory", "comm", "overhead", "weights_bytes", "state_bytes", "transient_bytes")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from rlhfc.ir import DiagnosticSink, Module, where
 
 from .batched import candidate_layouts, evaluate
-from .layout import Layout
+from rlhfc.ir.plan import Layout
 from .model import CostConfig, CostModel
 
 GiB = 1024 ** 3

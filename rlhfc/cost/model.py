@@ -2,7 +2,7 @@
 
 For every stage the model works out *what* it computes (rows, prompt and
 response lengths, the response-length distribution, epochs and minibatches)
-from the IR alone, *where* from its annotations (:mod:`rlhfc.cost.layout`),
+from the IR alone, *where* from its annotations (:mod:`rlhfc.ir.plan`),
 and prices it with :mod:`rlhfc.cost.formulas` on the cluster's device kind
 (:mod:`rlhfc.cost.hardware`). When a profile of this device kind holds a fit for
 the stage's model shape, the measured fit prices the stage instead of the
@@ -28,7 +28,8 @@ from rlhfc.ir import Module, Stage
 
 from . import formulas as F
 from .hardware import DeviceSpec, device_spec
-from .layout import Layout, overcommit_delta, stage_layout
+from rlhfc.ir import plan
+from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, prompt_lengths, response_dist
 from .profile import Profile, model_key
 
@@ -124,7 +125,7 @@ def hw_numbers(spec: DeviceSpec) -> dict:
 def layout_arrays(layouts: list[Layout], spec: DeviceSpec, per_node: int, prof_threads: int | None = None) -> dict:
     """The per-candidate arrays the formulas take (1-D, one entry per layout)."""
     cpu = spec.is_cpu
-    rc = {"none": 0, "selective": 1, "full": 2}
+    rc = {p: i for i, p in enumerate(RECOMPUTE_POLICIES)}
 
     def col(fn, dtype=np.float64):
         return np.asarray([fn(l) for l in layouts], dtype=dtype)
@@ -300,9 +301,9 @@ class CostModel:
         gw = self.generation_work(gen)
         if self.continuous:
             prompt, response = gw["prompt_mean"], gw["mean_response"]
-        elif gen.annotations.get("unpad"):  # cut to the longest response (of a minibatch when training)
+        elif plan.flag(gen, "unpad"):  # cut to the longest response (of a minibatch when training)
             group = gw["batch"]
-            if stage.op == "train" and stage.annotations.get("unpad"):
+            if stage.op == "train" and plan.flag(stage, "unpad"):
                 group = -(-group // max(1, int(stage.attrs.get("minibatches", 1))))
             prompt, response = gw["prompt_max"], gw["dist"].expected_max(max(1, int(group)))
         else:  # the torch backend pads prompts to the batch's longest and responses to max_new_tokens
@@ -311,7 +312,7 @@ class CostModel:
 
     # -- pricing -----------------------------------------------------------------------------------
     def layout(self, stage: Stage) -> Layout:
-        return stage_layout(stage, self.cluster)
+        return plan.stage_layout(self.module, stage)
 
     def _fit(self, model, primitive: str):
         if self.profile is None:
@@ -393,7 +394,7 @@ class CostModel:
             finish = self._finish_offsets(first, work)
         else:
             factor = 1.0 if inp.family == "forward" else \
-                F.TRAIN_FLOP_FACTOR[{"none": 0, "selective": 1, "full": 2}[layout.recompute]] * work["epochs"]
+                F.TRAIN_FLOP_FACTOR[RECOMPUTE_POLICIES.index(layout.recompute)] * work["epochs"]
             flops = factor * 2 * arch["mm"] * work["rows"] * work["seq"]
             summary = {k: v for k, v in work.items()}
             finish = ()

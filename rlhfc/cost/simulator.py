@@ -50,12 +50,14 @@ from dataclasses import dataclass, field
 
 from rlhfc.ir import Module, Stage
 
-from .layout import Layout, cpu_workers, overlap_group, stream_chunk, worker_key
+from rlhfc.ir import plan
+from rlhfc.ir.plan import Layout
+from rlhfc.ir.schedule import Schedule, build_schedule
+
 from .model import CostConfig, CostModel, StageCost
 from .transfer import host_transfer_time, reshard_time
 
 DRIVER = -1
-STREAMABLE = ("forward.logprobs", "forward.values", "forward.score", "compute.rule")
 
 
 @dataclass
@@ -117,23 +119,14 @@ class SimResult:
 
 
 def _members(cost_model: CostModel, stage: Stage) -> tuple[int, int] | None:
-    if stage.op.split(".", 1)[0] in ("generate", "forward", "train", "sync", "offload", "onload") and stage.target \
-            and stage.target in cost_model.module.models:
+    if plan.on_worker(cost_model.module, stage):
         lay = cost_model.layout(stage)
         return (lay.first, lay.count)
     return None
 
 
-def _sync_destination(stage: Stage, cluster) -> tuple[int, int] | None:
-    """The destination mesh of a ``sync`` stage (its ``to_first``/``to_count`` attributes), if it has one."""
-    first, count = stage.attrs.get("to_first"), stage.attrs.get("to_count")
-    if isinstance(first, int) and isinstance(count, int) and count >= 1:
-        return first, min(count, cluster.nodes * cluster.per_node - first)
-    return None
-
-
 def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
-    """Weight-transfer time: (charged to compute stages, carried by sync/offload/onload stages, notes, the
+    """Weight-transfer time: (charged to compute stages, carried by sync stages, notes, the
     extra devices a sync occupies).
 
     Two ways a plan can use a model under several layouts:
@@ -154,8 +147,7 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
     per_node = cm.cluster.per_node
     fam = lambda st: st.op.split(".", 1)[0]  # noqa: E731
     for name, model in cm.module.models.items():
-        on = [s for s in g.stages if s.target == name and fam(s) in ("generate", "forward", "train", "sync",
-                                                                      "offload", "onload")]
+        on = [s for s in g.stages if s.target == name and plan.on_worker(cm.module, s)]
         compute = [s for s in on if fam(s) in ("generate", "forward", "train")]
         syncs = [s for s in on if fam(s) == "sync"]
         nbytes = cm.spec.bytes_per_param * model.params
@@ -164,9 +156,10 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
             src = cm.layout(train) if train is not None else cm.layout(syncs[0])
             covered = {(src.first, src.count)}
             for sy in syncs:
-                dest = _sync_destination(sy, cm.cluster)
-                if dest is None:
+                mesh = plan.sync_destination(cm.module, sy)
+                if mesh is None:
                     continue
+                dest = mesh.pair()
                 covered.add(dest)
                 there = next((x for x in compute if (cm.layout(x).first, cm.layout(x).count) == dest), None)
                 dst = cm.layout(there) if there is not None else Layout(dest[0], dest[1], dest[1], 1, 1)
@@ -195,13 +188,6 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
                              f"{src.describe(per_node)}) and %{s.name} ({dst.parallel_text()} on "
                              f"{dst.describe(per_node)}) with no sync stage: {seconds:.3g} s of weight "
                              "transfer charged to %" + s.name)
-        for s in on:
-            if fam(s) in ("offload", "onload"):
-                lay = cm.layout(s)
-                per_dev = nbytes / (lay.tp * lay.pp)
-                if model.trainable:
-                    per_dev += (2 + 12) * model.params / (lay.tp * lay.pp * lay.dp)
-                carried[s.name] = carried.get(s.name, 0.0) + host_transfer_time(per_dev, cm.spec)
     return extra, carried, notes, sync_devices
 
 
@@ -216,29 +202,22 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
     extra, sync_time, notes, sync_devices = _reallocations(cm)
     members = {s.name: _members(cm, s) for s in stages}
     producers = {id(v): s for s in stages for v in s.outputs}
-    streams = {s.name: stream_chunk(s) for s in stages if s.op == "generate" and stream_chunk(s)}
-    groups = {s.name: overlap_group(s) for s in stages}
+    schedule = build_schedule(module)
+    by_name = {s.name: s for s in stages}
+    # chunk size of each streamed generate (an overcommitted one without chunks hands over one chunk)
+    streams = {e.name: plan.stream_chunk(e.stage) or (e.stage.outputs[0].type.batch or 1)
+               for e in schedule.entries if e.kind == "stream"}
 
     def stream_source(s: Stage) -> Stage | None:
-        if s.op not in STREAMABLE:
-            return None
-        for v in s.inputs:
-            p = producers.get(id(v))
-            if p is not None and p.name in streams and v.type.kind == "Rollout":
-                return p
-        return None
+        src = schedule[s.name].source
+        return by_name[src] if src is not None else None
 
-    # static dependencies (within a step)
+    # static dependencies (within a step): data, and the driver's launch order (the schedule)
     data_deps = {s.name: sorted({producers[id(v)].name for v in s.inputs if id(v) in producers
                                  and producers[id(v)] is not stream_source(s)}, key=index.get)
                  for s in stages}
-    order_deps: dict[str, list[str]] = {}
-    for i, s in enumerate(stages):
-        src = stream_source(s)
-        mine = groups[s.name]
-        order_deps[s.name] = [p.name for p in stages[:i]
-                              if not (mine is not None and groups[p.name] == mine)
-                              and not (src is not None and p is src)]
+    order_deps = {s.name: [p for p in schedule.launch_deps(s.name) if p != schedule[s.name].source]
+                  for s in stages}
     readers: dict[str, list] = {}
     for e in g.versions:
         readers.setdefault(e.writer, []).append(e)
@@ -433,7 +412,7 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     A worker runs one torch thread per whole core of its share of its mesh (as the runtime starts it)."""
     cm = ctx.cm
     module, spec = cm.module, cm.spec
-    workers = cpu_workers(module)
+    workers = plan.workers(module)
     jobs: list[_Job] = []
     pos: dict[tuple[str, int], int] = {}
     for k in range(ctx.steps):
@@ -569,13 +548,12 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, jobs: list, pos: di
     if mem is None:
         wkeys, cores, threads = ["driver"], frozenset(), 1
     else:
-        key = worker_key(s, cm.cluster)
+        key = plan.worker_key(cm.module, s)
         wkeys = [key]
-        dest = _sync_destination(s, cm.cluster) if s.op == "sync" else None
+        dest = plan.sync_destination(cm.module, s)
         if dest is not None:
             wkeys.append((s.target, dest))
-        info = workers.get(key, {"devices": list(range(mem[0], mem[0] + mem[1])), "threads": mem[1]})
-        cores, threads = frozenset(info["devices"]), info["threads"]
+        cores, threads = frozenset(workers[key].devices), workers[key].threads
         if s.op == "sync":
             cores = frozenset()   # a weight transfer waits on memory copies and the object store, not a core
 

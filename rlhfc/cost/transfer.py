@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import DeviceSpec
-from .layout import Layout
+from rlhfc.ir.plan import Layout
 
 RESHARD_SETUP_S = 0.03
 

@@ -8,7 +8,7 @@ from .core import (DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunC
                    VersionEdge, derive_versions)
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, Loc, error
-from .ops import Attr, Operand, OpSpec, all_ops, get_op, register_op
+from .ops import Attr, Emit, Operand, OpSpec, all_ops, get_op, register_op
 from .parser import parse_ir
 from .printer import print_module
 from .types import ValueType
@@ -19,6 +19,6 @@ __all__ = [
     "Cluster", "DataSource", "Graph", "Model", "Module", "RunConfig", "Stage", "Symbol", "Value", "VersionEdge",
     "derive_versions", "DATA_OPTIONS", "DEVICE_MEMORY", "GPU_KINDS",
     "CompileError", "Diagnostic", "DiagnosticSink", "Loc", "error",
-    "Attr", "Operand", "OpSpec", "all_ops", "get_op", "register_op",
+    "Attr", "Emit", "Operand", "OpSpec", "all_ops", "get_op", "register_op",
     "parse_ir", "print_module", "ValueType", "VerificationError", "register_check", "verify", "where",
 ]

@@ -45,6 +45,52 @@ class Attr:
     doc: str = ""
 
 
+#: how code generation runs an op (:class:`Emit` kinds)
+EMIT_KINDS = ("worker", "compute", "load", "sync")
+
+
+@dataclass(frozen=True)
+class Emit:
+    """How a compiled job runs an op — the emit rule, registered with the op's spec.
+
+    ``kind``: ``worker`` (a call of ``target``, a method of the model's worker group), ``compute`` (a
+    driver-side function ``target`` = ``"module:function"``, called with the operands' values and the
+    attributes as keywords), ``load`` (prompts drawn on the driver) or ``sync`` (a weight transfer).
+    ``flags``: boolean plan annotations passed to the call as keywords when set (``unpad``, ``logprobs``).
+    """
+
+    kind: str
+    target: str = ""
+    flags: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def function(self) -> str:
+        return self.target.partition(":")[2]
+
+
+#: where the built-in driver-side ops live at run time
+COMPUTE_MODULE = "rlhfc.runtime.compute"
+
+
+def default_emit(op: str, model: str | None) -> Emit | None:
+    """The emit rule of an op that registers none: model ops call the worker method named after the op
+    (``forward.logprobs`` -> ``logprobs``); ``compute.X`` calls ``rlhfc.runtime.compute:X``."""
+    family, _, kind = op.partition(".")
+    if op == "load":
+        return Emit("load")
+    if op == "sync":
+        return Emit("sync")
+    if model == "model":
+        return Emit("worker", kind or family)
+    if family == "compute" and kind:
+        return Emit("compute", f"{COMPUTE_MODULE}:{kind}")
+    return None
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """How an op is typed.
@@ -56,6 +102,8 @@ class OpSpec:
     (``"operand0"`` — the first operand's; ``"attr:batch"`` — an attribute;
     ``"operand0*attr:n"`` — first operand's batch times attribute ``n``).
     ``pure``: no side effect, so the stage may be removed when its results are unused.
+    ``emit``: how a compiled job runs it (:class:`Emit`; None: :func:`default_emit`), so a plugin op
+    compiles, not only checks.
     """
 
     op: str
@@ -69,6 +117,11 @@ class OpSpec:
     pure: bool = True
     doc: str = ""
     internal_attrs: tuple[str, ...] = field(default=())
+    emit: Emit | None = None
+
+    @property
+    def emit_rule(self) -> Emit | None:
+        return self.emit or default_emit(self.op, self.model)
 
     @property
     def family(self) -> str:
@@ -110,6 +163,11 @@ def register_op(spec: OpSpec) -> OpSpec:
             raise ValueError(f"op {spec.op}: unknown value type {k!r} (types: {', '.join(ALL_KINDS)})")
     if spec.model not in (None, "model", "data"):
         raise ValueError(f"op {spec.op}: model must be None, 'model' or 'data', got {spec.model!r}")
+    rule = spec.emit_rule
+    if rule is not None and (rule.kind not in EMIT_KINDS or (rule.kind == "compute" and not
+                                                              (rule.module and rule.function))):
+        raise ValueError(f"op {spec.op}: emit rule {rule} must have a kind in {', '.join(EMIT_KINDS)}; a compute "
+                         "rule names its function as 'module:function'")
     optional = [o.optional for o in spec.operands]
     if optional != sorted(optional):
         raise ValueError(f"op {spec.op}: optional operands must come last")
@@ -141,6 +199,7 @@ register_op(OpSpec(
      Attr("top_p", "float", 1.0, min=0.0, max=1.0, doc="nucleus sampling mass"),
      Attr("n", "int", 1, min=1, doc="samples per prompt (GRPO/RLOO groups)")),
     ("Rollout",), model="model", head="lm", batch_from="operand0*attr:n",
+    emit=Emit("worker", "generate", flags=("unpad", "logprobs")),
     pure=False,  # sampling advances the worker's RNG stream: removing an unused generate would change later samples
     doc="sample responses to prompts"))
 
@@ -220,7 +279,7 @@ register_op(OpSpec(
      Attr("max_grad_norm", "float", 1.0, min=0.0, doc="gradient clipping (0 = off)"),
      Attr("weight_decay", "float", 0.0, min=0.0, doc="AdamW weight decay")),
     ("Metrics",), model="model", trains=True, pure=False, batch_from="none",
-    doc="update the model's weights on a loss"))
+    emit=Emit("worker", "train", flags=("unpad",)), doc="update the model's weights on a loss"))
 
 register_op(OpSpec(
     "sync", (Operand("after", ("Metrics",), doc="the train stage whose new weights are sent"),),

@@ -473,6 +473,15 @@ def streams(stage: Stage) -> bool:
     return stage.op == "generate" and (stream(stage) is not None or overcommit(stage) is not None)
 
 
+def policy_temperature(graph: Graph, loss: Stage) -> float:
+    """The temperature a ``compute.ppo_clip`` recomputes log-probs at: the one its old log-probs were
+    computed at (a ``forward.logprobs`` or ``compute.sample_logprobs`` operand), else 1."""
+    producer = graph.producer(loss.inputs[1])
+    if producer.op in ("forward.logprobs", "compute.sample_logprobs"):
+        return float(producer.attrs.get("temperature", 1.0))
+    return 1.0
+
+
 # -- workers ---------------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhfc.ir import Module
+from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
 
@@ -51,8 +51,8 @@ class Overcommit(Pass):
                 continue
             batch = gen.outputs[0].type.batch or 1
             delta = self.delta or max(1, batch // 4)
-            gen.annotations["overcommit"] = {"delta": delta, "adaptive": self.adaptive, "min_delta": 0,
-                                             "max_delta": batch, "max_staleness": self.max_staleness}
+            oc = plan.Overcommit(delta, self.adaptive, min_delta=0, max_delta=batch, max_staleness=self.max_staleness)
+            gen.annotations[oc.key] = oc.print()
             changed = True
         if changed:
             notes = list(module.annotations.get("changes_training", []))

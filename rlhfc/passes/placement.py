@@ -33,11 +33,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from rlhfc.ir import DiagnosticSink, Module
+from rlhfc.ir import DiagnosticSink, Module, plan
+from rlhfc.ir.plan import STRATEGIES, Layout
 
 from .base import Pass, register_pass
 
-STRATEGIES = ("flatten", "interleave", "separate", "search")
 #: whether search may put a model's generation on other devices than its training (needs realloc)
 SPLIT_GENERATION = True
 
@@ -53,16 +53,16 @@ class Placement(Pass):
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES + ("auto",):
+        if self.strategy not in plan.PLACEMENTS:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or auto")
 
     def run(self, module: Module) -> Module:
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
         if strategy == "auto":
             strategy = "search" if module.cluster.num_devices > 1 else "flatten"
-        plan = {"flatten": flatten, "interleave": interleave, "separate": separate}.get(strategy)
-        if plan is not None:
-            assign = plan(module)
+        assign_fn = {"flatten": flatten, "interleave": interleave, "separate": separate}.get(strategy)
+        if assign_fn is not None:
+            assign = assign_fn(module)
         else:
             assign = search(module, self.seconds, self.seed)
         from rlhfc.cost import check_memory, memory_issues
@@ -255,10 +255,7 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         if s.name not in assign:
             continue
         first, count = assign[s.name]
-        for key in ("microbatches", "recompute"):
-            s.annotations.pop(key, None)
-        s.annotations["mesh"] = {"first": first, "count": count}
-        s.annotations["parallel"] = {"dp": count, "tp": 1, "pp": 1}
+        plan.set_layout(s, Layout(first, count, dp=count))
     if not layouts or module.cluster.device == "cpu":
         return
     from rlhfc.cost import CostModel, candidate_layouts, evaluate, have_jax
@@ -279,7 +276,7 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         train = s.op == "train"
         cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
                                   layers=model.layers, microbatches=(1, 2, 4, 8),
-                                  recompute=("none", "selective", "full") if train else ("none",))
+                                  recompute=plan.RECOMPUTE_POLICIES if train else ("none",))
         if not cands:
             continue
         res = evaluate(module, s.name, cands, cost_model=cm, backend="jax" if have_jax() else "numpy")
@@ -287,8 +284,4 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         order = sorted(range(len(cands)), key=lambda i: res["total"][i])
         fits = [i for i in order if mem[i] <= capacity]
         pick = cands[(fits or sorted(range(len(cands)), key=lambda i: mem[i]))[0]]
-        s.annotations["parallel"] = {"dp": pick.dp, "tp": pick.tp, "pp": pick.pp}
-        if pick.microbatches > 1:
-            s.annotations["microbatches"] = pick.microbatches
-        if pick.recompute != "none":
-            s.annotations["recompute"] = pick.recompute
+        plan.set_layout(s, pick)

@@ -25,16 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Module, Stage, Value, ValueType
+from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_mesh
 
 from .base import Pass, register_pass
-
-
-def mesh_of(stage: Stage, module: Module) -> tuple[int, int]:
-    """The stage's devices (first, count), read the way the cost model reads them."""
-    from rlhfc.cost import stage_layout
-
-    layout = stage_layout(stage, module.cluster)
-    return layout.first, layout.count
 
 
 @register_pass
@@ -50,8 +43,8 @@ class Realloc(Pass):
     def __post_init__(self) -> None:
         if self.bucket_mb < 1:
             raise ValueError("bucket_mb must be >= 1")
-        if self.transport not in ("auto", "object_store", "collective"):
-            raise ValueError("transport must be auto, object_store or collective")
+        if self.transport not in ("auto",) + TRANSPORTS:
+            raise ValueError(f"transport must be auto, {' or '.join(TRANSPORTS)}")
 
     def run(self, module: Module) -> Module:
         g = module.graph
@@ -60,19 +53,17 @@ class Realloc(Pass):
         for s in [s for s in g.stages if s.op == "sync"]:   # idempotent: recompute from the placement
             g.remove(s)
         for train in [s for s in g.stages if s.op == "train"]:
-            home = mesh_of(train, module)
-            others = []
+            home = stage_mesh(module, train)
+            others: list[Mesh] = []
             for s in g.stages_on(train.target):
-                mesh = mesh_of(s, module)
+                mesh = stage_mesh(module, s)
                 if s.op != "sync" and mesh != home and mesh not in others:
                     others.append(mesh)
             at = g.stages.index(train) + 1
-            for first, count in others:
+            for dest in others:
                 out = Value(g.fresh_name(f"{train.target}_sync"), ValueType("Metrics"))
                 sync = Stage("sync", train.target, [train.outputs[0]], [out],
-                             {"bucket_mb": self.bucket_mb, "to_first": first, "to_count": count,
-                              "transport": transport},
-                             {"mesh": {"first": home[0], "count": home[1]}}, train.loc)
+                             Sync(dest, self.bucket_mb, transport).attrs(), {Mesh.key: home.print()}, train.loc)
                 g.insert(at, sync)
                 at += 1
         module.refresh_versions()

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Module
+from rlhfc.ir.plan import Stream as StreamAttr
 
 from .base import Pass, register_pass
 
@@ -59,7 +60,7 @@ class Stream(Pass):
                 continue
             batch = roll.type.batch or 1
             chunk = self.chunk or auto_chunk(module, gen, consumers)
-            gen.annotations["stream"] = {"chunk": max(1, min(chunk, batch))}
+            gen.annotations[StreamAttr.key] = StreamAttr(max(1, min(chunk, batch))).print()
             for c in consumers:
                 c.annotations["stream_from"] = roll.name
         return module
@@ -74,17 +75,7 @@ def auto_chunk(module: Module, gen, consumers) -> int:
 
 
 def forward_seconds(module: Module, stage, gen) -> float:
-    """Predicted time of one forward stage over the whole rollout (cost model; analytic fallback)."""
-    try:
-        from rlhfc.cost import CostModel  # catalog rates: the same build on every machine
+    """Predicted time of one forward stage over the whole rollout (the cost model, catalog rates)."""
+    from rlhfc.cost import CostModel  # catalog rates: the same build on every machine
 
-        return float(CostModel(module).stage_cost(stage).time_s)
-    except (ImportError, AttributeError, TypeError, KeyError, ValueError):
-        pass
-    model = module.models[stage.target]
-    data = next(iter(module.data.values()), None)
-    prompt = float(data.options.get("max_len", 16)) if data is not None else 16.0
-    tokens = (gen.outputs[0].type.batch or 1) * (prompt + gen.attrs.get("max_new_tokens", 32))
-    flops = 2.0 * model.params * tokens
-    rate = 2e10 if module.cluster.device == "cpu" else 3e14   # sustained FLOP/s: CPU core / GPU
-    return flops / rate + 0.005                               # + fixed launch cost of a forward
+    return float(CostModel(module).stage_cost(stage).time_s)

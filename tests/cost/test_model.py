@@ -29,9 +29,9 @@ def test_catalog_has_the_published_figures():
 def test_layout_defaults_and_annotations():
     m = gpu_ppo(nodes=2)
     roll = m.graph.stage("roll")
-    assert stage_layout(roll, m.cluster) == Layout(0, 16, 16, 1, 1)
+    assert stage_layout(m, roll) == Layout(0, 16, 16, 1, 1)
     roll.annotations.update(mesh={"first": 8, "count": 8}, parallel={"tp": 4}, microbatches=2, recompute="full")
-    lay = stage_layout(roll, m.cluster)
+    lay = stage_layout(m, roll)
     assert (lay.first, lay.count, lay.dp, lay.tp, lay.pp, lay.microbatches, lay.recompute) == (8, 8, 2, 4, 1, 2, "full")
     assert lay.nodes(8) == [1] and not lay.tp_inter_node(8) and not lay.dp_inter_node(8)
     assert Layout(4, 8, 1, 8, 1).tp_inter_node(8)          # a tp group straddling two nodes

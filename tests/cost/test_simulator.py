@@ -48,7 +48,7 @@ def test_overlap_group_runs_concurrently_only_on_disjoint_meshes():
 
 
 def test_streaming_starts_consumers_before_generation_ends():
-    plan = {"roll": mesh(0, 4, stream={"chunk": 64}), "logp": mesh(4, 4)}
+    plan = {"roll": mesh(0, 4, stream={"chunk": 64}), "logp": mesh(4, 4, stream_from="roll")}
     m = annotate(gpu_ppo(batch=256, new=512), plan)
     cfg = CostConfig(dispatch_s=0.0, response_lengths="lognormal:0.25:1.0")
     r = simulate(m, cfg, steps=2)
@@ -58,7 +58,8 @@ def test_streaming_starts_consumers_before_generation_ends():
     plain = simulate(annotate(gpu_ppo(batch=256, new=512), {"roll": mesh(0, 4), "logp": mesh(4, 4)}), cfg, steps=2)
     assert _task(plain, "logp").start >= _task(plain, "roll").end - 1e-12
     # consumers on the generating devices cannot start early
-    shared = simulate(annotate(gpu_ppo(batch=256, new=512), {"roll": {"stream": {"chunk": 64}}}), cfg, steps=2)
+    shared = simulate(annotate(gpu_ppo(batch=256, new=512), {"roll": {"stream": {"chunk": 64}},
+                                                              "logp": {"stream_from": "roll"}}), cfg, steps=2)
     assert _task(shared, "logp").start >= _task(shared, "roll").end - 1e-12
 
 
@@ -218,18 +219,17 @@ def test_fair_shares_are_max_min_fair_within_meshes():
 
 def test_cpu_workers_match_the_runtime_placement():
     """The simulator's workers (and their threads) are the ones the generated job starts."""
-    from rlhfc.codegen.plan import placement, worker_name
-    from rlhfc.cost.layout import cpu_workers
+    from rlhfc.codegen.plan import placement
+    from rlhfc.ir.plan import workers
     from rlhfc.frontend import load_file
     from rlhfc.passes import PassManager, parse_pipeline
 
     for strategy in ("flatten", "interleave", "separate"):
         m, _, _ = load_file(str(EXAMPLES / "ppo_tiny.rlhf"))
         m = PassManager(parse_pipeline(f"dce,parallelize,stream,placement{{strategy={strategy}}},realloc")).run(m)
-        sim = cpu_workers(m)
+        sim = workers(m)
         run = placement(m)["workers"]
-        assert {worker_name(m, model, mesh): w["threads"] for (model, mesh), w in sim.items()} == \
-            {name: w["threads"] for name, w in run.items()}
+        assert {w.name: w.threads for w in sim.values()} == {name: w["threads"] for name, w in run.items()}
 
 
 def test_gpu_sync_through_the_object_store_pays_two_host_copies():

@@ -1,0 +1,132 @@
+"""The schedule of one step: which stages the driver launches when, what it awaits, what streams to what.
+
+It is built once from the annotated IR and has two readers: code generation
+emits it as the driver's ``step`` function (``rlhfc.codegen``) and the
+simulator prices it (``rlhfc.cost.simulator``) — as torch.fx's ``CodeGen`` and
+``Interpreter`` walk the same graph — so the two cannot disagree about the order
+stages run in.
+
+The driver runs the stages in graph order, one line each:
+
+- ``load`` — draws prompts on the driver;
+- ``remote`` — a call on a model's worker group; the driver waits for it at once
+  (``job.get``), unless the stage is in an ``overlap`` group: then it launches a
+  future and goes on (``future``), and awaits it where a driver-side stage first
+  needs it (``awaits``) or at the end of the step;
+- ``compute`` — a driver-side ``compute.*`` op, after awaiting the futures it reads;
+- ``stream`` — a streamed and/or overcommitted generate: one blocking call that also
+  runs its ``consumers`` chunk by chunk (``in_stream``, their ``source`` is the
+  generate) and, when overcommitted, draws its prompts itself (the ``load`` feeding
+  it is ``in_stream`` too, with no ``source``);
+- ``sync`` — a blocking weight transfer to another mesh.
+
+``after`` is what the driver has already waited for when it launches a stage:
+nothing launched later can start before those have finished. A worker runs its
+calls in the order they were launched (Ray actor queues).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import plan
+from .core import Module, Stage
+
+KINDS = ("load", "remote", "compute", "stream", "in_stream", "sync")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """How the driver runs one stage (see the module docstring)."""
+
+    stage: Stage
+    kind: str
+    future: bool = False
+    awaits: tuple[str, ...] = ()        # value names awaited right before this line (futures it reads)
+    after: frozenset = frozenset()      # stage names the driver has waited for when it launches this one
+    group: int | None = None
+    within: str | None = None           # in_stream: the streamed generate whose call runs this stage
+    source: str | None = None           # in_stream consumers: the generate whose chunks they take
+    consumers: tuple[str, ...] = ()     # stream: the stages computed chunk by chunk inside it
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+
+@dataclass
+class Schedule:
+    """The step's entries in launch (graph) order, and the futures resolved at the end of the step."""
+
+    entries: list[Entry]
+    at_end: tuple[str, ...] = ()
+    by_name: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.by_name = {e.name: e for e in self.entries}
+
+    def __getitem__(self, stage: str) -> Entry:
+        return self.by_name[stage]
+
+    def launch_deps(self, stage: str) -> list[str]:
+        """Stages that must have finished before ``stage`` can start because of the driver's order, in
+        graph order (data and weight-version dependencies come on top)."""
+        e = self.by_name[stage]
+        return [x.name for x in self.entries if x.name in e.after]
+
+    def stream_source(self, stage: str) -> str | None:
+        return self.by_name[stage].source
+
+
+def build_schedule(module: Module) -> Schedule:
+    """The schedule of ``module``'s step (see the module docstring)."""
+    g = module.graph
+    done: set[str] = set()            # stages the driver has waited for
+    pending: dict[str, str] = {}      # value name -> stage, for launched futures not yet awaited
+    inside: dict[str, str] = {}       # stage -> the streamed generate that runs it
+    for s in g.stages:
+        if plan.streams(s):
+            for c in plan.stream_consumers(g, s):
+                inside[c.name] = s.name
+            if plan.overcommit(s) is not None:
+                load = g.producer(s.inputs[0])
+                if load.op == "load" and all(plan.overcommit(u) is not None for u in g.users(load.outputs[0])):
+                    inside[load.name] = s.name
+    entries: list[Entry] = []
+    for s in g.stages:
+        group = plan.overlap_group(s)
+        if s.name in inside:
+            src = inside[s.name] if s.op != "load" else None
+            entries.append(Entry(s, "in_stream", group=group, within=inside[s.name], source=src))
+            continue
+        if s.op == "load":
+            entries.append(Entry(s, "load", after=frozenset(done), group=group))
+            done.add(s.name)
+        elif plan.streams(s):
+            consumers = tuple(c.name for c in plan.stream_consumers(g, s))
+            entries.append(Entry(s, "stream", after=frozenset(done), group=group, consumers=consumers))
+            done.update((s.name, *consumers, *(n for n, src in inside.items() if src == s.name)))
+        elif s.op == "sync":   # waits on the train stage it follows (queued behind it on the same worker)
+            done.update(pending.pop(v.name) for v in s.inputs if v.name in pending)
+            entries.append(Entry(s, "sync", after=frozenset(done), group=group))
+            done.add(s.name)
+        elif plan.on_worker(module, s):
+            future = group is not None
+            entries.append(Entry(s, "remote", future=future, after=frozenset(done), group=group))
+            if future:
+                pending.update((v.name, s.name) for v in s.outputs)
+            else:
+                done.add(s.name)
+        else:
+            needed = tuple(v.name for v in s.inputs if v.name in pending)
+            for n in needed:
+                done.add(pending.pop(n))
+            entries.append(Entry(s, "compute", awaits=needed, after=frozenset(done), group=group))
+            done.add(s.name)
+    launched = {e.name: e.after for e in entries if e.kind == "stream"}
+    entries = [Entry(e.stage, e.kind, group=e.group, within=e.within, source=e.source, after=launched[e.within])
+               if e.kind == "in_stream" else e for e in entries]   # a stage inside a stream launches with it
+    return Schedule(entries, tuple(pending))
+
+
+__all__ = ["Entry", "Schedule", "build_schedule", "KINDS"]
