@@ -17,7 +17,7 @@ share: 1 when four models share two cores). Ray is not involved, so its
 per-call overhead is in neither number.
 
 What is predicted: :func:`rlhfc.cost.simulate` on the same IR with the profile
-(``rlhfc.cost.run_profile``, what ``rlhfc profile`` runs) and no dispatch
+(``rlhfc.calibrate.run_profile``, what ``rlhfc profile`` runs) and no dispatch
 overhead. The error is predicted / measured - 1; the run passes when every
 configuration's step-time error is under 20 %.
 
@@ -42,13 +42,14 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as `rlhfc profile` measures (see rlhfc/cost/profile.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as `rlhfc profile` measures (see rlhfc/calibrate.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rlhfc.cost import CostConfig, load_profile, run_profile, simulate  # noqa: E402
-from rlhfc.cost.profile import cpu_name, measure_compute, merge_profiles  # noqa: E402
+from rlhfc.calibrate import measure_compute, run_profile  # noqa: E402
+from rlhfc.cost import CostConfig, load_profile, simulate  # noqa: E402
+from rlhfc.cost.profile import cpu_name, merge_profiles  # noqa: E402
 from rlhfc.frontend import compile_source  # noqa: E402
 from rlhfc.passes import PassManager, parse_pipeline  # noqa: E402
 

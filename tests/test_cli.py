@@ -1,7 +1,8 @@
-"""The compiler commands of the CLI, run in-process: check, compile (--emit ir), passes."""
+"""The compiler commands of the CLI, run in-process: check, compile (--emit ir, -O spellings for jobs), passes."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -108,6 +109,39 @@ def test_unknown_level(capsys):
     assert code == 2 and "unknown optimisation level '9'" in err
 
 
+@pytest.mark.parametrize("spelling", ["o1", "O1", "1"])
+def test_level_spellings_name_the_same_level_for_a_job(capsys, tmp_path, spelling):
+    # every -O spelling goes through rlhfc.ir.plan.opt_level: `-O o1 --emit job` once failed with KeyError 'Oo1'
+    job = tmp_path / "job"
+    code, out, err = run(capsys, "compile", TINY, "-O", spelling, "--emit", "job", "-o", str(job))
+    assert code == 0, err
+    assert "internal error" not in err
+    assert {"main.py", "plan.json", "ir.rlir"} <= {p.name for p in job.iterdir()}
+    plan = json.loads((job / "plan.json").read_text())
+    assert plan["opt_level"] == "O1" and plan["passes"] == PIPELINES["O1"]
+    assert "at -O1 (passes: dce)" in (job / "main.py").read_text()
+    code, ir, err = run(capsys, "compile", TINY, "-O", spelling, "--emit", "ir")
+    assert code == 0, err
+    assert ir == run(capsys, "compile", TINY, "-O1")[1]
+
+
+@pytest.mark.parametrize("emit", ["ir", "job"])
+def test_out_of_range_level_is_a_clean_error(capsys, tmp_path, emit):
+    code, out, err = run(capsys, "compile", TINY, "-O", "7", "--emit", emit, "-o", str(tmp_path / "out"))
+    assert code == 2 and out == ""
+    assert "rlhfc: error: unknown optimisation level '7'" in err and "hint: levels: O0, O1, O2, O3" in err
+    assert "Traceback" not in err and "internal error" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_placement_choices_come_from_the_plan(capsys):
+    from rlhfc.ir.plan import PLACEMENTS
+
+    code, out, err = run(capsys, "compile", TINY, "--placement", "scatter")
+    assert code == 2 and "unknown --placement 'scatter'" in err
+    assert f"hint: strategies: {', '.join(PLACEMENTS)}" in err
+
+
 def test_print_after(capsys):
     code, out, err = run(capsys, "compile", TINY, "--plugin", PLUGIN,
                          "--passes", "dce,clamp-generation{max_new_tokens=8}", "--print-after-all")
@@ -152,3 +186,19 @@ def test_check_reports_verifier_errors_in_rlir(capsys, tmp_path):
 def test_missing_file(capsys):
     code, out, err = run(capsys, "check", "no/such/file.rlhf")
     assert code == 2 and "no such file" in err
+
+
+def test_cli_modules_import_one_way():
+    """rlhfc.cli's layers: app <- load <- optimise <- {compile, explain}; no module imports a later one."""
+    import ast
+
+    import rlhfc.cli
+
+    below = {"app": set(), "load": {"app"}, "optimise": {"app", "load"}, "compile": {"app", "load", "optimise"},
+             "explain": {"app", "load", "optimise"}}
+    folder = Path(rlhfc.cli.__file__).parent
+    for name, allowed in below.items():
+        tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+        used = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                and (n.level == 1 or n.module.startswith("rlhfc.cli"))}
+        assert used <= allowed, (name, used - allowed)

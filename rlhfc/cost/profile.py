@@ -1,10 +1,9 @@
-"""Calibration: measure this machine for a program's models and save a profile.
+"""Profiles: the measured rates of one machine, their file format and the fits (NumPy only).
 
-``rlhfc profile FILE`` times the runtime's own worker (the code a job runs)
-in-process, for every distinct model shape of the program, at a small grid of
-batch x length points, each model with as many torch threads as its workers
-will run (one per whole core of a worker's share of its cores: 1 when several
-models share a node's cores; the host probes use every core of a node):
+A profile holds, for every distinct model shape of a program, times at a small grid of batch x length
+points, each model measured with as many torch threads as its workers will run. :mod:`rlhfc.calibrate`
+(``rlhfc profile``) takes the measurements by timing the runtime's own worker; this module only stores,
+loads, merges and fits them, and imports neither torch nor the runtime:
 
 ========================  ====================================================  =============================
 primitive                 what is timed                                         fitted as (seconds)
@@ -21,17 +20,15 @@ primitive                 what is timed                                         
 
 ``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated
 bilinearly (held at the grid's edges): small CPU kernels do not scale smoothly.
-Each point is the fastest of a few repetitions (after a warm-up): on a shared
-machine the least-disturbed run is the most repeatable estimate of what the
-code costs. Fits are non-negative least squares on relative error (every
-point counts the same whatever its size); :func:`merge_profiles` combines
-passes taken at different times. The host section holds a float32 matmul probe at
+Fits are non-negative least squares on relative error (every point counts the
+same whatever its size); :func:`merge_profiles` combines passes taken at
+different times. The host section holds a float32 matmul probe at
 1..threads threads (the CPU's FLOP/s and thread scaling) and a memory-copy
 bandwidth, which price models the profile did not measure.
 
 The profile is JSON (``Profile.save``/``load_profile``); the default location is
 ``~/.cache/rlhfc/profile-<device>.json`` (``RLHFC_CACHE_DIR`` overrides the
-folder). Torch is imported only when measuring.
+folder).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ import os
 import platform
 import re
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -258,256 +254,7 @@ def refit(entry: dict) -> dict:
     return entry
 
 
-# ------------------------------------------------------------------------------------------ measuring
-
-
-def _timeit(fn, reps: int = 5) -> float:
-    fn()  # warm-up (allocator, lazy init)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(min(times))
-
-
-def _set_passive_waits() -> None:
-    """Idle OpenMP threads sleep instead of spinning, so a busy co-tenant on a small machine does not turn
-    2-thread kernels into 10-100x slower ones (the same setting makes measurements repeatable). OpenMP reads
-    it once, so it only matters before torch is first imported (``rlhfc profile`` on the command line)."""
-    import sys
-
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def measure_host(threads: int, device: str = "cpu") -> dict:
-    """FLOP/s of a float32 (cpu) / bf16 (cuda) matmul at 1..threads threads, and memory-copy bandwidth."""
-    import torch
-
-    out: dict = {}
-    if device == "cpu":
-        n = 384
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        speeds = []
-        old = torch.get_num_threads()
-        for th in range(1, max(1, threads) + 1):
-            torch.set_num_threads(th)
-            sec = _timeit(lambda: torch.mm(a, b), 15)
-            speeds.append(2 * n ** 3 / sec)
-        torch.set_num_threads(old)
-        out["matmul_flops_1"] = speeds[0]
-        out["matmul_flops"] = speeds[-1]
-        out["thread_speedup"] = [s / speeds[0] for s in speeds]
-        x = torch.empty(16 * 2 ** 20 // 4)
-        y = torch.empty_like(x)
-        sec = _timeit(lambda: y.copy_(x), 10)
-        out["copy_bw"] = 2 * x.numel() * 4 / sec
-        return out
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-
-    def mm():
-        torch.mm(a, b)
-        torch.cuda.synchronize()
-
-    out["matmul_flops"] = 2 * n ** 3 / _timeit(mm, 10)
-    x = torch.empty(2 ** 30 // 2, device=device, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-
-    def cp():
-        y.copy_(x)
-        torch.cuda.synchronize()
-
-    out["copy_bw"] = 2 * x.numel() * 2 / _timeit(cp, 10)
-    return out
-
-
-def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):
-    """A RolloutBatch of B rows, P prompt columns (prompts of P/2..P tokens, left-padded, as real batches are)
-    and R response tokens; random ids."""
-    import torch
-
-    from rlhfc.runtime.generation import RolloutBatch
-
-    g = torch.Generator().manual_seed(B * 1000 + P * 10 + R)
-    ids = torch.randint(3, max(vocab, 4), (B, P + R), generator=g)
-    lengths = torch.tensor([P - (i * (P // 2)) // max(B - 1, 1) for i in range(B)], dtype=torch.long)
-    cols = torch.arange(P + R)
-    mask = (cols[None, :] >= (P - lengths)[:, None]).long()
-    ids = ids * mask
-    return RolloutBatch(input_ids=ids.to(device), attention_mask=mask.to(device),
-                        response_mask=mask[:, P:].clone().to(device), prompt_len=P,
-                        response_lengths=torch.full((B,), R, dtype=torch.long, device=device),
-                        prompt_lengths=lengths.to(device),
-                        eos=torch.zeros(B, dtype=torch.bool, device=device))
-
-
-def _grid(max_seq: int, quick: bool):
-    """Batch sizes and lengths to measure, within the model's max_seq."""
-    batches = (4, 16, 64) if not quick else (4, 24)
-    seqs = sorted({min(max_seq, s) for s in ((16, 40, 64) if not quick else (16, 48))})
-    gen_p = sorted({min(p, max(1, max_seq // 4)) for p in (6, 16)})
-    gen_t = sorted({max(1, min(t, max_seq - max(gen_p))) for t in ((8, 40) if not quick else (8, 32))})
-    return batches, seqs, gen_p, gen_t
-
-
-def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,
-                  log=None) -> dict:
-    """Time the primitives of one model shape through the runtime's own worker (the calls a job makes:
-    ``ModelWorker.generate/logprobs/values/score/train``), see the module docstring.
-
-    Generation runs with the model's own EOS; the fit uses the decode steps it actually took (random-weight
-    models rarely stop early). Returns a profile entry with raw points and fits.
-    """
-    import torch
-
-    from rlhfc.runtime.values import PolicyLossInput, Rollout, ValueLossInput
-    from rlhfc.runtime.worker import ModelWorker
-
-    old = torch.get_num_threads()
-    sync = (lambda: torch.cuda.synchronize()) if device != "cpu" else (lambda: None)
-    try:
-        worker = ModelWorker("profile", dict(spec), {"kind": "random"}, 0, max(1, threads), device)
-        torch.set_num_threads(max(1, threads))
-        head = worker.model.spec["head"]
-        vocab = int(worker.model.spec["vocab"])
-        batches, seqs, gen_p, gen_t = _grid(int(worker.model.spec.get("max_seq") or 512), quick)
-        points: dict = {"generate": [], "forward": [], "train": [], "optimizer": []}
-
-        def rollout(B, S):
-            P = max(1, S // 3)
-            rb = _synthetic_batch(B, P, S - P, vocab, device)
-            return Rollout(rb, ["x" * (P - 1)] * B, ["y" * (S - P)] * B, "profile", 0, worker.tok_id)
-
-        if head == "lm":
-            for B in batches:
-                for P in gen_p:
-                    for T in gen_t:
-                        # prompts of P/2..P tokens (BOS + characters), so batches are left-padded like real ones
-                        prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2))
-                                                                                       // max(B - 1, 1))]
-                                   for i in range(B)]
-                        steps = []
-
-                        def run(prompts=prompts, T=T, steps=steps):
-                            out = worker.generate(prompts, max_new_tokens=T, temperature=1.0, top_p=1.0)
-                            sync()
-                            steps.append(int(out.batch.response_lengths.max()))
-
-                        sec = _timeit(run, reps)
-                        points["generate"].append([B, P, float(statistics.median(steps)), sec])
-            if log:
-                log(f"  generate: {len(points['generate'])} points")
-        call = {"lm": lambda r: worker.logprobs(r, temperature=1.0), "value": worker.values,
-                "score": worker.score}[head]
-        for B in batches:
-            for S in seqs:
-                r = rollout(B, S)
-
-                def run_fwd(r=r):
-                    call(r)
-                    sync()
-
-                points["forward"].append([B, S, _timeit(run_fwd, reps)])
-        if log:
-            log(f"  forward: {len(points['forward'])} points")
-        if head in ("lm", "value"):
-            for B in (2, 8, 32) if not quick else (2, 12):
-                for S in seqs:
-                    r = rollout(B, S)
-                    zeros = torch.zeros(B, r.batch.response_width)
-                    loss = (PolicyLossInput(r, zeros - 4.0, zeros + 0.1, None, 0.2, 0.0, 0.0, "k3", 1.0)
-                            if head == "lm" else ValueLossInput(r, zeros, zeros + 0.5, 0.2))
-
-                    def run_train(loss=loss):
-                        worker.train(loss, lr=1e-6, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
-                        sync()
-
-                    points["train"].append([B, S, _timeit(run_train, reps)])
-            model, opt = worker.model, worker.optimizer
-            params = [p for p in model.parameters() if p.requires_grad]
-            for p in params:
-                p.grad = torch.zeros_like(p)
-
-            def run_opt():
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                sync()
-
-            points["optimizer"] = [_timeit(run_opt, 7)]
-            opt.zero_grad(set_to_none=True)
-            if log:
-                log(f"  train: {len(points['train'])} points")
-        return refit({"spec": {k: worker.model.spec[k] for k in ("arch", "layers", "hidden", "heads", "kv_heads",
-                                                                  "ffn", "vocab", "max_seq", "head")},
-                      "threads": threads, "points": points})
-    finally:
-        torch.set_num_threads(old)
-
-
-def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
-    """Time the driver-side ``compute.*`` ops of the runtime at two sizes each."""
-    import torch
-
-    from rlhfc.runtime import compute as rt_ops
-    from rlhfc.runtime.values import Rollout, TokenValues
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    out: dict = {}
-    try:
-        for op in ops:
-            name = op.split(".", 1)[1]
-            fn = getattr(rt_ops, name, None)
-            if fn is None:
-                continue
-            pts = []
-            for B, R in ((8, 16), (64, 48)):
-                rb = _synthetic_batch(B, 8, R, 96, "cpu")
-                roll = Rollout(rb, ["abc"] * B, ["def ghi"] * B, "m", 0, "char:96")
-                tv = TokenValues(torch.randn(B, R) * 0.1, rb.response_mask)
-                seq = torch.randn(B)
-                call = {
-                    "gae": lambda: fn(seq, tv, tv, tv, gamma=1.0, lam=0.95, kl_coef=0.05, estimator="k1",
-                                      whiten=True),
-                    "kl_penalty": lambda: fn(seq, tv, tv, coef=0.05, estimator="k1"),
-                    "group_advantages": lambda: fn(roll, seq, method="grpo", normalize_std=True, group=4),
-                    "rule": lambda: fn(roll, fn="rlhfc.runtime.rewards:vowel_fraction"),
-                    "ppo_clip": lambda: fn(roll, tv, tv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3"),
-                    "value_loss": lambda: fn(roll, tv, tv, clip=0.2),
-                }.get(name)
-                if call is None:
-                    break
-                try:
-                    pts.append([B, R, _timeit(call, reps)])
-                except Exception:  # an op whose signature changed: leave it to the defaults
-                    pts = []
-                    break
-            if pts:
-                out[op] = {"points": pts, "fit": fit_relative([compute_features(b, r) for b, r, _ in pts],
-                                                              [t for _, _, t in pts])}
-    finally:
-        torch.set_num_threads(old)
-    return out
-
-
-def detect_device() -> tuple[str, str]:
-    """(kind, name) of the local accelerator: a catalogued GPU kind when CUDA has one, else ``cpu``."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            name = torch.cuda.get_device_name(0)
-            mem = torch.cuda.get_device_properties(0).total_memory
-            kind = "H200" if "H200" in name else "H100-80GB" if "H100" in name else \
-                ("A100-80GB" if mem > 50e9 else "A100-40GB") if "A100" in name else None
-            if kind:
-                return kind, name
-    except Exception:
-        pass
-    return "cpu", cpu_name()
+# ------------------------------------------------------------------------------------------ merging
 
 
 def merge_profiles(a: Profile, b: Profile) -> Profile:
@@ -549,54 +296,3 @@ def merge_profiles(a: Profile, b: Profile) -> Profile:
         out.compute[op] = {"points": pts, "fit": fit_relative([compute_features(x, y) for x, y, _ in pts],
                                                               [t for _, _, t in pts])}
     return out
-
-
-def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
-                max_params: float | None = None, reps: int = 5) -> Profile:
-    """Measure the host and every model shape of ``module`` that is small enough to build here
-    (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model)."""
-    _set_passive_waits()
-    import torch
-
-    kind, name = detect_device()
-    device = "cpu" if kind == "cpu" else "cuda"
-    if threads is None:
-        threads = module.cluster.per_node if (module is not None and module.cluster.device == "cpu") \
-            else (os.cpu_count() or 1)
-    log = log or (lambda msg: None)
-    if max_params is None:
-        max_params = 5e8 if device == "cpu" else 3e9
-    log(f"profiling {name} ({kind}) with {threads} torch thread(s)")
-    prof = Profile(kind, name, threads, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    prof.host = measure_host(threads, device)
-    prof.host["torch"] = torch.__version__
-    if module is None:
-        return prof
-    seen: set[str] = set()
-    worker_threads: dict[str, int] = {}
-    if device == "cpu":   # a model is measured with the threads its workers run (1 when models share cores)
-        from .layout import cpu_workers
-
-        for (model, _), w in cpu_workers(module).items():
-            worker_threads[model] = min(worker_threads.get(model, threads), w["threads"])
-    for m in module.models.values():
-        if not module.graph.stages_on(m.name):
-            continue
-        key = model_key(m)
-        if key in seen:
-            continue
-        seen.add(key)
-        if m.params > max_params:
-            log(f"model @{m.name} ({key}): {m.params / 1e9:.1f}B parameters is too large to build here; "
-                "its stages use the analytical model")
-            continue
-        spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
-                "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
-        log(f"model @{m.name} ({key})")
-        prof.models[key] = measure_model(spec, min(threads, worker_threads.get(m.name, threads)), device=device,
-                                         quick=quick, log=log, reps=reps)
-    ops = sorted({s.op for s in module.graph.stages if s.op.startswith("compute.")})
-    if ops:
-        prof.compute = measure_compute(ops, threads, reps=reps)
-        log(f"compute ops: {', '.join(prof.compute)}")
-    return prof

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from rlhfc.cost.layout import overlap_group, stream_chunk
+from rlhfc.ir.plan import overlap_group, stream_chunk
 
-from . import Report, fmt_seconds
+from .report import Report, fmt_seconds
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7")
 

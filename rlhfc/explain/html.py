@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import html
 
-from rlhfc.cost.layout import stream_chunk
+from rlhfc.ir.plan import stream_chunk
 
-from . import Report, device_groups, fmt_bytes, fmt_seconds, ids_text
+from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text
 from .dot import model_colours
 
 DRIVER_COLOUR = "#9aa0a6"

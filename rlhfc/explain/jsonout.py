@@ -17,9 +17,9 @@ import json
 
 import numpy as np
 
-from rlhfc.cost.layout import overlap_group, stream_chunk
+from rlhfc.ir.plan import overlap_group, stream_chunk
 
-from . import Report
+from .report import Report
 
 
 def _clean(x):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from . import Report, device_groups, fmt_bytes, fmt_seconds, ids_text
+from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text
 
 WIDTH = 64
 

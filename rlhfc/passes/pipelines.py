@@ -13,7 +13,7 @@ Placement runs last so its search prices plans with the overlap decisions
 
 from __future__ import annotations
 
-from rlhfc.ir import error
+from rlhfc.ir.plan import OPT_LEVELS, opt_level
 
 from .base import Pass, parse_pipeline
 
@@ -23,13 +23,10 @@ PIPELINES: dict[str, list[str]] = {
     "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "realloc"],
     "O3": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "overcommit", "placement", "realloc"],
 }
+assert tuple(PIPELINES) == OPT_LEVELS, "every -O level of rlhfc.ir.plan.OPT_LEVELS has a pipeline, in order"
 
 
 def pipeline_for(level: str) -> list[Pass]:
-    """The configured passes of an -O level (``"O2"``, ``"o2"`` or ``"2"``)."""
-    text = str(level).strip()
-    key = text.upper() if text[:1] in ("O", "o") else f"O{text}"
-    if key not in PIPELINES:
-        raise error(f"unknown optimisation level '{level}'", None,
-                    f"levels: {', '.join(PIPELINES)} (-O0 … -O{len(PIPELINES) - 1})")
-    return parse_pipeline(",".join(PIPELINES[key]))
+    """The configured passes of an -O level (``"O2"``, ``"o2"`` or ``"2"``; :func:`rlhfc.ir.plan.opt_level`
+    names the level or raises the compile error)."""
+    return parse_pipeline(",".join(PIPELINES[opt_level(level)]))

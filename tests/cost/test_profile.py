@@ -128,3 +128,25 @@ def test_grid_correction_interpolates_measurements():
     mid = float(grid_ratio(np, grid, np.array([10.0]), 28.0)[0])
     assert min(min(r) for r in grid["ratio"]) <= mid <= max(max(r) for r in grid["ratio"])
     assert float(grid_ratio(np, grid, np.array([500.0]), 1000.0)[0]) == pytest.approx(grid["ratio"][-1][-1])
+
+
+def test_cost_imports_neither_the_runtime_nor_torch():
+    """Measuring lives in rlhfc.calibrate; nothing under rlhfc/cost imports the runtime, torch or Ray, at module
+    level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import rlhfc.cost
+
+    found = []
+    for path in sorted(Path(rlhfc.cost.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else []
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {n}" for n in names
+                      if n.split(".")[0] in ("torch", "ray") or n.startswith("rlhfc.runtime")]
+    assert found == []

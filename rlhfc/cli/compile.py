@@ -1,0 +1,129 @@
+"""The compiler commands: ``check``, ``compile``, ``run`` and ``passes``."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from rlhfc.ir import CompileError, Diagnostic, print_module
+
+from .app import app
+from .load import load, load_plugins
+from .optimise import PLACEMENT_HELP, Optimised, optimise
+
+
+@app.command()
+def check(file: str = typer.Argument(..., help=".rlhf or .rlir file"),
+          plugin: List[str] = typer.Option([], "--plugin", help="import a module that registers passes/ops")):
+    """Parse and verify a program; exit 0, or print diagnostics and exit 2."""
+    module, _ = load(file, plugin)
+    typer.echo(f"{file}: ok ({len(module.models)} models, {len(module.graph.stages)} stages)", err=True)
+
+
+@app.command(name="compile")
+def compile_cmd(
+    file: str = typer.Argument(..., help=".rlhf or .rlir file"),
+    opt: Optional[str] = typer.Option(None, "-O", "--opt-level", help="optimisation level 0-3 (-O2)"),
+    passes: Optional[str] = typer.Option(None, "--passes", help="run exactly these passes: a,b{opt=1},..."),
+    emit: str = typer.Option("ir", "--emit", help="ir | job"),
+    out: Optional[str] = typer.Option(None, "-o", "--output", help="output file (ir) or folder (job)"),
+    plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
+    print_after_all: bool = typer.Option(False, "--print-after-all", help="print the IR after every pass"),
+    print_after: List[str] = typer.Option([], "--print-after", help="print the IR after this pass"),
+    no_verify: bool = typer.Option(False, "--no-verify-each", help="skip the verifier between passes (debugging)"),
+    placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+):
+    """Compile a program: optimise it and write canonical IR or a runnable job."""
+    if emit not in ("ir", "job"):
+        raise CompileError([Diagnostic("error", f"unknown --emit '{emit}'", None, "use --emit ir or --emit job")])
+    module, _ = load(file, plugin)
+    done = optimise(module, opt, passes, verify_each=not no_verify,
+                    print_after={"*"} if print_after_all else set(print_after), placement=placement)
+    if emit == "ir":
+        ir = print_module(done.module)
+        if out:
+            with open(out, "w", encoding="utf-8") as fh:
+                fh.write(ir)
+        else:
+            typer.echo(ir, nl=False)
+        return
+    if not out:
+        raise CompileError([Diagnostic("error", "--emit job needs an output folder", None, "add -o job/")])
+    emit_job(done, out, file)
+    typer.echo(f"wrote {out}/main.py, {out}/plan.json", err=True)
+
+
+def emit_job(done: Optimised, out: str, source: str) -> None:
+    """Write the job folder of an optimised module (``main.py``, ``plan.json``, the IR)."""
+    from rlhfc.codegen import emit_job as write_job
+
+    write_job(done.module, out, source_path=source, opt_level=done.level or "custom", passes=done.passes)
+
+
+def default_run_dir(name: str, resume: bool) -> str:
+    """runs/NAME for the first run, then runs/NAME-1, -2 …; --resume picks the newest existing one."""
+    candidates = [os.path.join("runs", name)] + [os.path.join("runs", f"{name}-{i}") for i in range(1, 1000)]
+    existing = [c for c in candidates if os.path.isdir(c) and os.listdir(c)]
+    if resume:
+        return existing[-1] if existing else candidates[0]
+    return next(c for c in candidates if not (os.path.isdir(c) and os.listdir(c)))
+
+
+@app.command()
+def run(
+    target: str = typer.Argument(..., help=".rlhf/.rlir program, or a job folder from `compile --emit job`"),
+    opt: Optional[str] = typer.Option(None, "-O", "--opt-level", help="optimisation level 0-3"),
+    passes: Optional[str] = typer.Option(None, "--passes", help="run exactly these passes"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="train this many steps in total"),
+    out: Optional[str] = typer.Option(None, "--out", help="run folder (default runs/<program>)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run folder's latest checkpoint"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="use an existing Ray cluster"),
+    plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+):
+    """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address."""
+    from rlhfc.runtime.job import JobError, run_job
+
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, "plan.json")):
+            raise CompileError([Diagnostic("error", f"{target} is not a job folder (no plan.json)", None,
+                                           "compile one with `rlhfc compile FILE --emit job -o DIR`")])
+        job_dir = target
+        name = os.path.basename(os.path.normpath(target))
+    else:
+        module, _ = load(target, plugin)
+        done = optimise(module, opt, passes, placement=placement)
+        name = done.module.name
+        out = out or default_run_dir(name, resume)
+        job_dir = os.path.join(out, "job")
+        if resume and os.path.isfile(os.path.join(job_dir, "plan.json")):
+            with open(os.path.join(job_dir, "ir.rlir"), encoding="utf-8") as fh:
+                if fh.read() != print_module(done.module):
+                    typer.echo("rlhfc: note: the program changed since the checkpointed run; "
+                               "resuming with the new compiled job", err=True)
+        emit_job(done, job_dir, target)
+    try:
+        run_job(job_dir, steps=steps, out=out or default_run_dir(name, resume), resume=resume,
+                ray_address=ray_address, progress=not no_progress)
+    except JobError as exc:
+        typer.echo(f"rlhfc: error: {exc.message}", err=True)
+        if exc.hint:
+            typer.echo(f"  hint: {exc.hint}", err=True)
+        raise SystemExit(1)
+
+
+@app.command(name="passes")
+def passes_cmd(plugin: List[str] = typer.Option([], "--plugin", help="also list passes from this plugin")):
+    """List every registered pass with its description and options."""
+    from rlhfc.passes import PIPELINES, registered_passes
+
+    load_plugins(plugin)
+    for name, cls in registered_passes().items():
+        levels = [lvl for lvl, names in PIPELINES.items() if name in names]
+        tag = ("exact up to rounding" if cls.rounding else "exact") if cls.exact else "changes training"
+        typer.echo(f"{name:<20} {cls.description}  [{tag}; {', '.join(levels) or 'by name only'}]")
+        for opt, kind, default, doc in cls.option_help():
+            typer.echo(f"    {opt}: {kind} = {default}" + (f"  — {doc}" if doc else ""))

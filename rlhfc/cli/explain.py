@@ -1,0 +1,110 @@
+"""The cost commands: ``explain`` (what the compiler decided and predicts) and ``profile`` (measure this
+machine, :mod:`rlhfc.calibrate`)."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from rlhfc.ir import CompileError, Diagnostic
+
+from .app import app, print_diagnostics
+from .load import load
+from .optimise import PLACEMENT_HELP, optimise
+
+
+def resolve_profile(path: str | None, no_profile: bool, device_kind: str):
+    """The profile ``explain`` prices with: ``--profile``, none with ``--no-profile``, else this machine's
+    default one for ``device_kind`` when ``rlhfc profile`` saved one."""
+    from rlhfc.cost import ProfileError, find_default_profile, load_profile
+
+    if no_profile:
+        return None
+    if path:
+        try:
+            return load_profile(path)
+        except ProfileError as exc:
+            raise CompileError([Diagnostic("error", str(exc), None,
+                                           "create one with `rlhfc profile FILE --out PATH`")]) from None
+    return find_default_profile(device_kind)
+
+
+@app.command()
+def explain(
+    file: str = typer.Argument(..., help=".rlhf or .rlir file"),
+    opt: Optional[str] = typer.Option(None, "-O", "--opt-level", help="optimisation level 0-3"),
+    passes: Optional[str] = typer.Option(None, "--passes", help="run exactly these passes: a,b{opt=1},..."),
+    fmt: str = typer.Option("text", "--format", "-f", help="text | json | html | dot"),
+    out: Optional[str] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
+    plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="measured profile (default: this machine's, "
+                                          "from `rlhfc profile`, when there is one)"),
+    no_profile: bool = typer.Option(False, "--no-profile", help="use catalog figures only"),
+    steps: int = typer.Option(3, "--steps", min=1, max=50, help="steps to simulate (unrolled)"),
+    lengths: str = typer.Option("auto", "--response-lengths",
+                                help="response-length law: auto | max | geometric:P | lognormal:F:S"),
+    strict: bool = typer.Option(False, "--strict", help="exit 2 when the plan does not fit in memory"),
+    placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+):
+    """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
+    from rlhfc.cost import CostConfig, response_dist
+    from rlhfc.explain import FORMATS, build_report, render
+
+    if fmt not in FORMATS:
+        raise CompileError([Diagnostic("error", f"unknown --format '{fmt}'", None,
+                                       f"use one of {', '.join(FORMATS)}")])
+    try:
+        response_dist(lengths, 8, vocab=100, pretrained=False)
+    except (ValueError, IndexError) as exc:
+        raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
+                                       "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
+    module, _ = load(file, plugin)
+    done = optimise(module, opt, passes, placement=placement)
+    module = done.module
+    prof = resolve_profile(profile, no_profile, module.cluster.device)
+    report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,
+                          source=file, config=CostConfig(profile=prof, response_lengths=lengths))
+    text = render(report, fmt)
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        typer.echo(f"wrote {out}", err=True)
+    else:
+        typer.echo(text, nl=False)
+    diags = []
+    for issue in report.issues:
+        try:
+            loc = module.graph.stage(issue.stage).ir_loc or module.graph.stage(issue.stage).loc
+        except KeyError:
+            loc = None
+        diags.append(Diagnostic("error", issue.message, loc, issue.hint))
+    if diags:
+        if strict:
+            raise CompileError(diags)
+        print_diagnostics(diags)
+
+
+@app.command(name="profile")
+def profile_cmd(
+    file: Optional[str] = typer.Argument(None, help="program whose models to measure (default: the host only)"),
+    out: Optional[str] = typer.Option(None, "-o", "--out", help="profile file (default: ~/.cache/rlhfc/"
+                                      "profile-<device>.json, or $RLHFC_CACHE_DIR)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: the cluster's "
+                                          "devices per node)"),
+    quick: bool = typer.Option(False, "--quick", help="fewer points (a few seconds per model)"),
+    plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers ops"),
+):
+    """Measure this machine (CPU, or the GPU when there is one) for a program's models; save a profile."""
+    from rlhfc.calibrate import run_profile
+    from rlhfc.cost import default_profile_path
+
+    module = load(file, plugin)[0] if file else None
+    prof = run_profile(module, threads=threads, quick=quick, log=lambda msg: typer.echo(msg, err=True))
+    path = out or default_profile_path(prof.device_kind, prof.device_name if prof.device_kind == "cpu"
+                                       else prof.device_kind)
+    prof.save(path)
+    typer.echo(f"wrote {os.path.abspath(path)} ({len(prof.models)} model shape(s); "
+               f"{prof.host.get('matmul_flops', 0) / 1e9:.1f} GFLOP/s matmul at {prof.threads} thread(s))",
+               err=True)

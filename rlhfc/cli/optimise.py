@@ -1,0 +1,71 @@
+"""Running the pass pipeline a command asked for: ``--passes``, ``-O``, or the program's own level.
+
+Every -O level is named through :func:`rlhfc.ir.plan.opt_level` (``"O1"``, ``"o1"`` and ``"1"`` are the
+same level everywhere) and every ``--placement`` is checked against :data:`rlhfc.ir.plan.PLACEMENTS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import typer
+
+from rlhfc.ir import CompileError, Diagnostic, Module
+from rlhfc.ir.plan import PLACEMENTS, opt_level
+
+if TYPE_CHECKING:
+    from rlhfc.passes import PassManager
+
+
+#: ``--placement``'s help: the strategies, then auto
+PLACEMENT_HELP = "|".join(PLACEMENTS[1:] + PLACEMENTS[:1])
+
+
+@dataclass
+class Optimised:
+    """The module after the passes, the pass manager that ran them (its ``records``), the canonical -O
+    level (None when ``--passes`` chose the passes) and the passes that ran, as written in a job's plan."""
+
+    module: Module
+    manager: PassManager
+    level: str | None
+    passes: list[str]
+
+    @property
+    def records(self) -> list:
+        return self.manager.records
+
+
+def check_placement(placement: str) -> str:
+    if placement not in PLACEMENTS:
+        raise CompileError([Diagnostic("error", f"unknown --placement '{placement}'", None,
+                                       f"strategies: {', '.join(PLACEMENTS)}")])
+    return placement
+
+
+def optimise(module: Module, level: str | None, passes: str | None, *, verify_each: bool = True,
+             print_after: set[str] | None = None, placement: str | None = None) -> Optimised:
+    """Run ``passes`` (``--passes a,b{opt=1}``) if given, else the pipeline of ``level`` (default: the
+    program's ``run { optimize = ... }``). ``placement`` overrides the program's ``run { placement = ... }``
+    strategy. A bad level or placement is a :class:`~rlhfc.ir.CompileError`, before any pass runs."""
+    from rlhfc.passes import PIPELINES, PassManager, parse_pipeline, pipeline_for
+
+    if level is not None:
+        level = opt_level(level)
+    if placement is not None:
+        module.run.placement = check_placement(placement)
+    if passes is not None:
+        level, chosen = None, parse_pipeline(passes)
+    else:
+        level = level or opt_level(module.run.optimize)
+        chosen = pipeline_for(level)
+
+    def show(spec: str, text: str) -> None:
+        typer.echo(f"// ----- IR after {spec} -----", err=True)
+        typer.echo(text, err=True, nl=False)
+
+    pm = PassManager(chosen, verify_each=verify_each, print_after=print_after or set(), printer=show)
+    module = pm.run(module)
+    names = list(PIPELINES[level]) if level is not None else [r.spec for r in pm.records]
+    return Optimised(module, pm, level, names)

@@ -1,0 +1,110 @@
+"""The report ``rlhfc explain`` renders: what the compiler decided and what it predicts.
+
+:func:`build_report` optimises nothing itself: it takes the module after the passes (and the pass
+records), prices and simulates it (:mod:`rlhfc.cost`), runs the memory check, and returns a
+:class:`Report`. Plan annotations (overlap groups, streams, overcommitment) are read through
+:mod:`rlhfc.ir.plan`. The number formats and device grouping the renderers share live here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
+from rlhfc.ir import Module, print_module
+from rlhfc.ir.plan import overcommit_delta, overlap_group, stream_chunk
+
+
+@dataclass
+class Report:
+    """A compiled program, priced and simulated: its IR, the passes that ran (with their records), the cost
+    model, the simulation, memory issues and notes for the reader."""
+
+    module: Module
+    ir: str
+    level: str | None
+    passes: list
+    records: list
+    cost_model: CostModel
+    sim: object
+    issues: list
+    notes: list = field(default_factory=list)
+    source: str | None = None
+
+    @property
+    def costs(self):
+        return self.sim.costs
+
+    def device_label(self) -> str:
+        c = self.module.cluster
+        spec = self.cost_model.spec
+        calibrated = spec.source if spec.source != "catalog" else "catalog figures"
+        return f"@{c.name}: {c.nodes} x {c.per_node} {c.device} ({calibrated})"
+
+
+def build_report(module: Module, *, records=None, level: str | None = None, passes=None,
+                 config: CostConfig | None = None, steps: int = 3, source: str | None = None) -> Report:
+    """Price, simulate and check ``module`` (the IR after the passes)."""
+    cm = CostModel(module, config)
+    sim = simulate(module, steps=steps, cost_model=cm)
+    issues = memory_issues(module, cm.config, sim=sim, cost_model=cm)
+    notes = list(sim.notes)
+    if cm.spec.source == "uncalibrated":
+        notes.append("cpu times are uncalibrated guesses: run `rlhfc profile FILE` once on this machine "
+                     "(then explain uses the profile)")
+    prof = cm.profile
+    if prof is not None and cm.kind == "cpu":
+        missing = sorted({c.model for c in sim.costs.values() if c.source == "analytic" and c.model})
+        if missing:
+            notes.append(f"the profile has no measurements for {', '.join('@' + m for m in missing)}: "
+                         "those stages use the analytical model (re-run `rlhfc profile` on this program)")
+    for s in module.graph.stages:
+        if overcommit_delta(s):
+            notes.append(f"%{s.name} overcommits by {overcommit_delta(s)} prompts: each step trains on the first "
+                         f"{s.outputs[0].type.batch} to finish (this changes which samples are trained on)")
+    groups: dict = {}
+    for s in module.graph.stages:
+        g = overlap_group(s)
+        if g is not None:
+            groups.setdefault(g, []).append(s.name)
+    for g, names in sorted(groups.items()):
+        if len(names) > 1:
+            notes.append(f"overlap group {g}: {', '.join('%' + n for n in names)} are launched together")
+    for s in module.graph.stages:
+        if stream_chunk(s):
+            notes.append(f"%{s.name} streams chunks of {stream_chunk(s)} finished samples to its forwards")
+    return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
+                  notes, source)
+
+
+def fmt_seconds(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f} s"
+    if x >= 1:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} us"
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, scale in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def device_groups(report: Report) -> list[tuple[list[int], object]]:
+    """Consecutive devices with the same load and memory, collapsed (128 identical GPUs are one row)."""
+    out: list = []
+    for d in report.sim.devices:
+        sig = (round(d.busy_s, 9), round(d.peak_memory_bytes), tuple(sorted(d.static.items())))
+        if out and out[-1][2] == sig and out[-1][0][-1] == d.index - 1:
+            out[-1][0].append(d.index)
+        else:
+            out.append(([d.index], d, sig))
+    return [(ids, d) for ids, d, _ in out]
+
+
+def ids_text(ids: list[int]) -> str:
+    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
