@@ -182,7 +182,7 @@ class PythonEmitter:
         return "# stream: " + "; ".join(what) + "\n    " + "\n".join(lines)
 
     def wait_line(self, e: Entry) -> str | None:
-        """Await the futures a driver-side stage reads (remote stages take futures as arguments)."""
+        """Await the futures a driver-side stage or a sync reads (remote stages take futures as arguments)."""
         if not e.awaits:
             return None
         names = ", ".join(py_name(n) for n in e.awaits) + ("," if len(e.awaits) == 1 else "")

@@ -5,7 +5,7 @@
 - :mod:`~rlhfc.cost.lengths`: prompt and response length distributions (the long tail).
 - :mod:`~rlhfc.cost.formulas` / :mod:`~rlhfc.cost.model`: per-stage time and memory.
 - :mod:`~rlhfc.cost.transfer`: resharding / weight transfer between layouts.
-- :mod:`~rlhfc.cost.simulator`: discrete-event simulation of several steps.
+- :mod:`~rlhfc.cost.simulator` (schedulers in :mod:`~rlhfc.cost.scheduling`): discrete-event simulation of several steps.
 - :mod:`~rlhfc.cost.memory`: memory per device; :func:`check_memory` for placement passes.
 - :mod:`~rlhfc.cost.batched`: many candidate layouts at once (NumPy, or JAX when installed).
 - :mod:`~rlhfc.cost.profile`: the profile format, loading and fits (measuring is :mod:`rlhfc.calibrate`).

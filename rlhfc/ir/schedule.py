@@ -18,7 +18,8 @@ The driver runs the stages in graph order, one line each:
   runs its ``consumers`` chunk by chunk (``in_stream``, their ``source`` is the
   generate) and, when overcommitted, draws its prompts itself (the ``load`` feeding
   it is ``in_stream`` too, with no ``source``);
-- ``sync`` — a blocking weight transfer to another mesh.
+- ``sync`` — a blocking weight transfer to another mesh, after awaiting the train
+  stage whose weights it sends.
 
 ``after`` is what the driver has already waited for when it launches a stage:
 nothing launched later can start before those have finished. A worker runs its
@@ -68,11 +69,23 @@ class Schedule:
     def __getitem__(self, stage: str) -> Entry:
         return self.by_name[stage]
 
+    def launch_order(self) -> list[Entry]:
+        """The entries in the order the driver launches them: a stage inside a stream goes with it (the
+        load it draws just before, its consumers just after), everything else in graph order."""
+        out = []
+        for e in self.entries:
+            if e.kind == "in_stream":
+                continue
+            out += [x for x in self.entries if x.within == e.name and x.source is None]
+            out.append(e)
+            out += [self.by_name[c] for c in e.consumers]
+        return out
+
     def launch_deps(self, stage: str) -> list[str]:
         """Stages that must have finished before ``stage`` can start because of the driver's order, in
-        graph order (data and weight-version dependencies come on top)."""
+        launch order (data and weight-version dependencies come on top)."""
         e = self.by_name[stage]
-        return [x.name for x in self.entries if x.name in e.after]
+        return [x.name for x in self.launch_order() if x.name in e.after]
 
     def stream_source(self, stage: str) -> str | None:
         return self.by_name[stage].source
@@ -106,9 +119,10 @@ def build_schedule(module: Module) -> Schedule:
             consumers = tuple(c.name for c in plan.stream_consumers(g, s))
             entries.append(Entry(s, "stream", after=frozenset(done), group=group, consumers=consumers))
             done.update((s.name, *consumers, *(n for n, src in inside.items() if src == s.name)))
-        elif s.op == "sync":   # waits on the train stage it follows (queued behind it on the same worker)
-            done.update(pending.pop(v.name) for v in s.inputs if v.name in pending)
-            entries.append(Entry(s, "sync", after=frozenset(done), group=group))
+        elif s.op == "sync":   # awaits the train stage whose weights it sends
+            needed = tuple(v.name for v in s.inputs if v.name in pending)
+            done.update(pending.pop(n) for n in needed)
+            entries.append(Entry(s, "sync", awaits=needed, after=frozenset(done), group=group))
             done.add(s.name)
         elif plan.on_worker(module, s):
             future = group is not None

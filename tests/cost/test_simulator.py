@@ -199,7 +199,7 @@ def test_cpu_thread_speedup_and_fewer_threads_per_shared_worker():
 
 
 def test_fair_shares_are_max_min_fair_within_meshes():
-    from rlhfc.cost.simulator import _fair_shares, _Job
+    from rlhfc.cost.scheduling import _fair_shares, _Job
 
     def job(cores, threads=1):
         return _Job(None, 0, [], frozenset(cores), threads, [], [])

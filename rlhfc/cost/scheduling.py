@@ -1,0 +1,380 @@
+"""The simulator's two list schedulers: exclusive devices (GPU clusters) and processor sharing (CPU).
+
+Both take a :class:`_Context` — the priced stages of one step and their
+dependencies (data, the driver's launch order from the step's
+:class:`~rlhfc.ir.schedule.Schedule`, parameter versions) — and return the
+:class:`Task` of every (stage, step); :mod:`rlhfc.cost.simulator` documents the
+rules they follow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlhfc.ir import Stage, plan
+
+from .model import CostModel, StageCost
+
+DRIVER = -1
+
+
+@dataclass
+class Task:
+    """One stage of one simulated step. ``devices``: (first, count), or None for a driver-side stage."""
+
+    stage: str
+    step: int
+    op: str
+    model: str | None
+    start: float
+    end: float
+    devices: tuple[int, int] | None
+    busy: float
+    transient_bytes: float
+    chunks: list = field(default_factory=list)
+    reshard_s: float = 0.0
+    waits_for: str = ""          # what decided the start: "stage@step", "devices", "barrier" or ""
+    resources: list = field(default_factory=list)   # every device it occupies (a sync: senders and receivers)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class _Context:
+    """What both schedulers need: the priced stages and their dependencies."""
+
+    cm: CostModel
+    stages: list
+    costs: dict
+    extra: dict
+    sync_time: dict
+    sync_devices: dict
+    members: dict
+    streams: dict
+    stream_source: object
+    data_deps: dict
+    order_deps: dict
+    readers: dict
+    steps: int
+    step_barrier: bool
+
+
+def _dependencies(ctx: _Context, s: Stage, k: int) -> list[tuple[str, int]]:
+    """The (stage, step) tasks that must end before ``s`` of step ``k`` starts (data, launch order,
+    parameter versions; not the step barrier)."""
+    keys = [(p, k) for p in ctx.data_deps[s.name] + ctx.order_deps[s.name]]
+    for e in ctx.cm.module.graph.versions:
+        if e.reader == s.name and k - e.distance >= 0:
+            keys.append((e.writer, k - e.distance))
+    for e in ctx.readers.get(s.name, []):
+        kk = k if e.distance == 1 else k - 1
+        if kk >= 0:
+            keys.append((e.reader, kk))
+    return keys
+
+
+def _schedule_exclusive(ctx: "_Context") -> list[Task]:
+    """List scheduling with exclusive devices: a device runs one task at a time, in submission order."""
+    cm, stages, costs, extra, sync_time = ctx.cm, ctx.stages, ctx.costs, ctx.extra, ctx.sync_time
+    sync_devices, members, streams, stream_source = ctx.sync_devices, ctx.members, ctx.streams, ctx.stream_source
+    steps, step_barrier = ctx.steps, ctx.step_barrier
+    done: dict[tuple[str, int], Task] = {}
+    free: dict[int, float] = {}
+    tasks: list[Task] = []
+    step_end = [0.0] * steps
+    for k in range(steps):
+        for s in stages:
+            deps = [(done[key].end, f"%{key[0]}@{key[1]}") for key in _dependencies(ctx, s, k) if key in done]
+            if step_barrier and k > 0:
+                deps.append((step_end[k - 1], "barrier"))
+            ready, why = max(deps, default=(0.0, ""))
+            mem = members[s.name]
+            res = sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER])
+            dev_free = max((free.get(d, 0.0) for d in res), default=0.0)
+            cost = costs[s.name]
+            duration = cost.time_s + extra.get(s.name, 0.0) + sync_time.get(s.name, 0.0)
+            src = stream_source(s)
+            chunks: list = []
+            if src is not None:
+                gen_task = done[(src.name, k)]
+                gen_cost = costs[src.name]
+                chunk = streams[src.name]
+                batch = len(gen_cost.finish_offsets) or int(gen_cost.work.get("batch", 1))
+                t_prev = max(ready, 0.0)
+                first_start = None
+                busy = 0.0
+                n_chunks = max(1, math.ceil(batch / chunk))
+                for j in range(n_chunks):
+                    rows = min(chunk, batch - j * chunk)
+                    last = min((j + 1) * chunk, batch) - 1
+                    avail = gen_task.end if j == n_chunks - 1 else \
+                        gen_task.start + gen_cost.finish_offsets[last] if gen_cost.finish_offsets else gen_task.end
+                    c_cost = cm.stage_cost(s, rows=float(rows)).time_s
+                    start = max(avail, t_prev, dev_free if j == 0 else t_prev)
+                    if j == 0:
+                        first_start = start
+                        start += extra.get(s.name, 0.0)
+                    end = start + c_cost
+                    chunks.append((start, end, rows))
+                    busy += c_cost
+                    t_prev = end
+                start, end = first_start, t_prev
+                why = f"%{src.name}@{k}"   # its last chunk waits for the end of generation
+                busy += extra.get(s.name, 0.0)
+                transient = cm.stage_cost(s, rows=float(min(chunk, batch))).transient_bytes
+            else:
+                start = max(ready, dev_free)
+                if dev_free > ready:
+                    why = "devices"
+                end = start + duration
+                busy = duration
+                transient = cost.transient_bytes
+            for d in res:
+                free[d] = end
+            task = Task(s.name, k, s.op, s.target if mem else None, start, end, mem, busy, transient, chunks,
+                        extra.get(s.name, 0.0), why, res if res != [DRIVER] else [])
+            done[(s.name, k)] = task
+            tasks.append(task)
+        step_end[k] = max(t.end for t in tasks if t.step == k)
+    return tasks
+
+
+@dataclass
+class _Job:
+    """One task of the processor-sharing schedule: its units (chunks) run one after another."""
+
+    stage: Stage
+    step: int
+    workers: list
+    cores: frozenset
+    threads: int
+    units: list                     # [priced seconds, serial fraction, rows, release]; release: None (at once),
+    prereqs: list                   # (gen job, fraction of it done) or (gen job, None) = when it has ended
+    state: str = "wait"             # wait -> held (worker taken) -> run -> held ... -> done
+    unit: int = 0
+    rem: float = 0.0
+    done_s: float = 0.0             # priced seconds completed (generate: what releases its chunks)
+    total_s: float = 0.0
+    start: float | None = None
+    end: float = 0.0
+    why: str = ""
+    spans: list = field(default_factory=list)
+    unit_start: float = 0.0
+
+
+def _speed(spec, x: float) -> float:
+    """Throughput of ``x`` cores' worth of CPU time relative to one core (fractions: time-sliced)."""
+    if x <= 1.0:
+        return max(x, 1e-9)
+    lo = int(math.floor(x))
+    a, b = spec.speedup(lo), spec.speedup(lo + 1)
+    return a + (b - a) * (x - lo)
+
+
+def _fair_shares(running: list[_Job]) -> dict[int, float]:
+    """Max-min fair CPU allocation (cores' worth) of the running jobs: the OS shares each core equally among
+    the runnable processes pinned to it, and a process uses at most one core per thread. Progressive filling
+    over the jobs' core sets (the placement's meshes: aligned ranges, nested or disjoint)."""
+    alloc = {id(j): 0.0 for j in running}
+    sets = {j.cores for j in running}
+    active = [j for j in running]
+    while active:
+        inc = min(j.threads - alloc[id(j)] for j in active)
+        slack = {}
+        for cs in sets:
+            inside = [j for j in active if j.cores <= cs]
+            slack[cs] = len(cs) - sum(alloc[id(j)] for j in running if j.cores <= cs)
+            if inside:
+                inc = min(inc, slack[cs] / len(inside))
+        for j in active:
+            alloc[id(j)] += inc
+        full = [cs for cs in sets if slack[cs] - inc * sum(1 for j in active if j.cores <= cs) <= 1e-12]
+        keep = [j for j in active if alloc[id(j)] < j.threads - 1e-12 and not any(j.cores <= cs for cs in full)]
+        if len(keep) == len(active):
+            break
+        active = keep
+    return alloc
+
+
+def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
+    """Processor sharing (CPU clusters): workers are processes; each runs its calls one at a time in
+    submission order, while workers whose cores overlap run *at the same time*, each getting its fair
+    share of the cores (:func:`_fair_shares`). A call priced at ``T`` seconds on its whole mesh (the cost
+    model: one thread per core) runs on ``a`` cores' worth of CPU in
+    ``T * (sigma / min(a, 1) + (1 - sigma) * s(cores) / s(a))``: the serial part (per-call and per-layer
+    overhead, fraction ``sigma``) needs one core, the rest scales with the measured thread speed-up ``s``.
+    A worker runs one torch thread per whole core of its share of its mesh (as the runtime starts it)."""
+    cm = ctx.cm
+    module, spec = cm.module, cm.spec
+    workers = plan.workers(module)
+    jobs: list[_Job] = []
+    pos: dict[tuple[str, int], int] = {}
+    for k in range(ctx.steps):
+        for s in ctx.stages:
+            pos[(s.name, k)] = len(jobs)
+            jobs.append(_cpu_job(ctx, s, k, workers, jobs, pos))
+    for n, j in enumerate(jobs):
+        deps = [pos[key] for key in _dependencies(ctx, j.stage, j.step) if key in pos and pos[key] < n]
+        if ctx.step_barrier and j.step > 0:
+            deps += [m for m in range(n) if jobs[m].step == j.step - 1]
+        j.prereqs = sorted(set(deps))
+    queues: dict = {}
+    for n, j in enumerate(jobs):
+        for w in j.workers:
+            queues.setdefault(w, []).append(n)
+    head = {w: 0 for w in queues}
+    core_busy: list[tuple[float, float, int, float]] = []   # (from, to, core, share of it)
+    t, eps = 0.0, 1e-12
+    waiting = list(range(len(jobs)))
+    left = len(jobs)
+
+    def released(j: _Job) -> bool:
+        rel = j.units[j.unit][3]
+        if rel is None:
+            return True
+        gen, frac = rel
+        if gen.state == "done":
+            return True
+        return frac is not None and gen.state in ("run", "held") and gen.done_s >= frac * gen.total_s - eps
+
+    while left:
+        moved = True
+        while moved:
+            moved = False
+            for n in list(waiting):
+                j = jobs[n]
+                if any(jobs[m].state != "done" for m in j.prereqs) or \
+                        any(queues[w][head[w]] != n for w in j.workers):
+                    continue
+                waiting.remove(n)
+                j.state = "held"
+                ready = max(((jobs[m].end, m) for m in j.prereqs), default=(0.0, -1))
+                if ready[1] < 0:
+                    j.why = ""
+                elif ready[0] < t - eps:
+                    j.why = "devices"
+                elif ctx.step_barrier and jobs[ready[1]].step < j.step:
+                    j.why = "barrier"
+                else:
+                    j.why = f"%{jobs[ready[1]].stage.name}@{jobs[ready[1]].step}"
+                moved = True
+            for j in jobs:
+                if j.state == "held" and released(j):
+                    j.state, j.rem, j.unit_start = "run", j.units[j.unit][0], t
+                    if j.start is None:
+                        j.start = t
+                    moved = True
+                if j.state == "run" and j.rem <= eps:
+                    _finish_unit(j, t, jobs, queues, head)
+                    if j.state == "done":
+                        left -= 1
+                    moved = True
+        running = [j for j in jobs if j.state == "run"]
+        if not running:
+            if left:
+                raise RuntimeError("simulator: no task can run (a dependency cycle in the schedule)")
+            break
+        computing = [j for j in running if j.cores]
+        alloc = _fair_shares(computing)
+        rate = {}
+        for j in running:
+            if not j.cores:
+                rate[id(j)] = 1.0
+                continue
+            a = max(alloc[id(j)], 1e-9)
+            sigma = j.units[j.unit][1]
+            count = len(j.cores)
+            rate[id(j)] = 1.0 / (sigma / min(a, 1.0) + (1.0 - sigma) * _speed(spec, count) / _speed(spec, a))
+        dt = min(j.rem / rate[id(j)] for j in running)
+        for j in jobs:   # a held chunk waiting for its generate to get far enough
+            if j.state == "held":
+                gen, frac = j.units[j.unit][3] or (None, None)
+                if gen is not None and frac is not None and gen.state == "run":
+                    dt = min(dt, max(frac * gen.total_s - gen.done_s, 0.0) / rate[id(gen)])
+        dt = max(dt, 0.0)
+        for j in running:
+            step = rate[id(j)] * dt
+            j.rem -= step
+            j.done_s += step
+            if j.cores and dt > 0:
+                share = alloc[id(j)] / len(j.cores)
+                for c in j.cores:
+                    core_busy.append((t, t + dt, c, share))
+        t += dt
+        for j in running:
+            if j.rem <= eps * max(1.0, j.units[j.unit][0]):
+                j.rem = 0.0
+    tasks = []
+    for j in jobs:
+        s, k = j.stage, j.step
+        mem = ctx.members[s.name]
+        src = ctx.stream_source(s)
+        chunked = src is not None
+        res = ctx.sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [])
+        chunk_rows = j.units[0][2] if chunked else None
+        transient = cm.stage_cost(s, rows=float(chunk_rows)).transient_bytes if chunked else \
+            ctx.costs[s.name].transient_bytes
+        tasks.append(Task(s.name, k, s.op, s.target if mem else None, j.start if j.start is not None else j.end,
+                          j.end, mem, sum(b - a for a, b, _ in j.spans), transient,
+                          list(j.spans) if chunked else [], ctx.extra.get(s.name, 0.0),
+                          f"%{src.name}@{k}" if chunked else j.why, res))
+    return tasks, core_busy
+
+
+def _finish_unit(j: _Job, t: float, jobs: list, queues: dict, head: dict) -> None:
+    j.spans.append((j.unit_start, t, j.units[j.unit][2]))
+    j.unit += 1
+    if j.unit < len(j.units):
+        j.state = "held"
+        return
+    j.state, j.end = "done", t
+    for w in j.workers:
+        head[w] += 1
+        if head[w] >= len(queues[w]):
+            queues[w].append(-1)   # the worker's queue is done: a sentinel no job index matches
+
+
+def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, jobs: list, pos: dict) -> _Job:
+    cm = ctx.cm
+    cost = ctx.costs[s.name]
+    extra = ctx.extra.get(s.name, 0.0)
+    mem = ctx.members[s.name]
+    if mem is None:
+        wkeys, cores, threads = ["driver"], frozenset(), 1
+    else:
+        key = plan.worker_key(cm.module, s)
+        wkeys = [key]
+        dest = plan.sync_destination(cm.module, s)
+        if dest is not None:
+            wkeys.append((s.target, dest))
+        cores, threads = frozenset(workers[key].devices), workers[key].threads
+        if s.op == "sync":
+            cores = frozenset()   # a weight transfer waits on memory copies and the object store, not a core
+
+    def sigma(c: StageCost) -> float:
+        return min(1.0, max(0.0, c.parts.get("overhead", 0.0) / c.time_s)) if c.time_s > 0 else 0.0
+
+    src = ctx.stream_source(s)
+    if src is None:
+        duration = cost.time_s + extra + ctx.sync_time.get(s.name, 0.0)
+        units = [[duration, sigma(cost), None, None]]
+    else:
+        gen = jobs[pos[(src.name, k)]]
+        gen_cost = ctx.costs[src.name]
+        chunk = ctx.streams[src.name]
+        batch = len(gen_cost.finish_offsets) or int(gen_cost.work.get("batch", 1))
+        n_chunks = max(1, math.ceil(batch / chunk))
+        units = []
+        for i in range(n_chunks):
+            rows = min(chunk, batch - i * chunk)
+            last = min((i + 1) * chunk, batch) - 1
+            frac = None if (i == n_chunks - 1 or not gen_cost.finish_offsets) else \
+                gen_cost.finish_offsets[last] / max(gen.total_s, 1e-12)
+            c = cm.stage_cost(s, rows=float(rows))
+            units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac)])
+    job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [])
+    job.total_s = sum(u[0] for u in units)
+    return job
