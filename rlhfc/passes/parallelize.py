@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from rlhfc.ir import Module, get_op
+from rlhfc.ir import Module, get_op, plan
 
 from .base import Pass, register_pass
 
@@ -58,7 +58,7 @@ class Parallelize(Pass):
             level[name] = max((level[p] + 1 for p in dag.predecessors(name)), default=0)
         g.stages.sort(key=lambda s: (level[s.name], index[s.name]))
         for s in g.stages:
-            s.annotations.pop("overlap", None)
+            plan.set_overlap(s, None)
         group_id = 0
         for lvl in sorted(set(level.values())):
             remote = [s for s in g.stages if level[s.name] == lvl and _remote(s)]
@@ -66,7 +66,7 @@ class Parallelize(Pass):
                 continue
             group_id += 1
             for s in remote:
-                s.annotations["overlap"] = group_id
+                plan.set_overlap(s, group_id)
         module.refresh_versions()
         return module
 

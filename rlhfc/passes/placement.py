@@ -71,7 +71,7 @@ class Placement(Pass):
             apply(module, assign, squeeze=squeeze)
             if module.cluster.device == "cpu" or not memory_issues(module):
                 break
-        module.annotations["strategy"] = strategy
+        plan.set_strategy(module, strategy)
 
         sink = DiagnosticSink()
         check_memory(module, sink)
@@ -221,9 +221,9 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
         for combo in itertools.product(meshes, repeat=len(models)):
             if time.perf_counter() - start > seconds:
                 break
-            plan = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
-            if price(plan) < best_t:
-                best, best_t = plan, price(plan)
+            cand = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
+            if price(cand) < best_t:
+                best, best_t = cand, price(cand)
         return result(best)
     keys = [(m, False) for m in models]
     if SPLIT_GENERATION:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhfc.ir import Module
+from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
 
@@ -56,7 +56,7 @@ class ReuseLogprobs(Pass):
             between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]
             if any(x.op == "train" and x.target == s.target for x in between):
                 continue
-            gen.annotations["logprobs"] = True
+            plan.set_flag(gen, "logprobs")
             s.op, s.target = "compute.sample_logprobs", None
             s.attrs = {"temperature": temperature}
             s.annotations = {}

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from rlhfc.ir import Module
 from rlhfc.ir.plan import Stream as StreamAttr
+from rlhfc.ir.plan import set_stream_from
 
 from .base import Pass, register_pass
 
@@ -62,7 +63,7 @@ class Stream(Pass):
             chunk = self.chunk or auto_chunk(module, gen, consumers)
             gen.annotations[StreamAttr.key] = StreamAttr(max(1, min(chunk, batch))).print()
             for c in consumers:
-                c.annotations["stream_from"] = roll.name
+                set_stream_from(c, gen)
         return module
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhfc.ir import Module
+from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
 
@@ -39,11 +39,11 @@ class Unpad(Pass):
         g = module.graph
         cropped = set()
         for gen in [s for s in g.stages if s.op == "generate"]:
-            gen.annotations["unpad"] = True
+            plan.set_flag(gen, "unpad")
             cropped.add(gen.outputs[0].name)
         for s in g.stages:
             if s.op == "train" and _rollout_of(g, s) in cropped:
-                s.annotations["unpad"] = True
+                plan.set_flag(s, "unpad")
         return module
 
 

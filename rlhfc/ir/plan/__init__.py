@@ -1,0 +1,53 @@
+"""The plan: how a program runs, as typed attributes on the IR, and the rules every reader shares.
+
+Passes record their decisions as stage and module annotations (``annot {...}``
+in the text form). This module is their single home: each plan attribute is a
+typed class that parses itself from its annotation value, prints itself back
+and verifies itself against the module, and every reader of a plan — passes,
+the cost model and simulator, ``explain``, code generation — reads it through
+the functions here, so no two of them can disagree about a default.
+
+| annotation            | on                 | class / type                  |
+| --------------------- | ------------------ | ----------------------------- |
+| ``mesh``              | model stages       | :class:`Mesh`                 |
+| ``parallel``          | model stages       | :class:`Parallel`             |
+| ``microbatches``      | model stages       | int >= 1                      |
+| ``recompute``         | train stages       | :class:`Recompute`            |
+| ``overlap``           | any stage          | int group id                  |
+| ``stream``            | generate           | :class:`Stream`               |
+| ``stream_from``       | forward consumers  | name of the streamed rollout  |
+| ``overcommit``        | generate           | :class:`Overcommit`           |
+| ``unpad``             | generate, train    | bool                          |
+| ``logprobs``          | generate           | bool                          |
+| ``strategy`` (module) | module             | one of :data:`STRATEGIES`     |
+
+A ``sync`` stage's destination is an op attribute (``to_first``/``to_count``),
+read as a :class:`Sync`. Absent annotations take the defaults the runtime uses
+(see :func:`stage_mesh`, :func:`stage_layout`).
+
+The single lists (-O levels, placement strategies, recompute policies, weight
+transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
+:func:`workers`, :func:`stream_consumers`, :func:`sync_destination`,
+:func:`device_shares`) live here too.
+"""
+
+from __future__ import annotations
+
+from .attrs import (OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS, TYPED, WORKER_FAMILIES, Layout,
+                    Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Sync, describe, opt_level)
+from .check import verify_plan
+from .rules import (Worker, device_shares, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
+                    overcommit_delta, overlap_group, policy_temperature, recompute, set_flag, set_layout, set_overlap,
+                    set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
+                    stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
+                    workers)
+
+__all__ = [
+    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRANSPORTS", "TYPED", "WORKER_FAMILIES",
+    "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
+    "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
+    "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "set_flag", "set_layout",
+    "set_overlap", "set_strategy", "set_stream_from", "stage_layout", "stage_mesh", "stage_worker", "strategy",
+    "stream", "stream_chunk", "stream_consumers", "stream_source", "streams", "sync_destination", "worker_key",
+    "worker_name", "workers",
+]

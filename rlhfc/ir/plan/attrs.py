@@ -1,0 +1,301 @@
+"""Plan attributes: the single lists and the typed attributes that parse, print and verify themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..core import Cluster, Stage, Symbol
+from ..diagnostics import CompileError, Diagnostic
+
+# -- the single lists ---------------------------------------------------------------------------------
+
+#: optimisation levels, in order (``rlhfc.passes.pipelines`` says which passes each runs)
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+#: placement strategies a plan can have (the module's ``strategy`` annotation)
+STRATEGIES = ("flatten", "interleave", "separate", "search")
+#: what a program's ``run { placement = ... }`` and ``--placement`` accept
+PLACEMENTS = ("auto",) + STRATEGIES
+#: activation recomputation policies of a training stage, cheapest in memory last
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+#: how a ``sync`` stage moves weights
+TRANSPORTS = ("object_store", "collective")
+#: op families whose stages run on a model's worker
+WORKER_FAMILIES = ("generate", "forward", "train", "sync")
+
+
+def opt_level(text) -> str:
+    """The canonical name of an -O level: ``"O2"``, ``"o2"``, ``"2"`` → ``"O2"``; a located-free
+    :class:`CompileError` with the levels as a hint otherwise."""
+    raw = str(text).strip()
+    key = raw.upper() if raw[:1] in ("O", "o") else f"O{raw}"
+    if key not in OPT_LEVELS:
+        raise CompileError([Diagnostic("error", f"unknown optimisation level '{text}'", None,
+                                       f"levels: {', '.join(OPT_LEVELS)} (-O0 … -O{len(OPT_LEVELS) - 1})")])
+    return key
+
+
+# -- typed attributes ---------------------------------------------------------------------------------
+
+
+class PlanError(ValueError):
+    """A malformed or inconsistent plan attribute: ``message`` and a ``hint`` saying how to fix it."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.message, self.hint = message, hint
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def describe(value) -> str:
+    """A value as a diagnostic names it (``string 'a'``, ``int 3``, ``bool true``)."""
+    if isinstance(value, bool):
+        return f"bool {str(value).lower()}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, Symbol):
+        return f"symbol {value}"
+    return f"{type(value).__name__} {value!r}"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Devices ``first .. first+count-1`` of the cluster (node-major)."""
+
+    first: int
+    count: int
+    key: ClassVar[str] = "mesh"
+
+    @property
+    def devices(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    def pair(self) -> tuple[int, int]:
+        return self.first, self.count
+
+    @classmethod
+    def parse(cls, value, cluster: Cluster | None = None) -> "Mesh":
+        total = cluster.num_devices if cluster is not None and _is_int(cluster.num_devices) else None
+        span = f"devices 0..{total - 1}" if total else "no devices"
+        where = f" (the cluster @{cluster.name} has {span})" if cluster is not None else ""
+        if not isinstance(value, dict) or set(value) != {"first", "count"} \
+                or not all(_is_int(value[k]) for k in ("first", "count")):
+            raise PlanError(f"mesh must be {{first = I, count = N}} with integers, got {describe(value)}",
+                            f"e.g. mesh = {{first = 0, count = {total or 1}}}{where}")
+        mesh = cls(value["first"], value["count"])
+        if mesh.first < 0 or mesh.count < 1:
+            raise PlanError(f"mesh needs first >= 0 and count >= 1, got first = {mesh.first}, count = {mesh.count}",
+                            f"e.g. mesh = {{first = 0, count = {total or 1}}}")
+        if total is not None and mesh.first + mesh.count > total:
+            fit = max(total - mesh.first, 0)
+            raise PlanError(f"mesh {{first = {mesh.first}, count = {mesh.count}}} covers devices "
+                            f"{mesh.first}..{mesh.first + mesh.count - 1} but cluster @{cluster.name} has {span} "
+                            f"({cluster.nodes} x {cluster.per_node})",
+                            f"use count = {fit} from first = {mesh.first}" if fit else
+                            f"start the mesh at a device below {total}, e.g. mesh = {{first = 0, count = "
+                            f"{min(mesh.count, total)}}}")
+        return mesh
+
+    def print(self) -> dict:
+        return {"first": self.first, "count": self.count}
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """A mesh's split: ``dp`` data-parallel replicas × ``tp`` tensor × ``pp`` pipeline ranks.
+
+    In the text form missing ``tp``/``pp`` are 1 and a missing ``dp`` fills the mesh; :meth:`parse`
+    resolves them against the mesh size, so a parsed value is complete."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    key: ClassVar[str] = "parallel"
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def parse(cls, value, mesh_count: int | None = None) -> "Parallel":
+        """Read the annotation; a missing ``dp`` fills ``mesh_count`` (see :meth:`verify` for consistency)."""
+        if not isinstance(value, dict) or not value or set(value) - {"dp", "tp", "pp"} \
+                or not all(_is_int(v) and v >= 1 for v in value.values()):
+            raise PlanError(f"parallel must be {{dp = D, tp = T, pp = P}} with integers >= 1, got {describe(value)}",
+                            "e.g. parallel = {dp = 2, tp = 4, pp = 1} (missing tp/pp default to 1)")
+        tp, pp = value.get("tp", 1), value.get("pp", 1)
+        return cls(value.get("dp", max(1, mesh_count // (tp * pp)) if mesh_count else 1), tp, pp)
+
+    def verify(self, mesh_count: int | None, model=None) -> list[PlanError]:
+        """What is wrong with this split on a mesh of ``mesh_count`` devices for ``model``."""
+        dp, tp, pp = self.dp, self.tp, self.pp
+        errors = []
+        if mesh_count is not None and self.size != mesh_count:
+            hint = f"dp * tp * pp must equal the mesh size {mesh_count}"
+            if mesh_count % (tp * pp) == 0:
+                hint += f": with tp = {tp}, pp = {pp} use dp = {mesh_count // (tp * pp)}"
+            else:
+                hint += f"; tp * pp = {tp * pp} does not divide {mesh_count}: choose tp and pp whose product divides it"
+            errors.append(PlanError(f"parallel dp = {dp}, tp = {tp}, pp = {pp} uses {self.size} devices but the "
+                                    f"mesh has {mesh_count}", hint))
+        if model is not None and _is_int(model.heads) and model.heads >= 1 and model.heads % tp:
+            ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0]
+            errors.append(PlanError(f"tp = {tp} does not divide the {model.heads} attention heads of @{model.name}",
+                                    f"tensor parallelism splits the heads: tp must be one of {', '.join(map(str, ok))}"))
+        if model is not None and _is_int(model.layers) and model.layers >= 1 and pp > model.layers:
+            errors.append(PlanError(f"pp = {pp} is more pipeline stages than the {model.layers} layers of "
+                                    f"@{model.name}", f"use pp <= {model.layers}"))
+        return errors
+
+    def print(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+
+@dataclass(frozen=True)
+class Stream:
+    """``stream = {chunk = C}`` on a generate stage: finished samples go downstream C at a time."""
+
+    chunk: int
+    key: ClassVar[str] = "stream"
+
+    @classmethod
+    def parse(cls, value) -> "Stream":
+        inner = value.get("chunk") if isinstance(value, dict) else value
+        extra = sorted(set(value) - {"chunk"}) if isinstance(value, dict) else []
+        if not _is_int(inner) or inner < 1 or extra:
+            raise PlanError(f"stream must be {{chunk = N}} with an integer N >= 1, got {describe(value)}",
+                            "write stream = {chunk = 4}")
+        return cls(inner)
+
+    def print(self) -> dict:
+        return {"chunk": self.chunk}
+
+
+@dataclass(frozen=True)
+class Overcommit:
+    """``overcommit = {delta = D, ...}`` on a generate stage: B+D prompts in flight, the first B to finish
+    train, the rest carry over (``rlhfc.passes.overcommit`` documents the knobs)."""
+
+    delta: int
+    adaptive: bool | None = None
+    min_delta: int | None = None
+    max_delta: int | None = None
+    max_staleness: int | None = None
+    key: ClassVar[str] = "overcommit"
+    KNOBS: ClassVar[tuple[str, ...]] = ("adaptive", "min_delta", "max_delta", "max_staleness")
+
+    @classmethod
+    def parse(cls, value) -> "Overcommit":
+        inner = value.get("delta") if isinstance(value, dict) else value
+        extra = sorted(set(value) - {"delta", *cls.KNOBS}) if isinstance(value, dict) else []
+        if not _is_int(inner) or inner < 0 or extra:
+            raise PlanError(f"overcommit must be {{delta = N}} with an integer N >= 0, got {describe(value)}",
+                            "write overcommit = {delta = 4}")
+        knobs = {k: value[k] for k in cls.KNOBS if isinstance(value, dict) and k in value}
+        return cls(inner, **knobs)
+
+    def print(self) -> dict:
+        return {"delta": self.delta, **{k: getattr(self, k) for k in self.KNOBS if getattr(self, k) is not None}}
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """``recompute = "none" | "selective" | "full"`` on a training stage."""
+
+    policy: str = "none"
+    key: ClassVar[str] = "recompute"
+
+    @classmethod
+    def parse(cls, value) -> "Recompute":
+        if value not in RECOMPUTE_POLICIES:
+            raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {describe(value)}",
+                            'write recompute = "selective"')
+        return cls(value)
+
+    def print(self) -> str:
+        return self.policy
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A ``sync`` stage's transfer: its model's trained weights go to ``dest`` in buckets."""
+
+    dest: Mesh
+    bucket_mb: int = 64
+    transport: str = "object_store"
+
+    @classmethod
+    def of(cls, stage: Stage) -> "Sync | None":
+        """The stage's sync (None unless it is a ``sync`` stage with a valid destination)."""
+        if stage.op != "sync":
+            return None
+        first, count = stage.attrs.get("to_first"), stage.attrs.get("to_count")
+        if not (_is_int(first) and _is_int(count) and first >= 0 and count >= 1):
+            return None
+        return cls(Mesh(first, count), int(stage.attrs.get("bucket_mb", 64)),
+                   str(stage.attrs.get("transport", "object_store")))
+
+    def attrs(self) -> dict:
+        return {"bucket_mb": self.bucket_mb, "to_first": self.dest.first, "to_count": self.dest.count,
+                "transport": self.transport}
+
+
+#: the stage annotations that hold a typed attribute
+TYPED = {c.key: c for c in (Mesh, Parallel, Stream, Overcommit, Recompute)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A stage's placement: devices ``first .. first+count-1`` (node-major) and its parallel split."""
+
+    first: int
+    count: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    recompute: str = "none"
+
+    @property
+    def devices(self) -> range:
+        return range(self.first, self.first + self.count)
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.first, self.count)
+
+    def nodes(self, per_node: int) -> list[int]:
+        """The nodes the mesh touches."""
+        return sorted({d // per_node for d in self.devices})
+
+    def tp_inter_node(self, per_node: int) -> bool:
+        """Whether one tensor-parallel group crosses a node boundary (groups are consecutive devices)."""
+        return self.tp > 1 and (self.tp > per_node or self.first % per_node + self.tp > per_node)
+
+    def dp_inter_node(self, per_node: int) -> bool:
+        """Whether the data-parallel replicas (or pipeline stages) sit on more than one node."""
+        return len(self.nodes(per_node)) > 1
+
+    def same_placement(self, other: "Layout") -> bool:
+        return (self.first, self.count, self.dp, self.tp, self.pp) == \
+            (other.first, other.count, other.dp, other.tp, other.pp)
+
+    def describe(self, per_node: int) -> str:
+        last = self.first + self.count - 1
+        nodes = self.nodes(per_node)
+        where = f"{self.first}" if self.count == 1 else f"{self.first}-{last}"
+        where += f" (node {nodes[0]})" if len(nodes) == 1 else f" (nodes {nodes[0]}-{nodes[-1]})"
+        return where
+
+    def parallel_text(self, cpu: bool = False) -> str:
+        """``dp2 tp4 pp1`` (+ micro-batches, recompute); on CPU clusters the mesh's cores are one process's
+        threads, so ``2 threads``."""
+        text = f"{self.count} thread{'s' if self.count > 1 else ''}" if cpu else f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        if self.microbatches > 1:
+            text += f" mb{self.microbatches}"
+        if self.recompute != "none":
+            text += f" rc:{self.recompute}"
+        return text

@@ -1,0 +1,253 @@
+"""Plan rules: reading and writing a stage's plan, where it runs, what streams to what, which workers run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core import Graph, Module, Stage
+from .attrs import (STRATEGIES, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError,
+                    Recompute, Stream, Sync, _is_int)
+
+# -- reading a plan -------------------------------------------------------------------------------------
+
+
+def _read(stage: Stage, cls, *args):
+    value = stage.annotations.get(cls.key)
+    if value is None:
+        return None
+    try:
+        return cls.parse(value, *args)
+    except PlanError:
+        return None
+
+
+def mesh(stage: Stage) -> Mesh | None:
+    """The stage's own ``mesh`` annotation (None if absent or malformed)."""
+    return _read(stage, Mesh)
+
+
+def stream(stage: Stage) -> Stream | None:
+    return _read(stage, Stream) if stage.op == "generate" else None
+
+
+def stream_chunk(stage: Stage) -> int | None:
+    s = stream(stage)
+    return s.chunk if s else None
+
+
+def overcommit(stage: Stage) -> Overcommit | None:
+    return _read(stage, Overcommit) if stage.op == "generate" else None
+
+
+def overcommit_delta(stage: Stage) -> int:
+    o = overcommit(stage)
+    return o.delta if o else 0
+
+
+def recompute(stage: Stage) -> str:
+    r = _read(stage, Recompute)
+    return r.policy if r else "none"
+
+
+def overlap_group(stage: Stage) -> int | None:
+    g = stage.annotations.get("overlap")
+    return g if _is_int(g) else None
+
+
+def flag(stage: Stage, name: str) -> bool:
+    """A boolean annotation (``unpad``, ``logprobs``), false when absent."""
+    return stage.annotations.get(name) is True
+
+
+def microbatches(stage: Stage) -> int:
+    m = stage.annotations.get("microbatches")
+    return m if _is_int(m) and m >= 1 else 1
+
+
+def strategy(module: Module) -> str | None:
+    s = module.annotations.get("strategy")
+    return s if s in STRATEGIES else None
+
+
+def on_worker(module: Module, stage: Stage) -> bool:
+    """Whether the stage runs on a model's worker (not on the driver)."""
+    return stage.target in module.models and stage.op.split(".", 1)[0] in WORKER_FAMILIES
+
+
+def home_mesh(module: Module, model: str) -> Mesh:
+    """Where a model's weights are authoritative: its train stage's mesh, else its first stage's with a
+    mesh, else the whole cluster (the flattened default)."""
+    stages = module.graph.stages_on(model)
+    for s in [s for s in stages if s.op == "train"] + [s for s in stages if s.op != "train"]:
+        m = mesh(s)
+        if m is not None:
+            return m
+    return Mesh(0, module.cluster.num_devices)
+
+
+def stage_mesh(module: Module, stage: Stage) -> Mesh:
+    """The devices a stage runs on: its ``mesh``, else its model's :func:`home_mesh` (the whole cluster for
+    a stage on no model)."""
+    m = mesh(stage)
+    if m is not None:
+        return m
+    if stage.target in module.models:
+        return home_mesh(module, stage.target)
+    return Mesh(0, module.cluster.num_devices)
+
+def stage_layout(module: Module, stage: Stage) -> Layout:
+    """The layout a stage runs with: :func:`stage_mesh`, its ``parallel`` split (pure data parallelism when
+    absent), ``microbatches`` and ``recompute``."""
+    m = stage_mesh(module, stage)
+    par = _read(stage, Parallel, m.count) or Parallel(max(1, m.count), 1, 1)
+    return Layout(m.first, m.count, par.dp, par.tp, par.pp, microbatches(stage), recompute(stage))
+
+
+def set_layout(stage: Stage, layout: Layout, *, parallel: bool = True) -> None:
+    """Write a layout's annotations on a stage (``mesh``, and ``parallel``/``microbatches``/``recompute``
+    unless ``parallel`` is false); defaults are left out of the text."""
+    stage.annotations[Mesh.key] = layout.mesh.print()
+    if not parallel:
+        return
+    stage.annotations[Parallel.key] = Parallel(layout.dp, layout.tp, layout.pp).print()
+    for key, value, default in (("microbatches", layout.microbatches, 1), ("recompute", layout.recompute, "none")):
+        if value != default:
+            stage.annotations[key] = value
+        else:
+            stage.annotations.pop(key, None)
+
+
+def set_flag(stage: Stage, name: str) -> None:
+    """Set a boolean annotation (``unpad``, ``logprobs``)."""
+    stage.annotations[name] = True
+
+
+def set_overlap(stage: Stage, group: int | None) -> None:
+    """Put the stage in overlap group ``group`` (None: in none)."""
+    if group is None:
+        stage.annotations.pop("overlap", None)
+    else:
+        stage.annotations["overlap"] = group
+
+
+def set_stream_from(consumer: Stage, generate: Stage) -> None:
+    """Make ``consumer`` run chunk by chunk inside ``generate``'s stream."""
+    consumer.annotations["stream_from"] = generate.outputs[0].name
+
+
+def set_strategy(module: Module, name: str) -> None:
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
+    module.annotations["strategy"] = name
+
+
+def sync_destination(module: Module, stage: Stage) -> Mesh | None:
+    """The mesh a ``sync`` stage writes to, clipped to the cluster (None for other stages)."""
+    sy = Sync.of(stage)
+    if sy is None:
+        return None
+    total = module.cluster.num_devices
+    return Mesh(sy.dest.first, max(1, min(sy.dest.count, total - sy.dest.first)))
+
+
+def stream_source(graph: Graph, stage: Stage) -> Stage | None:
+    """The streamed generate a consumer takes its chunks from (its ``stream_from`` annotation)."""
+    name = stage.annotations.get("stream_from")
+    if not isinstance(name, str):
+        return None
+    for s in graph.stages:
+        if s.op == "generate" and s.outputs and s.outputs[0].name == name:
+            return s
+    return None
+
+
+def stream_consumers(graph: Graph, generate: Stage) -> list[Stage]:
+    """The stages that run chunk by chunk inside ``generate``'s stream, in graph order."""
+    roll = generate.outputs[0].name
+    return [s for s in graph.stages if s.annotations.get("stream_from") == roll]
+
+
+def streams(stage: Stage) -> bool:
+    """Whether a generate stage runs as a stream (chunked and/or overcommitted)."""
+    return stage.op == "generate" and (stream(stage) is not None or overcommit(stage) is not None)
+
+
+def policy_temperature(graph: Graph, loss: Stage) -> float:
+    """The temperature a ``compute.ppo_clip`` recomputes log-probs at: the one its old log-probs were
+    computed at (a ``forward.logprobs`` or ``compute.sample_logprobs`` operand), else 1."""
+    producer = graph.producer(loss.inputs[1])
+    if producer.op in ("forward.logprobs", "compute.sample_logprobs"):
+        return float(producer.attrs.get("temperature", 1.0))
+    return 1.0
+
+
+# -- workers ---------------------------------------------------------------------------------------------
+
+
+def worker_key(module: Module, stage: Stage) -> tuple[str, Mesh]:
+    """The worker that runs a model stage: one per (model, mesh), as the runtime starts them."""
+    return stage.target, stage_mesh(module, stage)
+
+
+def worker_name(module: Module, model: str, where: Mesh) -> str:
+    """The worker hosting ``model`` on ``where``: the model's name at home, ``model_at_F_N`` for a copy."""
+    return model if where == home_mesh(module, model) else f"{model}_at_{where.first}_{where.count}"
+
+
+def stage_worker(module: Module, stage: Stage) -> str:
+    return worker_name(module, *worker_key(module, stage))
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A worker process the runtime starts: ``model`` on ``mesh``, pinned to ``cores`` of ``node`` (the
+    mesh's devices on its first node; ``devices`` are their global indices), with its ``share`` of them
+    and its torch ``threads``."""
+
+    name: str
+    model: str
+    mesh: Mesh
+    node: int
+    cores: tuple[int, ...]
+    devices: tuple[int, ...]
+    share: float
+    threads: int
+
+
+def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
+    """Every worker the runtime starts, keyed by (model, mesh): one per mesh a model's stages run on, plus
+    the destination of each ``sync``. A worker occupies its mesh's devices on the mesh's first node (one
+    Ray bundle per node); a device used by k workers gives each 1/k (:func:`device_shares`)."""
+    c = module.cluster
+    found: dict[tuple[str, Mesh], tuple[int, tuple[int, ...]]] = {}
+    for s in module.graph.stages:
+        if not on_worker(module, s):
+            continue
+        meshes = [stage_mesh(module, s)]
+        dest = sync_destination(module, s)
+        if dest is not None:
+            meshes.append(dest)
+        for m in meshes:
+            node, start = m.first // c.per_node, m.first % c.per_node
+            found.setdefault((s.target, m), (node, tuple(range(start, min(c.per_node, start + m.count)))))
+    shares = device_shares({key: [(node, core) for core in cores] for key, (node, cores) in found.items()})
+    out = {}
+    for (model, m), (node, cores) in found.items():
+        sh = shares[(model, m)]
+        out[(model, m)] = Worker(worker_name(module, model, m), model, m, node, cores,
+                                 tuple(node * c.per_node + core for core in cores), sh["share"], sh["threads"])
+    return out
+
+
+def device_shares(devices_by_worker: dict) -> dict:
+    """Each worker's ``share`` of its devices (a device used by k workers gives each 1/k) and the torch
+    ``threads`` it runs on CPU (one per whole core of its share). Devices are any hashable ids."""
+    load: dict = {}
+    for devices in devices_by_worker.values():
+        for d in devices:
+            load[d] = load.get(d, 0) + 1
+    out = {}
+    for key, devices in devices_by_worker.items():
+        share = sum(1.0 / load[d] for d in devices)
+        out[key] = {"share": share, "threads": max(1, int(share + 1e-9))}
+    return out

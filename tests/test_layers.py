@@ -1,0 +1,135 @@
+"""The import contract: layers import one way, no cycle, plans read through ``rlhfc/ir/plan.py``, no file
+over 500 lines without a reason at its top.
+
+| package       | may import (besides itself)                                   |
+| ------------- | ------------------------------------------------------------- |
+| ``ir``        | nothing of rlhfc                                              |
+| ``frontend``  | ``ir``                                                        |
+| ``cost``      | ``ir``                                                        |
+| ``passes``    | ``ir``, ``cost``                                              |
+| ``codegen``   | ``ir``                                                        |
+| ``explain``   | ``ir``, ``cost``                                              |
+| ``runtime``   | nothing of rlhfc (a job runs without the compiler)            |
+| ``calibrate`` | ``ir``, ``cost``, ``runtime`` (it measures the real models)   |
+| ``cli``       | everything                                                    |
+
+Imports inside functions count too: a deferred import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import networkx as nx
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "rlhfc"
+
+ALLOWED = {
+    "ir": set(),
+    "frontend": {"ir"},
+    "cost": {"ir"},
+    "passes": {"ir", "cost"},
+    "codegen": {"ir"},
+    "explain": {"ir", "cost"},
+    "runtime": set(),
+    "calibrate": {"ir", "cost", "runtime"},
+    "cli": {"ir", "frontend", "cost", "passes", "codegen", "explain", "runtime", "calibrate"},
+}
+#: plan annotation keys: only rlhfc/ir/plan.py reads or writes them on a stage or module
+PLAN_KEYS = ("mesh", "parallel", "microbatches", "recompute", "overlap", "stream", "stream_from", "overcommit",
+             "unpad", "logprobs", "strategy")
+MAX_LINES = 500
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        yield ".".join(parts), path, is_pkg
+
+
+def _imports(name: str, path: pathlib.Path, is_pkg: bool, *, top_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                out.add(mod)
+                out.update(f"{mod}.{a.name}" for a in node.names)   # `from . import plan` imports a module
+            elif node.module:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in out if m == "rlhfc" or m.startswith("rlhfc.")}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_layers_import_one_way():
+    bad = []
+    for name, path, is_pkg in _modules():
+        mine = _package(name)
+        if mine not in ALLOWED:
+            continue
+        for dep in _imports(name, path, is_pkg):
+            theirs = _package(dep)
+            if theirs and theirs != mine and theirs in ALLOWED and theirs not in ALLOWED[mine]:
+                bad.append(f"{path.relative_to(PKG.parent)} imports {dep} ({mine} may import "
+                           f"{', '.join(sorted(ALLOWED[mine])) or 'nothing of rlhfc'})")
+    assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def test_every_package_is_in_the_table():
+    packages = {_package(n) for n, _, _ in _modules()} - {""}
+    assert packages <= set(ALLOWED), f"add {sorted(packages - set(ALLOWED))} to ALLOWED"
+
+
+def test_no_import_cycle():
+    """Module-level imports form no cycle between modules, and packages form none between packages."""
+    mods = {name: (path, is_pkg) for name, path, is_pkg in _modules()}
+    g, pkgs = nx.DiGraph(), nx.DiGraph()
+    for name, (path, is_pkg) in mods.items():
+        for dep in _imports(name, path, is_pkg, top_level_only=True):
+            if dep in mods and dep != name and not name.startswith(dep + "."):  # a package's own children
+                g.add_edge(name, dep)
+        for dep in _imports(name, path, is_pkg):
+            a, b = _package(name), _package(dep)
+            if a and b and a != b:
+                pkgs.add_edge(a, b)
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"module import cycles: {cycles[:5]}"
+    assert nx.is_directed_acyclic_graph(pkgs), f"package cycles: {list(nx.simple_cycles(pkgs))[:5]}"
+
+
+def test_plans_are_read_and_written_through_ir_plan():
+    pattern = re.compile(r"annotations\s*(?:\.get\(|\.pop\(|\.setdefault\(|\[)\s*[\"'](%s)[\"']" % "|".join(PLAN_KEYS))
+    bad = []
+    for name, path, _ in _modules():
+        if name == "rlhfc.ir.plan" or name.startswith("rlhfc.ir.plan."):
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{path.relative_to(PKG.parent)}:{i}: {line.strip()}")
+    assert not bad, "plan annotations touched outside rlhfc/ir/plan.py:\n" + "\n".join(bad)
+
+
+def test_no_file_over_500_lines_without_a_reason():
+    long = []
+    for _, path, _ in _modules():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > MAX_LINES and not any("Why this file is long:" in line for line in lines[:40]):
+            long.append(f"{path.relative_to(PKG.parent)}: {len(lines)} lines")
+    assert not long, "split these, or say at the top why not ('Why this file is long: ...'):\n" + "\n".join(long)
