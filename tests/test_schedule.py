@@ -177,3 +177,64 @@ def test_stream_pass_alone_prices_the_actor_logprobs_whole_after_the_stream():
     logp = next(t for t in r.step_tasks(1) if t.stage == "logp")
     roll = next(t for t in r.step_tasks(1) if t.stage == "roll")
     assert not logp.chunks and logp.start >= roll.end - 1e-9
+
+
+def test_a_plugin_op_compiles_with_its_emit_rule(tmp_path, monkeypatch):
+    """An op registered with an emit rule (``Emit("compute", "module:function")``) is compiled into main.py,
+    which imports its module and calls the function; default rules call the runtime's own functions."""
+    from rlhfc.ir import Attr, Emit, Operand, OpSpec, Stage, Value, ValueType, ops, register_op, verify
+    from rlhfc.runtime import compute
+
+    (tmp_path / "my_bonus.py").write_text("def length_bonus(rollout, *, scale):\n    return scale\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = register_op(OpSpec("compute.length_bonus", (Operand("rollout", ("Rollout",)),),
+                              (Attr("scale", "float", 1.0, min=0.0),), ("SeqFloat",),
+                              emit=Emit("compute", "my_bonus:length_bonus")))
+    try:
+        module = _compile("ppo_tiny", "O0")
+        g = module.graph
+        g.insert(g.stages.index(g.stage("scores")) + 1,
+                 Stage(spec.op, None, [g.values()["roll"]], [Value("bonus", ValueType("SeqFloat", 16))], {"scale": 0.5}))
+        verify(module)
+        code = PythonEmitter(module, source=None, opt_level=None, passes=[]).emit()
+        assert "import my_bonus as _my_bonus" in code
+        assert "bonus = job.compute('bonus', _my_bonus.length_bonus, roll, scale=0.5)" in code
+        scope: dict = {"__name__": "rlhfc_job_under_test"}
+        exec(compile(code, "main.py", "exec"), scope)
+        job = _Job(module)
+        called = {}
+        job.compute = lambda stage, fn, /, *a, **k: called.setdefault(stage, fn) and job._results(stage)
+        scope["step"](job, _Workers(job))
+        import my_bonus
+
+        assert called["bonus"] is my_bonus.length_bonus and called["adv"] is compute.gae
+    finally:
+        ops._OPS.pop("compute.length_bonus", None)
+
+
+def test_an_emit_rule_must_name_a_function():
+    from rlhfc.ir import Emit, Operand, OpSpec, get_op, register_op
+
+    with pytest.raises(ValueError, match="module:function"):
+        register_op(OpSpec("compute.nowhere", (Operand("rollout", ("Rollout",)),), (), ("SeqFloat",),
+                           emit=Emit("compute", "no_function_here")))
+    assert get_op("compute.nowhere") is None
+
+
+def test_a_stage_without_a_mesh_runs_on_its_model_home_mesh_everywhere():
+    """Cost model, simulator workers and the runtime placement agree where an unannotated stage runs: on its
+    model's home mesh (its train stage's), not on the whole cluster."""
+    from rlhfc.codegen.plan import placement
+    from rlhfc.cost import CostModel
+    from rlhfc.ir import plan
+
+    module = _compile("ppo_tiny", "O0")
+    module.graph.stage("actor_train").annotations["mesh"] = {"first": 1, "count": 1}
+    roll = module.graph.stage("roll")
+    assert plan.stage_mesh(module, roll) == plan.Mesh(1, 1)
+    assert CostModel(module).layout(roll).devices == range(1, 2)
+    run = placement(module)["workers"]
+    assert run["actor"]["mesh"] == [1, 1] and not any(k.startswith("actor_at") for k in run)
+    assert plan.stage_worker(module, roll) == "actor"
+    sim = plan.workers(module)
+    assert {w.name for w in sim.values()} == set(run)
