@@ -301,8 +301,8 @@ def _summary(label: str, module, config: CostConfig) -> dict:
     print(f"{label}: predicted step {r.step_time_s:.0f} s; peak memory {peak:.1f} of {cap:.1f} GiB per device"
           f"{'' if not issues else ' (DOES NOT FIT: ' + issues[0].message + ')'}")
     print("    " + "  ".join(f"{s} {t:.1f}s" for s, t in stages.items())
-          + (f"  reallocation {sum(r.reshard.values()):.1f}s" if r.reshard else ""))
-    return {"step": r.step_time_s, "stages": stages, "reshard": sum(r.reshard.values()), "peak": peak,
+          + (f"  reallocation {sum(r.sync_s.values()):.1f}s" if r.sync_s else ""))
+    return {"step": r.step_time_s, "stages": stages, "sync": sum(r.sync_s.values()), "peak": peak,
             "fits": not issues}
 
 
@@ -326,7 +326,7 @@ def scale() -> dict:
     train = max(o["stages"]["actor_train"], o["stages"]["critic_train"])
     print("    published: generation 2252.8 s, weight sync 111.7 s, logits+reward 323.4 s, training 1800.7 s, "
           "total 4488.5 s")
-    print(f"    predicted: generation {o['stages']['roll']:.1f} s, weight sync {o['reshard']:.1f} s, "
+    print(f"    predicted: generation {o['stages']['roll']:.1f} s, weight sync {o["sync"]:.1f} s, "
           f"logits+reward {forwards:.1f} s, training {train:.1f} s, total {o['step']:.1f} s")
     out["openrlhf"] = o
     print()

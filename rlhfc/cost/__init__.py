@@ -4,7 +4,7 @@
 - a stage's mesh and (dp, tp, pp) are read through :mod:`rlhfc.ir.plan` (re-exported here).
 - :mod:`~rlhfc.cost.lengths`: prompt and response length distributions (the long tail).
 - :mod:`~rlhfc.cost.formulas` / :mod:`~rlhfc.cost.model`: per-stage time and memory.
-- :mod:`~rlhfc.cost.transfer`: resharding / weight transfer between layouts.
+- :mod:`~rlhfc.cost.sync`: weight sync between two layouts (resharding included).
 - :mod:`~rlhfc.cost.simulator` (schedulers in :mod:`~rlhfc.cost.scheduling`): discrete-event simulation of several steps.
 - :mod:`~rlhfc.cost.memory`: memory per device; :func:`check_memory` for placement passes.
 - :mod:`~rlhfc.cost.batched`: many candidate layouts at once (NumPy, or JAX when installed).
@@ -23,11 +23,11 @@ from .memory import MemoryIssue, check_memory, memory_issues, suggest_layout
 from .model import CostConfig, CostModel, StageCost
 from .profile import Profile, ProfileError, default_profile_path, find_default_profile, load_profile, model_key
 from .simulator import SimResult, Task, simulate
-from .transfer import reshard_time
+from .sync import sync_time
 
 __all__ = [
     "CATALOG", "DeviceSpec", "device_spec", "Layout", "stage_layout", "overlap_group", "stream_chunk",
-    "overcommit_delta", "LengthDist", "response_dist", "CostConfig", "CostModel", "StageCost", "reshard_time",
+    "overcommit_delta", "LengthDist", "response_dist", "CostConfig", "CostModel", "StageCost", "sync_time",
     "simulate", "SimResult", "Task", "check_memory", "memory_issues", "MemoryIssue", "suggest_layout",
     "evaluate", "candidate_layouts", "have_jax", "Profile", "ProfileError", "load_profile",
     "default_profile_path", "find_default_profile", "model_key",

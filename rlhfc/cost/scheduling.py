@@ -33,7 +33,7 @@ class Task:
     busy: float
     transient_bytes: float
     chunks: list = field(default_factory=list)
-    reshard_s: float = 0.0
+    sync_s: float = 0.0
     waits_for: str = ""          # what decided the start: "stage@step", "devices", "barrier" or ""
     resources: list = field(default_factory=list)   # every device it occupies (a sync: senders and receivers)
 

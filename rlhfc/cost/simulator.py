@@ -34,7 +34,7 @@ generate as B+delta prompts stopping when B have finished.
 
 Parameter reallocation: when consecutive stages on a model (cyclically across
 steps) use different placements, the weights move between the layouts
-(:func:`rlhfc.cost.transfer.reshard_time`): a ``sync`` stage on the model
+(:func:`rlhfc.cost.sync.sync_time`): a ``sync`` stage on the model
 carries that time; without one it is added to the later stage and noted.
 
 Memory: a device holds, for the whole run, the weights of every model with a
@@ -54,7 +54,7 @@ from rlhfc.ir.schedule import build_schedule
 
 from .model import CostConfig, CostModel, StageCost
 from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared
-from .transfer import host_transfer_time, reshard_time
+from .sync import host_copy_time, sync_time
 
 
 @dataclass
@@ -80,7 +80,7 @@ class SimResult:
     costs: dict
     critical_path: list
     notes: list
-    reshard: dict
+    sync_s: dict                 # seconds of weight syncing, by the stage that carries them
 
     def step_tasks(self, step: int | None = None) -> list[Task]:
         """The tasks of one step (default: the last, steady-state one)."""
@@ -100,7 +100,7 @@ def _members(cost_model: CostModel, stage: Stage) -> tuple[int, int] | None:
 
 
 def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
-    """Weight-transfer time: (charged to compute stages, carried by sync stages, notes, the
+    """Weight-sync time: (charged to compute stages, carried by sync stages, notes, the
     extra devices a sync occupies).
 
     Two ways a plan can use a model under several layouts:
@@ -137,12 +137,12 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
                 covered.add(dest)
                 there = next((x for x in compute if (cm.layout(x).first, cm.layout(x).count) == dest), None)
                 dst = cm.layout(there) if there is not None else Layout(dest[0], dest[1], dest[1], 1, 1)
-                seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
+                seconds = sync_time(nbytes, src, dst, cm.spec, per_node)
                 bucket = float(sy.attrs.get("bucket_mb", 64)) * 2 ** 20
                 seconds += math.ceil(nbytes / max(dst.tp * dst.pp, 1) / bucket) * cm.spec.latency
                 if cm.gpu and sy.attrs.get("transport", "object_store") == "object_store":
                     # through host memory: device -> host at the sender, host -> device at the receiver
-                    seconds += 2 * host_transfer_time(nbytes / max(dst.tp * dst.pp, 1), cm.spec)
+                    seconds += 2 * host_copy_time(nbytes / max(dst.tp * dst.pp, 1), cm.spec)
                 carried[sy.name] = carried.get(sy.name, 0.0) + seconds
                 sync_devices[sy.name] = sorted(set(src.devices) | set(range(dest[0], dest[0] + dest[1])))
             for x in compute:
@@ -156,7 +156,7 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
                 src, dst = cm.layout(prev), cm.layout(s)
                 if src.same_placement(dst):
                     continue
-                seconds = reshard_time(nbytes, src, dst, cm.spec, per_node)
+                seconds = sync_time(nbytes, src, dst, cm.spec, per_node)
                 extra[s.name] = extra.get(s.name, 0.0) + seconds
                 notes.append(f"@{name} changes layout between %{prev.name} ({src.parallel_text()} on "
                              f"{src.describe(per_node)}) and %{s.name} ({dst.parallel_text()} on "
@@ -346,7 +346,7 @@ def bottleneck(result: SimResult) -> dict:
     hint = advice.get(family, {}).get(cost.bound, "")
     if not hint and family in ("compute", "load"):
         hint = "a driver-side stage: it is cheap unless the batch is huge"
-    if worst.reshard_s and worst.reshard_s > 0.25 * worst.duration:
+    if worst.sync_s and worst.sync_s > 0.25 * worst.duration:
         hint = "weight reallocation before it dominates: insert a bucketed sync stage or keep the layouts equal"
     return {"stage": worst.stage, "op": worst.op, "model": worst.model, "seconds": worst.duration,
             "share": share, "bound": cost.bound, "hint": hint}

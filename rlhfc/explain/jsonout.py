@@ -55,7 +55,7 @@ def report_dict(report: Report) -> dict:
             "overlap": overlap_group(s), "stream": stream_chunk(s),
             "start_s": (task.start - t0) if task else None, "end_s": (task.end - t0) if task else None,
             "duration_s": cost.time_s, "parts": cost.parts, "bound": cost.bound, "source": cost.source,
-            "reshard_s": task.reshard_s if task else 0.0,
+            "sync_s": task.sync_s if task else 0.0,
             "flops": cost.flops,
             "memory_bytes_per_device": {"weights": cost.weights_bytes, "grads_optimizer": cost.state_bytes,
                                         "activations_kv": cost.transient_bytes, "total": cost.total_bytes},

@@ -9,7 +9,7 @@ sends the new weights to every other mesh::
                                              transport = "object_store"}
                   annot {mesh = {first = 1, count = 1}} : Metrics
 
-Its cost is bytes / bandwidth per destination (``rlhfc.cost.transfer``). The
+Its cost is bytes / bandwidth per destination (``rlhfc.cost.sync``). The
 runtime moves the weights in buckets, by ``transport``: ``object_store``
 (through Ray's object store; the default on CPU clusters) or ``collective``
 (the sender and the receiver form a two-rank process group and the sender

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rlhfc.cost import CATALOG, CostConfig, CostModel, Layout, device_spec, reshard_time, stage_layout
+from rlhfc.cost import CATALOG, CostConfig, CostModel, Layout, device_spec, sync_time, stage_layout
 from rlhfc.cost.lengths import PromptLengths, geometric, lognormal, response_dist
 
 from .helpers import annotate, example, gpu_ppo, mesh
@@ -134,19 +134,19 @@ def test_overcommit_shortens_generation():
     assert CostModel(m, cfg).stage_cost(m.graph.stage("roll")).time_s < base
 
 
-def test_reshard_time():
+def test_sync_time():
     spec = CATALOG["H100-80GB"]
     nbytes = 140e9
     same = Layout(0, 8, 1, 8, 1)
-    assert reshard_time(nbytes, same, same, spec, 8) == 0.0
+    assert sync_time(nbytes, same, same, spec, 8) == 0.0
     # tp8 -> tp4 pp2 inside one node: each device fetches half of what it lacked over NVLink
-    intra = reshard_time(nbytes, same, Layout(0, 8, 1, 4, 2), spec, 8)
+    intra = sync_time(nbytes, same, Layout(0, 8, 1, 4, 2), spec, 8)
     # the same move to another node goes over the network: slower
-    inter = reshard_time(nbytes, same, Layout(8, 8, 1, 4, 2), spec, 8)
+    inter = sync_time(nbytes, same, Layout(8, 8, 1, 4, 2), spec, 8)
     assert 0.03 < intra < inter
     assert inter == pytest.approx(0.03 + nbytes / 8 / (spec.inter_bw * spec.net_eff), rel=1e-6)
     # a device that already holds its shard receives nothing
-    assert reshard_time(nbytes, Layout(0, 8, 1, 8, 1), Layout(0, 8, 1, 8, 1, 2), spec, 8) == 0.0
+    assert sync_time(nbytes, Layout(0, 8, 1, 8, 1), Layout(0, 8, 1, 8, 1, 2), spec, 8) == 0.0
 
 
 def test_cpu_layout_counts_threads_not_ranks():

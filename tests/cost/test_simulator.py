@@ -79,9 +79,9 @@ def test_parameter_versions_order_unrolled_steps_without_a_barrier():
 def test_reallocation_is_charged_when_layouts_change():
     plan = {"roll": mesh(0, 8, tp=8), "logp": mesh(0, 8, tp=8), "actor_train": mesh(0, 8, tp=2, pp=4)}
     r = simulate(annotate(gpu_ppo(), plan), CFG, steps=2)
-    assert r.reshard.get("roll", 0) > 0 and r.reshard.get("actor_train", 0) > 0 and "logp" not in r.reshard
+    assert r.sync_s.get("roll", 0) > 0 and r.sync_s.get("actor_train", 0) > 0 and "logp" not in r.sync_s
     assert any("changes layout" in n for n in r.notes)
-    assert _task(r, "roll").duration == pytest.approx(r.costs["roll"].time_s + r.reshard["roll"], rel=1e-9)
+    assert _task(r, "roll").duration == pytest.approx(r.costs["roll"].time_s + r.sync_s["roll"], rel=1e-9)
 
 
 def test_memory_peak_is_resident_plus_running():
@@ -129,9 +129,9 @@ def test_sync_stages_keep_per_mesh_copies():
                                               {"mesh": {"first": 4, "count": 4}}))
     m.refresh_versions()
     r = simulate(m, CFG, steps=2)
-    assert set(r.reshard) == {"actor_sync"} and r.reshard["actor_sync"] > 0.03 and not r.notes
+    assert set(r.sync_s) == {"actor_sync"} and r.sync_s["actor_sync"] > 0.03 and not r.notes
     sync = _task(r, "actor_sync")
-    assert sync.resources == list(range(8)) and sync.duration == pytest.approx(r.reshard["actor_sync"], rel=1e-9)
+    assert sync.resources == list(range(8)) and sync.duration == pytest.approx(r.sync_s["actor_sync"], rel=1e-9)
     # both meshes hold the actor's weights
     assert "@actor weights" in r.devices[0].static and "@actor weights" in r.devices[5].static
 
@@ -233,7 +233,7 @@ def test_cpu_workers_match_the_runtime_placement():
 
 
 def test_gpu_sync_through_the_object_store_pays_two_host_copies():
-    from rlhfc.cost.transfer import host_transfer_time
+    from rlhfc.cost.sync import host_copy_time
     from rlhfc.passes import PassManager, parse_pipeline
 
     times = {}
@@ -243,10 +243,10 @@ def test_gpu_sync_through_the_object_store_pays_two_host_copies():
                                                                "actor_train", "critic_train")})
         m = PassManager(parse_pipeline(f"realloc{{transport={transport}}}")).run(m)
         r = simulate(m, CFG, steps=2)
-        times[transport] = r.reshard["actor_sync"]
+        times[transport] = r.sync_s["actor_sync"]
     cm = CostModel(gpu_ppo(), CFG)
     nbytes = cm.spec.bytes_per_param * cm.module.models["actor"].params / 4
-    assert times["object_store"] - times["collective"] == pytest.approx(2 * host_transfer_time(nbytes, cm.spec))
+    assert times["object_store"] - times["collective"] == pytest.approx(2 * host_copy_time(nbytes, cm.spec))
     # GPU clusters get the collective transport by default
     m = annotate(gpu_ppo(), {"roll": mesh(0, 4, tp=4), "actor_train": mesh(4, 4, tp=4)})
     m = PassManager(parse_pipeline("realloc")).run(m)

@@ -1,4 +1,4 @@
-"""Weight transfer and resharding between two layouts of a model (parameter reallocation).
+"""Weight sync: the time to move a model's weights from one layout to another (parameter reallocation).
 
 Each destination device needs the shard of the weights its (tensor rank,
 pipeline stage) holds in the new layout. It takes every piece from the nearest
@@ -41,7 +41,7 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def reshard_time(weight_bytes: float, src: Layout, dst: Layout, spec: DeviceSpec, per_node: int) -> float:
+def sync_time(weight_bytes: float, src: Layout, dst: Layout, spec: DeviceSpec, per_node: int) -> float:
     """Seconds to move a model of ``weight_bytes`` from layout ``src`` to ``dst`` (0 when they are the same)."""
     if src.same_placement(dst):
         return 0.0
@@ -63,6 +63,6 @@ def reshard_time(weight_bytes: float, src: Layout, dst: Layout, spec: DeviceSpec
     return RESHARD_SETUP_S + worst
 
 
-def host_transfer_time(nbytes: float, spec: DeviceSpec) -> float:
+def host_copy_time(nbytes: float, spec: DeviceSpec) -> float:
     """Offload/onload of ``nbytes`` per device over the host link (all devices in parallel)."""
     return nbytes / (spec.host_bw * spec.net_eff)
