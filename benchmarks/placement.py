@@ -36,9 +36,8 @@ from rlhfc.codegen import emit_job  # noqa: E402
 from rlhfc.cost import memory_issues, simulate  # noqa: E402
 from rlhfc.frontend import load_file  # noqa: E402
 from rlhfc.ir import CompileError  # noqa: E402
+from rlhfc.ir.plan import STRATEGIES  # noqa: E402
 from rlhfc.passes import PassManager, parse_pipeline  # noqa: E402
-
-STRATEGIES = ("flatten", "interleave", "separate", "search")
 
 
 def compiled(path: str, strategy: str):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from rlhfc.ir import DiagnosticSink, Module, where
 
 from .batched import candidate_layouts, evaluate
-from rlhfc.ir.plan import Layout
+from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout
 from .model import CostConfig, CostModel
 
 GiB = 1024 ** 3
@@ -147,7 +147,7 @@ def suggest_layout(cm: CostModel, module: Module, stage: str, budget: float) -> 
     lay = cm.layout(st)
     cands = candidate_layouts(lay.first, lay.count, per_node=module.cluster.per_node, heads=model.heads,
                               layers=model.layers, microbatches=(lay.microbatches,),
-                              recompute=("none", "selective", "full") if st.op == "train" else ("none",))
+                              recompute=RECOMPUTE_POLICIES if st.op == "train" else ("none",))
     if not cands:
         return None
     res = evaluate(module, stage, cands, cost_model=cm)
