@@ -1,7 +1,7 @@
 """What a compiled rlhfc job imports: models, tokenizers, generation, PPO math, data.
 
 The runtime imports no compiler code (``rlhfc.frontend``, ``ir``, ``passes``,
-``codegen``, ``cli``): a job runs with only this package installed.
+``cost``, ``codegen``, ``explain``, ``cli``): a job runs with only this package installed.
 
 Modules:
 
@@ -11,6 +11,15 @@ Modules:
 * ``ppo``        KL, rewards, GAE, whitening, PPO/value losses, GRPO/RLOO, train loop.
 * ``data``       prompt sources (synthetic task, JSONL) with a checkpointable cursor.
 * ``rewards``    rule rewards ``fn(prompt, response) -> float`` and their resolver.
+
+Running a compiled job (imported by the generated ``main.py``, not re-exported here):
+
+* ``job``        the driver (``Job``: what ``step`` calls; the loop; ``main``).
+* ``cluster``    Ray start-up, placement group, worker creation.
+* ``group``      ``WorkerGroup``, the handle ``w.<worker>`` (one rank today).
+* ``worker``     ``ModelWorker``, the Ray actor hosting one model.
+* ``checkpoint`` atomic save / resume; ``metrics``: metrics.jsonl, TensorBoard, progress.
+* ``compute``    driver-side stages (GAE, losses, ...).
 """
 
 from .data import JsonlPrompts, PromptSource, SyntheticPrompts, prompt_source_from_spec, repeat_each

@@ -96,7 +96,7 @@ def test_dead_worker_names_stage_and_last_checkpoint(tmp_path):
     def step_then_crash(job, w):
         calls["n"] += 1
         if calls["n"] == 3:  # step 2, after the step_2 checkpoint: the critic's process dies
-            ray.kill(w.critic, no_restart=True)
+            w.critic.kill()   # w.critic is a WorkerGroup: kill its ranks' processes
         return mod.step(job, w)
 
     out = str(tmp_path / "run")

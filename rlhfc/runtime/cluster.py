@@ -1,0 +1,129 @@
+"""Cluster start-up: start or connect to Ray, reserve the plan's devices, create the worker groups.
+
+The plan's ``placement`` holds one bundle per node and one entry per worker (a model on a mesh):
+its bundle, CPU / GPU share, threads and cores. :meth:`Cluster.start` turns each entry into a
+:class:`~rlhfc.runtime.group.WorkerGroup` of one rank — a Ray actor hosting a
+:class:`~rlhfc.runtime.worker.ModelWorker` — and waits until every worker has built its model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Any
+
+from .errors import JobError
+from .group import WorkerGroup
+
+
+def import_ray():
+    """Import Ray with the environment a job needs (set before Ray starts)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # idle OpenMP threads must sleep, not spin: workers share cores (10-100x slower otherwise on 2 cores)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import ray
+
+    return ray
+
+
+class Cluster:
+    """The Ray side of one job: the connection, its placement group and its worker groups."""
+
+    def __init__(self, plan: dict, out: str, seed: int, ray_address: str | None = None):
+        self.plan, self.out, self.seed, self.ray_address = plan, out, seed, ray_address
+        self.started_ray = False
+        self.pg = None
+        #: worker name -> its group (the generated code's ``w.<name>``)
+        self.workers: dict[str, WorkerGroup] = {}
+        #: worker name -> what its ``ready()`` returned (pid, node, threads, cores, ...)
+        self.worker_info: dict[str, dict] = {}
+
+    def start(self) -> dict[str, WorkerGroup]:
+        """Start (or connect to) Ray, check resources, reserve the placement group, create the workers."""
+        ray = import_ray()
+        os.makedirs(self.out, exist_ok=True)
+        self._connect(ray)
+        self.check_resources(ray)
+        self.pg = self._reserve(ray)
+        refs = self._create_workers(ray)
+        for name, ref in refs.items():
+            try:
+                self.worker_info[name] = ray.get(ref)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None) or exc
+                raise JobError(f"worker for model '{name}' failed to start: {type(cause).__name__}: {cause}",
+                               "check the model's config (and for hf(...) models, the local folder)") from None
+        return self.workers
+
+    def _connect(self, ray) -> None:
+        if ray.is_initialized():
+            return
+        if self.ray_address:
+            ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False,
+                     logging_level="ERROR")
+        else:
+            need_cpu = sum(b.get("CPU", 0) for b in self.plan["placement"]["bundles"])
+            tmp = os.path.join(self.out, "ray")
+            if len(tmp) > 40:  # Ray adds ~62 bytes to it for its sockets; unix socket paths hold 107
+                tmp = tempfile.mkdtemp(prefix="rlhfc-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need_cpu)), include_dashboard=False,
+                     log_to_driver=False, logging_level="ERROR", _temp_dir=tmp)
+        self.started_ray = True
+
+    def check_resources(self, ray) -> None:
+        have = ray.cluster_resources()
+        need: dict[str, float] = {}
+        for b in self.plan["placement"]["bundles"]:
+            for k, v in b.items():
+                need[k] = need.get(k, 0) + v
+        for k, v in need.items():
+            if have.get(k, 0) + 1e-9 < v:
+                kind = self.plan["cluster"]["device"]
+                raise JobError(f"the plan needs {v:g} {k} ({kind}) but the Ray cluster has {have.get(k, 0):g}",
+                               "run it on a matching cluster with --ray-address, or compile a program whose "
+                               "cluster is `devices = cpu:N` to run locally")
+
+    def _reserve(self, ray):
+        from ray.util.placement_group import placement_group
+
+        placement = self.plan["placement"]
+        strategy = placement.get("strategy", "PACK")
+        if len(ray.nodes()) < len(placement["bundles"]):
+            strategy = "PACK"   # a local (one-node) Ray runs a multi-node plan on this machine
+        pg = placement_group(placement["bundles"], strategy=strategy)
+        try:
+            ray.get(pg.ready(), timeout=60)
+        except Exception:
+            raise JobError("the Ray cluster cannot reserve the plan's devices "
+                           f"({placement['bundles']})", "check `ray status`, or compile for a smaller cluster")
+        return pg
+
+    def _create_workers(self, ray) -> dict[str, Any]:
+        """One group of one rank per placed worker; returns each group's ``ready`` reference."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .worker import ModelWorker
+
+        use_gpu = self.plan["cluster"]["device"] != "cpu"
+        refs = {}
+        for name, w in self.plan["placement"]["workers"].items():
+            model_name = w.get("model", name)
+            model = self.plan["models"][model_name]
+            actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
+                                   max_restarts=0)(ModelWorker)
+            handle = actor_cls.options(
+                name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w["bundle"]),
+            ).remote(model_name, model["spec"], model["init"], self.seed, w.get("threads", 1),
+                     "cuda" if use_gpu else "cpu", w.get("cores"))
+            group = WorkerGroup(name, [handle], model=model_name)
+            self.workers[name] = group
+            refs[name] = group.ready.remote()   # the health check: every worker has built its model
+        return refs
+
+    def shutdown(self) -> None:
+        """Stop Ray if this job started it (a connected cluster keeps running)."""
+        if self.started_ray:
+            import_ray().shutdown()

@@ -1,0 +1,11 @@
+"""The one error type of a running job (shared by the driver, cluster start-up and worker groups)."""
+
+from __future__ import annotations
+
+
+class JobError(Exception):
+    """A failure the user can act on; printed as ``error: ...`` + ``hint: ...`` without a traceback."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message, self.hint = message, hint

@@ -1,0 +1,112 @@
+"""WorkerGroup: the handle the generated step function calls (one rank today; dp > 1 refused clearly)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+
+from rlhfc.runtime.errors import JobError
+from rlhfc.runtime.group import DP_RULES, WorkerGroup
+
+
+class _Method:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args, **kwargs):
+        self.actor.calls.append((self.name, args, kwargs))
+        return f"ref:{self.actor.tag}:{self.name}"
+
+
+class FakeActor:
+    """Stands in for a Ray actor handle: each method has ``.remote`` returning a fake reference."""
+
+    METHODS = ("generate", "generate_chunks", "train", "export_buckets", "import_bucket", "save", "ready")
+
+    def __init__(self, tag):
+        self.tag, self.calls = tag, []
+
+    def __getattr__(self, name):
+        if name in self.METHODS:
+            return _Method(self, name)
+        raise AttributeError(name)
+
+
+def test_one_rank_forwards_every_call_to_rank_0_unchanged():
+    actor = FakeActor("a0")
+    group = WorkerGroup("actor", [actor], model="actor")
+    assert group.size == 1 and group.ranks == [actor]
+    assert group.train.remote("loss", lr=0.1, epochs=1) == "ref:a0:train"
+    assert group.generate_chunks.remote(["p"], carry=[], chunk=2) == "ref:a0:generate_chunks"
+    assert actor.calls == [("train", ("loss",), {"lr": 0.1, "epochs": 1}),
+                           ("generate_chunks", (["p"],), {"carry": [], "chunk": 2})]
+    with pytest.raises(AttributeError):
+        group.no_such_method          # as on the actor itself
+    assert "actor" in repr(group) and "ranks=1" in repr(group)
+
+
+def test_group_survives_copy_and_pickle():
+    group = WorkerGroup("critic", ["handle"], model="critic")
+    for clone in (copy.copy(group), pickle.loads(pickle.dumps(group))):
+        assert clone.name == "critic" and clone.ranks == ["handle"]
+
+
+def test_more_than_one_rank_is_refused_with_a_clear_error():
+    a0, a1 = FakeActor("a0"), FakeActor("a1")
+    group = WorkerGroup("actor", [a0, a1])
+    assert group.size == 2
+    with pytest.raises(JobError, match=r"worker group 'actor' has 2 ranks, but 'train' cannot run on more "
+                                       r"than one rank yet.*splitting its batch.*row order") as exc:
+        group.train.remote("loss", lr=0.1)
+    assert "dp > 1" in exc.value.hint
+    with pytest.raises(JobError, match="'save' cannot run on more than one rank yet"):
+        group.save.remote("/tmp/x")
+    with pytest.raises(JobError, match="'open_group' cannot run on more than one rank yet"):
+        group.open_group.options(name="x")
+    assert a0.calls == [] and a1.calls == []    # nothing ran anywhere
+
+
+def test_empty_group_is_refused():
+    with pytest.raises(ValueError, match="at least one rank"):
+        WorkerGroup("actor", [])
+
+
+def test_group_attributes_do_not_shadow_worker_methods():
+    from rlhfc.runtime.worker import ModelWorker
+
+    worker_methods = {n for n, _ in inspect.getmembers(ModelWorker, inspect.isfunction) if not n.startswith("_")}
+    group_attrs = {n for n in dir(WorkerGroup) if not n.startswith("_")} | {"name", "model", "ranks"}
+    assert not worker_methods & group_attrs
+    assert set(DP_RULES) <= worker_methods     # the dp > 1 rules name real worker methods
+
+
+def test_job_module_keeps_its_names_and_runtime_imports_no_compiler_code():
+    import ast
+    import os
+
+    import rlhfc.runtime as rt
+    from rlhfc.runtime.job import Job, JobError as JobError2, main, run_job  # noqa: F401
+
+    assert JobError2 is JobError
+    folder = os.path.dirname(rt.__file__)
+    compiler = ("rlhfc.ir", "rlhfc.frontend", "rlhfc.passes", "rlhfc.cost", "rlhfc.codegen", "rlhfc.explain",
+                "rlhfc.cli")
+    for fname in sorted(os.listdir(folder)):
+        if not fname.endswith(".py"):
+            continue
+        path = os.path.join(folder, fname)
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        assert len(text.splitlines()) < 500, f"{fname} is over 500 lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for m in mods:
+                assert not m.startswith(compiler) and not m.startswith(".."), f"{fname} imports {m}"
