@@ -90,7 +90,7 @@ class InProcessJob:
 
     def step(self, module) -> dict[str, float]:
         """Run one step of ``module``; seconds per stage."""
-        from rlhfc.runtime import ops
+        from rlhfc.runtime import compute as ops
 
         values: dict = {}
         times: dict[str, float] = {}
