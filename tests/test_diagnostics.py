@@ -180,6 +180,27 @@ def test_syntax_error_exact_rendering(tmp_path, capsys):
         "expected '(', ')', ',', '.', '='\n")
 
 
+def test_rlir_bad_shape_points_into_the_rlir_file(tmp_path, capsys):
+    from rlhfc.frontend import load_file
+    from rlhfc.ir import print_module
+
+    module, _, _ = load_file(str(ROOT / "examples" / "ppo_tiny.rlhf"))
+    text = print_module(module)          # keeps loc(...) of the .rlhf source: the diagnostic must not use it
+    line_no, line = next((i + 1, x) for i, x in enumerate(text.splitlines()) if x.startswith("  model @reward "))
+    bad = line.replace("arch = \"llama\"", "arch = \"gpt2\"").replace("kv_heads = 4", "kv_heads = 2")
+    path = tmp_path / "bad.rlir"
+    path.write_text(text.replace(line, bad))
+    rc = main(["check", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    col = bad.index("kv_heads = 2") + 1
+    assert err == (
+        f"{path}:{line_no}:{col}: error: gpt2 has no grouped-query attention: kv_heads (2) must equal heads (4)\n"
+        f"  {bad}\n"
+        f"  {' ' * (col - 1)}^\n"
+        "  hint: drop kv_heads for gpt2 models, or use llama\n")
+
+
 def _cli_commands() -> list[list[str]]:
     commands = [[sys.executable, "-m", "rlhfc.cli"]]
     script = Path(sys.executable).parent / "rlhfc"

@@ -159,6 +159,13 @@ def _line_col(text: str, needle: str) -> tuple[int, int]:
     return text.count("\n", 0, i) + 1, i - text.rfind("\n", 0, i)
 
 
+def _key_at(text: str, line_needle: str, key: str) -> tuple[int, int]:
+    """(line, column) of ``key = ...`` in the first line containing ``line_needle``."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line_needle in line)
+    return i + 1, re.search(rf"[{{ ]{key} =", lines[i]).start() + 2
+
+
 def test_parse_error_syntax_is_located():
     text = _strip_locs(compiled_text("ppo_tiny")).replace("Rollout[16]", "Rollout[16] )", 1)
     d = _parse_error(text)
@@ -403,21 +410,32 @@ def test_verify_missing_attribute():
 
 @pytest.mark.parametrize("key,value,message,hint", [
     ("temperature", 1, "expects a float, got int 1", "write it as a float: temperature = 1.0"),
-    ("n", 2.0, "expects an int, got float 2.0", "n: int >= 1"),
-    ("top_p", 1.5, "must be <= 1.0, got 1.5", "top_p: float >= 0.0 <= 1.0"),
-    ("max_new_tokens", 0, "must be >= 1, got 0", "max_new_tokens: int >= 1"),
+    ("n", 2.0, "expects an int, got float 2.0", "samples per prompt (GRPO/RLOO groups) (an integer >= 1); e.g. n = 1"),
+    ("top_p", 1.5, "must be <= 1.0, got 1.5", "nucleus sampling mass (a number >= 0.0 and <= 1.0); e.g. top_p = 1.0"),
+    ("max_new_tokens", 0, "must be >= 1, got 0", "longest response (an integer >= 1); e.g. max_new_tokens = 32"),
 ])
 def test_verify_attribute_values(key, value, message, hint):
-    m = compiled("ppo_tiny")
+    text = _strip_locs(compiled_text("ppo_tiny"))
+    m = parse_ir(text, "x.rlir")
     m.graph.stage("roll").attrs[key] = value
-    d = the_error(m, f"attribute '{key}'")
-    assert d.message.endswith(message) and d.hint.startswith(hint)
+    d = the_error(m, f"'{key}'")
+    assert d.message == f"'{key}' {message}" and d.hint == hint
+    assert (d.loc.file, d.loc.line, d.loc.col) == ("x.rlir", *_key_at(text, "%roll = generate", key))
+
+
+def test_verify_attribute_without_a_position_names_the_stage():
+    m = compiled("ppo_tiny")
+    roll = m.graph.stage("roll")
+    roll.field_locs.clear()
+    roll.attrs["top_p"] = 1.5
+    d = the_error(m, "top_p")
+    assert d.message == "stage %roll (generate): 'top_p' must be <= 1.0, got 1.5" and d.loc == roll.ir_loc
 
 
 def test_verify_attribute_choices():
     m = compiled("grpo_tiny")
     m.graph.stage("adv").attrs["method"] = "ppo"
-    assert the_error(m, "must be one of grpo, rloo").hint == "method is one of grpo, rloo"
+    assert the_error(m, "must be one of grpo, rloo").hint.endswith("(one of grpo, rloo); e.g. method = grpo")
 
 
 def test_verify_result_type():
@@ -461,25 +479,25 @@ def test_verify_copy_of_another_shape():
 def test_verify_unknown_device_kind():
     m = compiled("ppo_7b")
     m.cluster.device = "A100-80G"
-    d = the_error(m, "unknown device kind 'A100-80G' in cluster @node")
+    d = the_error(m, "unknown device kind 'A100-80G'")
     assert d.hint.startswith("did you mean 'A100-80GB'?") and "H100-80GB" in d.hint
 
 
 @pytest.mark.parametrize("mutate,pattern,hint", [
-    (lambda m: setattr(m.cluster, "nodes", 0), "nodes must be a positive integer", "nodes = 1"),
+    (lambda m: setattr(m.cluster, "nodes", 0), "nodes must be a positive integer", "nodes = 2"),
     (lambda m: setattr(m.models["actor"], "arch", "lama"), "unknown architecture 'lama'", "did you mean 'llama'?"),
-    (lambda m: setattr(m.models["actor"], "head", "values"), "unknown head 'values'", "heads: lm"),
-    (lambda m: setattr(m.models["reward"], "heads", 5), "hidden \\(64\\) is not divisible by heads \\(5\\)", "head size"),
-    (lambda m: setattr(m.models["reward"], "kv_heads", 3), "heads \\(4\\) is not divisible by kv_heads", "multiple"),
-    (lambda m: setattr(m.models["reward"], "vocab", "96"), "'vocab' must be a positive integer", "whole number"),
+    (lambda m: setattr(m.models["actor"], "head", "values"), "unknown head 'values'", "did you mean 'value'?"),
+    (lambda m: setattr(m.models["reward"], "heads", 5), "hidden \\(64\\) is not divisible by heads \\(5\\)", "try heads = 2 or 4 or 8"),
+    (lambda m: setattr(m.models["reward"], "kv_heads", 3), "heads \\(4\\) is not divisible by kv_heads", "divides heads"),
+    (lambda m: setattr(m.models["reward"], "vocab", "96"), "vocab must be a positive integer, got \"96\"", "vocab = 96"),
     (lambda m: setattr(m.models["reward"], "init", "zeros"), "init must be", 'init = "random"'),
     (lambda m: setattr(m.models["reward"], "init", "pretrained"), "needs a source folder", "source ="),
     (lambda m: setattr(m.models["reward"], "trainable", 1), "trainable must be true or false", "trainable = true"),
     (lambda m: setattr(m.models["ref"], "init", Symbol("actr")), "copies unknown model @actr", "did you mean"),
     (lambda m: setattr(m.data["prompts"], "kind", "csv"), "unknown kind 'csv'", "synthetic"),
     (lambda m: m.data["prompts"].options.update(max_length=3), "unknown synthetic option 'max_length'", "max_len"),
-    (lambda m: m.data["prompts"].options.update(count="9"), "option 'count' expects int", "whole number"),
-    (lambda m: setattr(m.run, "optimize", "O9"), "optimize must name an -O level", "O0, O1, O2, O3"),
+    (lambda m: m.data["prompts"].options.update(count="9"), "'count' must be a positive integer", "count = 1024"),
+    (lambda m: setattr(m.run, "optimize", "O9"), "optimize must be one of O0, O1, O2, O3, got O9", "O1 is the default"),
     (lambda m: setattr(m.run, "steps", 0), "steps must be an integer >= 1", "steps = 1"),
     (lambda m: setattr(m.graph.stage("roll"), "target", "critc"), "unknown model @critc", "did you mean 'critic'?"),
     (lambda m: setattr(m.graph.stage("prompts"), "target", "eval"), "unknown data source @eval", "@prompts"),
@@ -490,6 +508,38 @@ def test_verify_module_level_checks(mutate, pattern, hint):
     mutate(m)
     m.refresh_versions()
     assert hint in the_error(m, pattern).hint
+
+
+@pytest.mark.parametrize("old,new,key,message", [
+    ("heads = 4, kv_heads = 4", "heads = 3, kv_heads = 3", "heads", "hidden (64) is not divisible by heads (3)"),
+    ("kv_heads = 4", "kv_heads = 3", "kv_heads", "heads (4) is not divisible by kv_heads (3)"),
+    ('arch = "llama"', 'arch = "gpt2"', None, None),   # gpt2 with kv_heads = heads is fine ...
+    ('arch = "llama", layers = 2, hidden = 64, heads = 4, kv_heads = 4',   # ... with fewer, it is not
+     'arch = "gpt2", layers = 2, hidden = 64, heads = 4, kv_heads = 2', "kv_heads",
+     "gpt2 has no grouped-query attention: kv_heads (2) must equal heads (4)"),
+    ("layers = 2", "layers = 0", "layers", "layers must be a positive integer, got 0"),
+])
+def test_verify_bad_model_shape_points_at_the_rlir_field(old, new, key, message):
+    text = compiled_text("ppo_tiny")     # keeps loc(...) of the .rlhf source: the diagnostic must not use it
+    line = next(line for line in text.splitlines() if line.startswith("  model @reward "))
+    bad = text.replace(line, line.replace(old, new, 1))
+    module = parse_ir(bad, "x.rlir")
+    if message is None:
+        verify(module)
+        return
+    d = the_error(module, re.escape(message))
+    assert d.message == message and "<function" not in d.message + d.hint
+    assert (d.loc.file, d.loc.line, d.loc.col) == ("x.rlir", *_key_at(bad, "model @reward ", key))
+    assert module.models["reward"].loc.file.endswith("ppo_tiny.rlhf")
+
+
+def test_verify_field_without_a_position_names_the_entity():
+    m = compiled("ppo_tiny")
+    reward = m.models["reward"]
+    reward.field_locs.clear()
+    reward.heads = reward.kv_heads = 3
+    d = the_error(m, "heads")
+    assert d.message == "model @reward: hidden (64) is not divisible by heads (3)" and d.loc == reward.ir_loc
 
 
 def test_verify_reports_every_problem_at_once():

@@ -5,7 +5,10 @@ order (every value is defined before it is used — the verifier checks it). A
 stage's ``attrs`` are what the program asked for (semantics); its
 ``annotations`` are what passes decided (how it runs: placement, overlap,
 streaming …). Passes add annotations, never hidden state: whatever a pass
-decides is in the printed IR.
+decides is in the printed IR. For diagnostics only, every entity also remembers
+where it was written (``loc`` in the ``.rlhf`` program, ``ir_loc`` in the
+``.rlir`` text) and where each of its fields was (``field_locs``); none of these
+is printed or compared.
 
 Cross-step parameter versions are explicit :class:`VersionEdge`s: a stage that
 reads a trained model's weights before that model's ``train`` stage in the step
@@ -48,6 +51,9 @@ class Cluster:
     annotations: dict = field(default_factory=dict)
     #: where this entity stood in the ``.rlir`` text it was parsed from (diagnostics only; never printed)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    #: where each field's value was written: in the ``.rlir`` text (the parser) or the ``.rlhf`` program
+    #: (lowering); the verifier points at the field (diagnostics only; never printed, not compared)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_devices(self) -> int:
@@ -82,6 +88,7 @@ class Model:
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     def config(self) -> dict:
         """Architecture fields only (what ``copy``/``like`` share)."""
@@ -116,6 +123,7 @@ class DataSource:
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     def attrs(self) -> dict:
         """``kind`` first, then the options in :data:`DATA_OPTIONS` order (others sorted after)."""
@@ -136,6 +144,7 @@ class RunConfig:
     placement: str = "auto"
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     def attrs(self) -> dict:
         return {"steps": self.steps, "seed": self.seed, "checkpoint_every": self.checkpoint_every,
@@ -143,7 +152,7 @@ class RunConfig:
 
 
 #: The settings of a run block (every field of RunConfig but the locations).
-RUN_KEYS = tuple(f.name for f in fields(RunConfig) if f.name not in ("loc", "ir_loc"))
+RUN_KEYS = tuple(f.name for f in fields(RunConfig) if f.name not in ("loc", "ir_loc", "field_locs"))
 
 
 @dataclass(eq=False)
@@ -175,6 +184,7 @@ class Stage:
     annotations: dict = field(default_factory=dict)
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -211,6 +221,7 @@ class Graph:
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     # -- queries -------------------------------------------------------------------------------
     def values(self) -> dict[str, Value]:

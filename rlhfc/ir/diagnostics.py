@@ -4,6 +4,9 @@ A diagnostic prints as ``file:line:col: error: message``, then the source line
 with a caret under the column, then ``hint: ...``. Columns and lines are
 1-based. The CLI turns a :class:`CompileError` into that text and exit code 2;
 nothing a user writes should ever surface as a Python traceback.
+
+:func:`where` says where to point a diagnostic about an IR entity or one of
+its fields (the entities' ``loc``, ``ir_loc`` and ``field_locs``).
 """
 
 from __future__ import annotations
@@ -115,6 +118,26 @@ def _loc_key(d: Diagnostic) -> tuple:
     if d.loc is None:
         return ("", 0, 0)
     return (d.loc.file, d.loc.line, d.loc.col)
+
+
+def field_loc(entity, *fields: str) -> Loc | None:
+    """The position of the first of ``fields`` of ``entity`` that has one, or None.
+
+    Positions in the ``.rlir`` text win: an entity parsed from one only uses field positions in that file."""
+    locs = getattr(entity, "field_locs", None) or {}
+    ir = getattr(entity, "ir_loc", None)
+    for name in fields:
+        loc = locs.get(name)
+        if loc is not None and (ir is None or loc.file == ir.file):
+            return loc
+    return None
+
+
+def where(entity, *fields: str) -> Loc | None:
+    """Where to point a diagnostic about ``entity`` (or about one of its ``fields``): the field's position if
+    known (:func:`field_loc`), else the entity's ``.rlir`` position if parsed from one, else its source."""
+    return field_loc(entity, *fields) or getattr(entity, "ir_loc", None) or getattr(entity, "loc", None)
+
 
 
 def did_you_mean(word: str, choices) -> str | None:

@@ -8,7 +8,7 @@ Errors (syntax, unknown or missing keys, undefined values, duplicates) are
 :class:`CompileError`s located at the offending token of the ``.rlir`` file.
 Semantic checks are the verifier's job; so that its messages can point into
 the ``.rlir`` file too, every parsed entity records its position in ``ir_loc``
-(never printed).
+and the position of each of its keys in ``field_locs`` (never printed).
 """
 
 from __future__ import annotations
@@ -189,6 +189,10 @@ class _Builder:
     def annot(self, tree) -> dict:
         return {} if tree is None else _plain(tree.children[0])
 
+    def key_locs(self, attrs: _KeyedDict) -> dict[str, Loc]:
+        """Where each key of a parsed ``{k = v, ...}`` stands (the verifier points at the field)."""
+        return {k: loc for k, tok in attrs.key_tokens.items() if (loc := self.here(tok)) is not None}
+
     def take(self, attrs: _KeyedDict, keys, where: Token, kind: str) -> dict:
         """Check that ``attrs`` has exactly ``keys``; point at the first unknown key, else at ``where``."""
         for k in attrs:
@@ -205,12 +209,13 @@ class _Builder:
         sym, attrs, annot, loc = tree.children
         a = self.take(attrs, _CLUSTER_KEYS, sym, "cluster")
         return Cluster(str(sym)[1:], a["device"], a["nodes"], a["per_node"], self.loc(loc), self.annot(annot),
-                       ir_loc=self.here(sym))
+                       ir_loc=self.here(sym), field_locs=self.key_locs(attrs))
 
     def model(self, tree) -> Model:
         sym, attrs, annot, loc = tree.children
         a = self.take(attrs, _MODEL_KEYS, sym, "model")
-        return Model(name=str(sym)[1:], loc=self.loc(loc), annotations=self.annot(annot), ir_loc=self.here(sym), **a)
+        return Model(name=str(sym)[1:], loc=self.loc(loc), annotations=self.annot(annot), ir_loc=self.here(sym),
+                     field_locs=self.key_locs(attrs), **a)
 
     def data(self, tree) -> DataSource:
         sym, attrs, annot, loc = tree.children
@@ -219,7 +224,8 @@ class _Builder:
                         f"add `kind = \"synthetic\"` (kinds: {', '.join(DATA_OPTIONS)})")
         opts = _plain(attrs)
         kind = opts.pop("kind")
-        return DataSource(str(sym)[1:], kind, opts, self.loc(loc), self.annot(annot), ir_loc=self.here(sym))
+        return DataSource(str(sym)[1:], kind, opts, self.loc(loc), self.annot(annot), ir_loc=self.here(sym),
+                          field_locs=self.key_locs(attrs))
 
     def run(self, tree) -> RunConfig:
         attrs, loc = tree.children
@@ -227,12 +233,12 @@ class _Builder:
             if k not in RUN_KEYS:
                 raise _Fail(f"unknown run setting '{k}'", attrs.key_tokens[k],
                             did_you_mean(k, RUN_KEYS) or f"run settings: {', '.join(RUN_KEYS)}")
-        return RunConfig(**_plain(attrs), loc=self.loc(loc), ir_loc=self.here(tree))
+        return RunConfig(**_plain(attrs), loc=self.loc(loc), ir_loc=self.here(tree), field_locs=self.key_locs(attrs))
 
     def graph(self, tree) -> Graph:
         sym, params, annot, loc, *body = tree.children
         g = Graph(str(sym)[1:], _plain(params), loc=self.loc(loc), annotations=self.annot(annot),
-                  ir_loc=self.here(sym))
+                  ir_loc=self.here(sym), field_locs=self.key_locs(params))
         defined: dict[str, Value] = {}
         stage_names: set[str] = set()
         for item in body:
@@ -283,4 +289,5 @@ class _Builder:
             defined[name] = v
             outputs.append(v)
         return Stage(str(opname), str(target)[1:] if target is not None else None, inputs, outputs,
-                     _plain(attrs), self.annot(annot), self.loc(loc), ir_loc=self.here(results))
+                     _plain(attrs), self.annot(annot), self.loc(loc), ir_loc=self.here(results),
+                     field_locs=self.key_locs(attrs))

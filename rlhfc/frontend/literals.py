@@ -1,0 +1,59 @@
+"""Literals of a ``.rlhf`` program as lowering reads them: the value the IR holds, and the text a message shows."""
+
+from __future__ import annotations
+
+import json
+
+from . import ast
+
+#: how a message names each kind of literal
+KIND_NAMES = {"int": "an integer", "float": "a number", "size": "a size", "str": "a string",
+              "bool": "a bool", "ident": "a name", "device": "a device count"}
+
+
+def value_of(lit: ast.Literal):
+    """The value a setting holds in the IR, whatever its kind (the verifier checks it): numbers as numbers,
+    names and strings as strings, ``cpu:2`` as the string ``"cpu:2"``."""
+    if lit.kind == "size":
+        return int(lit.value)
+    if lit.kind == "ident":
+        return str(lit.value)
+    if lit.kind == "device":
+        return show(lit)
+    return lit.value
+
+
+def coerce(lit: ast.Literal, kind: str):
+    """``lit`` as a stage attribute of ``kind`` (int, float, str or bool), or None when its kind does not fit."""
+    if kind == "int":
+        return int(lit.value) if lit.kind in ("int", "size") else None
+    if kind == "float":
+        return float(lit.value) if lit.kind in ("int", "float", "size") else None
+    if kind == "str":
+        return str(lit.value) if lit.kind in ("str", "ident") else None
+    if kind == "bool":
+        return lit.value if lit.kind == "bool" else None
+    return None
+
+
+def show(lit: ast.Literal) -> str:
+    """A literal as the program wrote it."""
+    if lit.kind == "str":
+        return json.dumps(lit.value)
+    if lit.kind == "bool":
+        return "true" if lit.value else "false"
+    if lit.kind == "device":
+        return f"{lit.value[0]}:{lit.value[1]}"
+    return str(lit.value)
+
+
+def size_text(lit: ast.Literal) -> str:
+    """A ``size = 7B`` literal as the name of a published size (``7B``, ``1.5B``, ``124M``)."""
+    if lit.kind == "size":
+        n = lit.value
+        for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+            if n >= scale:
+                text = f"{n / scale:.3g}"
+                return f"{text}{unit}"
+        return str(n)
+    return str(lit.value)

@@ -1,0 +1,277 @@
+"""The verifier's rules about values: the fields of the cluster, models, data sources, run settings and
+graph parameters, and the attributes of stages (types, choices, ranges, shapes that divide).
+
+Each problem is reported at the field (:func:`~rlhfc.ir.diagnostics.where`): its key in the ``.rlir`` text,
+or where the ``.rlhf`` program wrote it. The message then need not name the entity (the line under it does);
+without a field position it points at the entity and names it.
+
+:func:`rlhfc.ir.verifier.verify` runs these on a whole module; lowering runs them on each declaration and
+stage it builds, before building on it (see :mod:`rlhfc.frontend.lower_decls`), so a program's mistakes are
+reported in these words at their ``.rlhf`` position and rules about values live here only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from .arch import ARCH_FIELDS, ARCHS, HEADS
+from .core import DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol
+from .devices import DEVICE_MEMORY, GPU_KINDS
+from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
+from .ops import OpSpec
+from .plan import OPT_LEVELS, PLACEMENTS
+from .plan import describe as _describe
+
+#: the example value a hint suggests for each integer setting
+EXAMPLES = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 256, "vocab": 96, "max_seq": 64,
+            "nodes": 2, "batch": 8, "count": 1024, "min_len": 4, "max_len": 16, "seed": 0, "steps": 100,
+            "checkpoint_every": 10}
+
+
+def is_positive_int(value) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def show(value) -> str:
+    """A value as a program writes it: strings quoted, booleans ``true``/``false``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def _name(value) -> str:
+    """A value meant as a name (a kind, a head, a level), unquoted."""
+    return value if isinstance(value, str) else show(value)
+
+
+class _Fields:
+    """Reports problems with the fields of one entity: at the field when its position is known, else at the
+    entity with its ``label`` in front of the message. ``ok`` turns False at the first report."""
+
+    def __init__(self, entity, label: str, sink: DiagnosticSink):
+        self.entity, self.label, self.sink, self.ok = entity, label, sink, True
+
+    def error(self, fields: str | tuple[str, ...], message: str, hint: str) -> None:
+        loc = field_loc(self.entity, *((fields,) if isinstance(fields, str) else fields))
+        if loc is None:
+            message, loc = f"{self.label}: {message}", where(self.entity)
+        self.sink.error(message, loc, hint)
+        self.ok = False
+
+
+def check_attr_value(spec_attr, value) -> str | None:
+    """Why ``value`` is not valid for attribute ``spec_attr``, or None."""
+    kind = spec_attr.kind
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, float) and math.isfinite(value),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+    }[kind]
+    if not ok:
+        return f"expects {'an' if kind == 'int' else 'a'} {kind}, got {_describe(value)}"
+    if spec_attr.choices and value not in spec_attr.choices:
+        return f"must be one of {', '.join(map(str, spec_attr.choices))}, got {value!r}"
+    if spec_attr.min is not None and value < spec_attr.min:
+        return f"must be >= {spec_attr.min}, got {value}"
+    if spec_attr.max is not None and value > spec_attr.max:
+        return f"must be <= {spec_attr.max}, got {value}"
+    return None
+
+
+def attr_hint(spec_attr, value=None) -> str:
+    """What an attribute means and a valid way to write it."""
+    a = spec_attr
+    if a.kind == "float" and _is_int(value):
+        return f"write it as a float: {a.name} = {float(value)!r}"
+    if a.choices:
+        allowed, example = f"one of {', '.join(map(str, a.choices))}", a.choices[0]
+    elif a.kind == "bool":
+        allowed, example = "true or false", "true"
+    else:
+        bounds = [f">= {a.min}" if a.min is not None else "", f"<= {a.max}" if a.max is not None else ""]
+        allowed = {"float": "a number", "int": "an integer", "str": "a string"}.get(a.kind, a.kind)
+        allowed += " " + " and ".join(filter(None, bounds)) if any(bounds) else ""
+        example = a.default if a.default is not None else (a.min if a.min is not None else 1)
+        if a.kind == "str":
+            example = json.dumps(str(example))
+    return f"{a.doc + ' ' if a.doc else ''}({allowed}); e.g. {a.name} = {example}"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# -- declarations ------------------------------------------------------------------------------------------
+def check_cluster(c: Cluster, sink: DiagnosticSink) -> bool:
+    """Check a cluster's device kind and sizes; False if anything was reported."""
+    f = _Fields(c, f"cluster @{c.name}", sink)
+    if not isinstance(c.device, str) or c.device not in DEVICE_MEMORY:
+        f.error("device", f"unknown device kind '{_name(c.device)}'",
+                " ".join(filter(None, [did_you_mean(str(c.device), DEVICE_MEMORY),
+                                       f"known kinds: {', '.join(GPU_KINDS)}"])))   # cpu: the default
+    if not is_positive_int(c.nodes):
+        f.error("nodes", f"nodes must be a positive integer, got {show(c.nodes)}", f"e.g. nodes = {EXAMPLES['nodes']}")
+    if not is_positive_int(c.per_node):
+        f.error("per_node", f"per_node must be a positive integer, got {show(c.per_node)}",
+                "devices per node, e.g. per_node = 2 (a program writes devices = cpu:2 or gpus_per_node = 8)")
+    return f.ok
+
+
+_HEADS_HINT = "heads: lm (a policy), value (a critic), score (a reward model)"
+
+
+def check_model(m: Model, models: dict[str, Model], sink: DiagnosticSink) -> bool:
+    """Check one model (``models``: those an ``init = @model`` may name); False if anything was reported."""
+    f = _Fields(m, f"model @{m.name}", sink)
+    if not isinstance(m.arch, str) or m.arch not in ARCHS:
+        f.error("arch", f"unknown architecture '{_name(m.arch)}'",
+                " ".join(filter(None, [did_you_mean(str(m.arch), ARCHS), f"architectures: {', '.join(ARCHS)}"])))
+        return False
+    if not isinstance(m.head, str) or m.head not in HEADS:
+        f.error("head", f"unknown head '{_name(m.head)}'", did_you_mean(str(m.head), HEADS) or _HEADS_HINT)
+    if not isinstance(m.trainable, bool):
+        f.error("trainable", f"trainable must be true or false, got {_describe(m.trainable)}",
+                "write trainable = true or trainable = false")
+    if not isinstance(m.source, str):
+        f.error("source", f"source must be a string, got {_describe(m.source)}",
+                'write source = "" for config-built models')
+    bad = [k for k in ARCH_FIELDS if not is_positive_int(getattr(m, k))]
+    for k in bad:
+        hint = (f"a pretrained model's shape comes from the config.json in {m.source}; fix it there"
+                if m.source and isinstance(m.source, str) else f"e.g. {k} = {EXAMPLES[k]}")
+        f.error(k, f"{k} must be a positive integer, got {show(getattr(m, k))}", hint)
+    if not bad:
+        _check_shape(m, f)
+    if isinstance(m.init, Symbol):
+        src = models.get(m.init.name)
+        if src is None:
+            f.error("init", f"init copies unknown model @{m.init.name}",
+                    did_you_mean(m.init.name, models) or f"models: {', '.join('@' + n for n in models)}")
+        elif src.config() != m.config():
+            diff = [k for k, v in m.config().items() if src.config()[k] != v]
+            sink.error(f"model @{m.name} copies @{src.name} but their architectures differ ({', '.join(diff)})",
+                       where(m), f"a copy must have the same {', '.join(('arch',) + ARCH_FIELDS)}; use init = "
+                       "\"random\" for a model of another shape")
+            f.ok = False
+    elif m.init not in ("random", "pretrained"):
+        f.error("init", f"init must be \"random\", \"pretrained\" or @model, got {_describe(m.init)}",
+                'write init = "random", init = "pretrained" (with a source folder) or init = @actor')
+    if m.init == "pretrained" and not m.source:
+        f.error(("source", "init"), 'init "pretrained" needs a source folder',
+                'set source = "path/to/hf_folder", or use init = "random"')
+    return f.ok
+
+
+def _check_shape(m: Model, f: _Fields) -> None:
+    """Attention shapes must divide evenly (each reported at the field to change)."""
+    if m.hidden % m.heads:
+        divisors = [h for h in range(1, min(m.hidden, 128) + 1) if m.hidden % h == 0]
+        near = sorted(divisors, key=lambda h: (abs(h - m.heads), h))[:3]
+        f.error("heads", f"hidden ({m.hidden}) is not divisible by heads ({m.heads})",
+                f"each head gets hidden / heads dimensions; try heads = {' or '.join(map(str, sorted(near)))}")
+    if m.arch == "gpt2" and m.kv_heads != m.heads:
+        f.error("kv_heads", f"gpt2 has no grouped-query attention: kv_heads ({m.kv_heads}) must equal heads "
+                f"({m.heads})", "drop kv_heads for gpt2 models, or use llama")
+    elif m.heads % m.kv_heads:
+        f.error("kv_heads", f"heads ({m.heads}) is not divisible by kv_heads ({m.kv_heads})",
+                "grouped-query attention shares each key/value head among heads / kv_heads query heads; choose "
+                "kv_heads that divides heads")
+
+
+def check_models(module: Module, sink: DiagnosticSink) -> None:
+    for m in module.models.values():
+        check_model(m, module.models, sink)
+    # copy cycles: report each cycle once, at its first model in declaration order
+    reported: set[str] = set()
+    for m in module.models.values():
+        chain = [m.name]
+        cur = m
+        while isinstance(cur.init, Symbol) and cur.init.name in module.models:
+            cur = module.models[cur.init.name]
+            if cur.name in chain:
+                cycle = chain[chain.index(cur.name):]
+                if not reported.intersection(cycle):
+                    sink.error(f"model @{m.name}: copy cycle " + " -> ".join("@" + n for n in cycle + [cur.name]),
+                               where(m), "one model in the chain must start from init = \"random\" or \"pretrained\"")
+                reported.update(cycle)
+                break
+            chain.append(cur.name)
+
+
+#: the least value of each integer data option, and what each string option holds
+_DATA_MIN = {"count": 1, "min_len": 1, "max_len": 1, "seed": 0}
+_DATA_TEXT = {"path": 'the prompts file, e.g. path = "prompts.jsonl"',
+              "field": 'the JSON key holding the prompt, e.g. field = "prompt"'}
+
+
+def check_data(d: DataSource, sink: DiagnosticSink) -> bool:
+    """Check a data source's kind and options; False if anything was reported."""
+    f = _Fields(d, f"data @{d.name}", sink)
+    known = DATA_OPTIONS.get(d.kind) if isinstance(d.kind, str) else None
+    if known is None:
+        f.error("kind", f"unknown kind '{_name(d.kind)}'", f"kinds: {', '.join(DATA_OPTIONS)}")
+        return False
+    for key, value in d.options.items():
+        if key not in known:
+            f.error(key, f"unknown {d.kind} option '{key}'",
+                    did_you_mean(key, known) or f"{d.kind} options: {', '.join(known)}")
+        elif known[key] is int and (not _is_int(value) or value < _DATA_MIN.get(key, 0)):
+            what = "a positive" if _DATA_MIN.get(key, 0) else "a non-negative"
+            f.error(key, f"'{key}' must be {what} integer, got {show(value)}", f"e.g. {key} = {EXAMPLES.get(key, 1)}")
+        elif known[key] is str and not isinstance(value, str):
+            f.error(key, f"{key} must be a string", _DATA_TEXT.get(key, f'write {key} = "..."'))
+    lo, hi = d.options.get("min_len"), d.options.get("max_len")
+    if f.ok and _is_int(lo) and _is_int(hi) and lo > hi:
+        f.error(("min_len", "max_len"), f"min_len ({lo}) is larger than max_len ({hi})",
+                "prompt lengths are drawn from min_len to max_len; make min_len <= max_len")
+    return f.ok
+
+
+def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
+    """Check the run settings; False if anything was reported."""
+    f = _Fields(r, "run settings", sink)
+    for key, lo in (("steps", 1), ("seed", 0), ("checkpoint_every", 0)):
+        value = getattr(r, key)
+        if not _is_int(value) or value < lo:
+            f.error(key, f"{key} must be an integer >= {lo}, got {show(value)}", f"e.g. {key} = {EXAMPLES[key]}")
+    if r.optimize not in OPT_LEVELS:
+        f.error("optimize", f"optimize must be one of {', '.join(OPT_LEVELS)}, got {_name(r.optimize)}",
+                "O0 runs no passes, O1 is the default; e.g. optimize = O2")
+    if r.placement not in PLACEMENTS:
+        f.error("placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {_name(r.placement)}",
+                "auto searches on multi-device clusters; e.g. placement = interleave")
+    return f.ok
+
+
+def check_params(g: Graph, sink: DiagnosticSink) -> bool:
+    """Check the pipeline parameters (``batch``: prompts per step); False if anything was reported."""
+    f = _Fields(g, f"graph @{g.name}", sink)
+    if "batch" in g.params and not is_positive_int(g.params["batch"]):
+        f.error("batch", f"batch must be a positive integer, got {show(g.params['batch'])}",
+                "the number of prompts per step, e.g. pipeline ppo(batch = 32)")
+    return f.ok
+
+
+def check_attr_values(stage: Stage, spec: OpSpec, sink: DiagnosticSink) -> bool:
+    """Check the type, choices and range of each attribute ``stage`` has; False if anything was reported."""
+    f = _Fields(stage, _stage_label(stage), sink)
+    for a in spec.attrs:
+        if a.name in stage.attrs:
+            why = check_attr_value(a, stage.attrs[a.name])
+            if why:
+                f.error(a.name, f"'{a.name}' {why}", attr_hint(a, stage.attrs[a.name]))
+    return f.ok
+
+
+def _stage_label(stage: Stage) -> str:
+    return f"stage %{stage.name} ({stage.op})" if stage.outputs else f"a {stage.op} stage"
+
+
+__all__ = ["EXAMPLES", "attr_hint", "check_attr_value", "check_attr_values", "check_cluster", "check_data",
+           "check_model", "check_models", "check_params", "check_run", "is_positive_int", "show"]
