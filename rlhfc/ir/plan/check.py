@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from ..core import Module, Stage
-from ..diagnostics import DiagnosticSink
+from ..diagnostics import DiagnosticSink, where
 from .attrs import STRATEGIES, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, _is_int, describe
 from .rules import stream_source, streams
 
 # -- verifying a plan ------------------------------------------------------------------------------------
-
-
-def _loc(entity):
-    return getattr(entity, "ir_loc", None) or getattr(entity, "loc", None)
 
 
 def verify_plan(module: Module, sink: DiagnosticSink) -> None:
@@ -28,7 +24,7 @@ def verify_plan(module: Module, sink: DiagnosticSink) -> None:
 
 def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> None:
     ann = stage.annotations
-    at = _loc(stage)
+    at = where(stage)
     label = f"stage %{stage.name}"
 
     def report(exc: PlanError) -> None:
