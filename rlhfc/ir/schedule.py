@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from . import plan
 from .core import Module, Stage
 
-KINDS = ("load", "remote", "compute", "stream", "in_stream", "sync")
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -86,9 +84,6 @@ class Schedule:
         launch order (data and weight-version dependencies come on top)."""
         e = self.by_name[stage]
         return [x.name for x in self.launch_order() if x.name in e.after]
-
-    def stream_source(self, stage: str) -> str | None:
-        return self.by_name[stage].source
 
 
 def build_schedule(module: Module) -> Schedule:
@@ -143,4 +138,4 @@ def build_schedule(module: Module) -> Schedule:
     return Schedule(entries, tuple(pending))
 
 
-__all__ = ["Entry", "Schedule", "build_schedule", "KINDS"]
+__all__ = ["Entry", "Schedule", "build_schedule"]

@@ -33,7 +33,7 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 
 from __future__ import annotations
 
-from .attrs import (OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS, TYPED, WORKER_FAMILIES, Layout,
+from .attrs import (OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS, WORKER_FAMILIES, Layout,
                     Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Sync, describe, opt_level)
 from .check import verify_plan
 from .rules import (Worker, device_shares, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
@@ -43,7 +43,7 @@ from .rules import (Worker, device_shares, flag, home_mesh, mesh, microbatches, 
                     workers)
 
 __all__ = [
-    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRANSPORTS", "TYPED", "WORKER_FAMILIES",
+    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRANSPORTS", "WORKER_FAMILIES",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "set_flag", "set_layout",

@@ -243,9 +243,6 @@ class Sync:
                 "transport": self.transport}
 
 
-#: the stage annotations that hold a typed attribute
-TYPED = {c.key: c for c in (Mesh, Parallel, Stream, Overcommit, Recompute)}
-
 
 @dataclass(frozen=True)
 class Layout:
