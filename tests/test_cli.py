@@ -202,3 +202,132 @@ def test_cli_modules_import_one_way():
         used = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                 and (n.level == 1 or n.module.startswith("rlhfc.cli"))}
         assert used <= allowed, (name, used - allowed)
+
+
+# -- usage mistakes: click's usual usage errors, exit 2 (typer ships its own click) ---------------------------
+@pytest.mark.parametrize("argv,says", [
+    (["compile", TINY, "-02"], "No such option: -0"),
+    (["compile", TINY, "--bogus"], "No such option: --bogus"),
+    (["run", TINY, "--steps", "abc"], "Invalid value for '--steps'"),
+    (["check"], "Missing argument"),
+    (["explain"], "Missing argument"),
+    (["frobnicate"], "No such command"),
+], ids=["zero-for-O", "unknown-option", "steps-not-int", "missing-arg", "missing-arg-explain", "no-command"])
+def test_usage_mistakes_are_usage_errors(capsys, argv, says):
+    code, out, err = run(capsys, *argv)
+    assert code == 2, err
+    assert says in err and "Usage: rlhfc" in err and "--help" in err
+    assert "internal error" not in err and "Traceback" not in err
+
+
+def test_zero_for_letter_o_gets_a_hint(capsys):
+    code, out, err = run(capsys, "compile", TINY, "-02")
+    assert code == 2 and "hint: the optimisation level is -O2 (the letter O), not -02 (zero)" in err
+
+
+def test_no_arguments_prints_help(capsys):
+    code, out, err = run(capsys)
+    assert code == 2 and "run" in out + err and "internal error" not in err
+
+
+def test_version(capsys):
+    import rlhfc
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0, err
+    assert out.strip() == f"rlhfc {rlhfc.__version__}"
+
+
+@pytest.mark.parametrize("steps", ["-1", "0"])
+def test_run_refuses_steps_below_one(capsys, tmp_path, monkeypatch, steps):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "run", TINY, "--steps", steps, "--no-progress")
+    assert code == 2, err
+    assert f"Invalid value for '--steps': {steps} is not a number of steps" in err
+    assert "hint: --steps is the total number of steps to train, at least 1" in err
+    assert not (tmp_path / "runs").exists()   # refused before anything was compiled or started
+
+
+@pytest.fixture
+def tiny_job(tmp_path):
+    job = tmp_path / "job"
+    assert main(["compile", TINY, "-O1", "--emit", "job", "-o", str(job)]) == 0
+    return job
+
+
+@pytest.mark.parametrize("steps", ["-1", "0", "abc"])
+def test_job_main_refuses_bad_steps(capsys, tiny_job, steps):
+    from rlhfc.runtime.job import main as job_main
+
+    with pytest.raises(SystemExit) as exc:
+        job_main(str(tiny_job / "main.py"), ["--steps", steps, "--out", str(tiny_job.parent / "run")])
+    assert exc.value.code == 2
+    assert "argument --steps" in capsys.readouterr().err
+    assert not (tiny_job.parent / "run").exists()
+
+
+# -- never write over an earlier run --------------------------------------------------------------------------
+def _earlier_run(folder: Path, checkpoint: bool = True) -> dict[str, str]:
+    """A run folder as an earlier run leaves it; returns its files' contents."""
+    files = {"job/main.py": "# the earlier run's job\n", "job/plan.json": "{}\n",
+             "metrics.jsonl": '{"step": 0, "reward_mean": 0.5}\n{"step": 1, "reward_mean": 0.6}\n'}
+    if checkpoint:
+        files.update({"checkpoints/step_2/job.json": '{"step": 2}', "checkpoints/latest": "step_2\n"})
+    for rel, text in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+    return files
+
+
+def _contents(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_run_out_existing_run_is_refused_and_untouched(capsys, tmp_path):
+    prior = tmp_path / "run"
+    files = _earlier_run(prior)
+    code, out, err = run(capsys, "run", TINY, "--out", str(prior), "--steps", "3", "--no-progress")
+    assert code == 2, err
+    assert f"run folder {prior} already holds checkpoints (latest: step_2)" in err
+    assert "nothing was overwritten" in err
+    assert f"hint: continue it with: rlhfc run {TINY} --steps 3 --out {prior} --resume --no-progress" in err
+    assert "another folder (--out)" in err
+    assert _contents(prior) == files      # job folder, metrics and checkpoints as they were
+
+
+def test_run_out_existing_run_without_checkpoint_is_refused(capsys, tmp_path, tiny_job):
+    prior = tmp_path / "run"
+    files = _earlier_run(prior, checkpoint=False)
+    for argv in (["run", TINY, "--out", str(prior)], ["run", str(tiny_job), "--out", str(prior)]):
+        code, out, err = run(capsys, *argv, "--no-progress")
+        assert code == 2, err
+        assert f"run folder {prior} already holds a run" in err and "metrics.jsonl" in err
+        assert "hint: it has no checkpoint to resume: choose another folder with --out" in err
+        assert _contents(prior) == files
+
+
+# -- Ctrl-C in python job/main.py -----------------------------------------------------------------------------
+def test_job_main_ctrl_c_prints_the_resume_command(capsys, tiny_job, monkeypatch):
+    import shlex
+    import sys
+
+    from rlhfc.runtime import job as job_mod
+
+    out = tiny_job.parent / "run"
+    ckpt = out / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "job.json").write_text('{"step": 2}')
+    (out / "checkpoints" / "latest").write_text("step_2\n")
+
+    def interrupted(self, step_fn):
+        self.step, self.current_stage = 2, "values"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job_mod.Job, "run", interrupted)
+    code = job_mod.main(str(tiny_job / "main.py"), ["--out", str(out), "--steps", "5", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "interrupted: stopped at step 2 (stage %values); Ray is shut down" in err
+    assert f"the last complete checkpoint, {ckpt}, is kept as latest; resume with:" in err
+    command = shlex.join([sys.executable, str(tiny_job / "main.py"), "--resume", "--out", str(out), "--steps", "5"])
+    assert f"    {command}\n" in err

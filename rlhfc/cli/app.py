@@ -1,8 +1,10 @@
 """The typer application every command registers on, and the process entry point.
 
 Every command turns a :class:`~rlhfc.ir.CompileError` into diagnostics on stderr
-and exit status 2; no user mistake prints a Python traceback. Set
-``RLHFC_DEBUG=1`` to see tracebacks of internal errors (exit status 3).
+and exit status 2; no user mistake prints a Python traceback. Command-line usage
+mistakes (an unknown option, a missing argument, a value of the wrong type) are
+click's usual usage errors, also exit status 2. Set ``RLHFC_DEBUG=1`` to see
+tracebacks of internal errors (exit status 3).
 
 This module is the bottom of the ``rlhfc.cli`` layers (app ← load ← optimise ←
 compile, explain): it imports no other command-line module.
@@ -11,14 +13,29 @@ compile, explain): it imports no other command-line module.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from typing import Optional
 
 import typer
 
+from rlhfc import __version__
 from rlhfc.ir import CompileError, Diagnostic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="rlhfc — a compiler for RLHF training jobs.")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rlhfc {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: Optional[bool] = typer.Option(None, "--version", callback=_show_version, is_eager=True,
+                                                    help="print the rlhfc version and exit")) -> None:
+    """rlhfc — a compiler for RLHF training jobs."""
 
 
 def print_diagnostics(diags: list[Diagnostic], text: str | None = None) -> None:
@@ -27,11 +44,47 @@ def print_diagnostics(diags: list[Diagnostic], text: str | None = None) -> None:
         typer.echo(d.render(text), err=True)
 
 
+def _usage_error_types() -> tuple[type, ...]:
+    """The exception classes of click usage errors: typer ships its own click (``typer._click``, whose
+    exceptions derive from ``typer.TyperException``); older typers use the ``click`` package."""
+    types: list[type] = []
+    if hasattr(typer, "TyperException"):
+        types.append(typer.TyperException)
+    try:
+        import click
+
+        types.append(click.ClickException)
+    except ImportError:  # pragma: no cover - typer without click
+        pass
+    return tuple(types)
+
+
+def _abort_types() -> tuple[type, ...]:
+    types: list[type] = [typer.Abort]
+    try:
+        import click
+
+        types.append(click.exceptions.Abort)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def _usage_hint(argv: list[str]) -> str | None:
+    """A hint for common slips the usage error alone does not explain."""
+    for arg in argv:
+        if re.fullmatch(r"-0[0-9]*", arg):   # -02: a zero where the letter O was meant
+            return f"the optimisation level is -O{arg[2:] or 'N'} (the letter O), not {arg} (zero)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit status: 0, 2 for compile and usage errors, 3 for internal errors,
     130 when interrupted (a command's own ``SystemExit`` status passes through)."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        app(args=argv, standalone_mode=False)
+        # non-standalone: typer returns a command's typer.Exit code (130 for a Ctrl-C it caught)
+        code = app(args=args, prog_name="rlhfc", standalone_mode=False)
     except CompileError as exc:
         print_diagnostics(exc.diagnostics, exc.source_text)
         if os.environ.get("RLHFC_DEBUG") and exc.__cause__ is not None:  # e.g. the traceback of a failing pass
@@ -40,22 +93,28 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(exc.__cause__)
         return 2
     except SystemExit as exc:
-        return int(exc.code or 0)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
+        typer.echo("rlhfc: interrupted", err=True)
         return 130
-    except Exception as exc:  # click usage errors and internal bugs
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return 2
+    except _abort_types():   # end of input at a prompt
+        typer.echo("rlhfc: aborted", err=True)
+        return 1
+    except _usage_error_types() as exc:   # click usage errors: the usual "Usage: … Error: …", exit 2
+        exc.show()
+        hint = _usage_hint(args)
+        if hint:
+            typer.echo(f"  hint: {hint}", err=True)
+        return int(getattr(exc, "exit_code", 2) or 2)
+    except Exception as exc:  # internal bugs
         if os.environ.get("RLHFC_DEBUG"):
             raise
         typer.echo(f"rlhfc: internal error: {type(exc).__name__}: {exc}\n"
                    "  hint: rerun with RLHFC_DEBUG=1 for a traceback, and report it", err=True)
         return 3
-    return 0
+    if code == 130:   # typer turned a KeyboardInterrupt into Exit(130)
+        typer.echo("rlhfc: interrupted", err=True)
+    return code if isinstance(code, int) else 0
 
 
 def _entry() -> None:

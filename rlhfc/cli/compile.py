@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import shutil
 from typing import List, Optional
 
 import typer
@@ -71,12 +74,22 @@ def default_run_dir(name: str, resume: bool) -> str:
     return next(c for c in candidates if not (os.path.isdir(c) and os.listdir(c)))
 
 
+def check_steps(value: Optional[int]) -> Optional[int]:
+    """``--steps``: at least 1 (a usage error, exit 2, otherwise)."""
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"{value} is not a number of steps.\n  hint: --steps is the total number of "
+                                 "steps to train, at least 1 (with --resume: including those the checkpoint "
+                                 "already trained)")
+    return value
+
+
 @app.command()
 def run(
     target: str = typer.Argument(..., help=".rlhf/.rlir program, or a job folder from `compile --emit job`"),
     opt: Optional[str] = typer.Option(None, "-O", "--opt-level", help="optimisation level 0-3"),
     passes: Optional[str] = typer.Option(None, "--passes", help="run exactly these passes"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="train this many steps in total"),
+    steps: Optional[int] = typer.Option(None, "--steps", callback=check_steps,
+                                        help="train this many steps in total (at least 1)"),
     out: Optional[str] = typer.Option(None, "--out", help="run folder (default runs/<program>)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run folder's latest checkpoint"),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="use an existing Ray cluster"),
@@ -84,35 +97,80 @@ def run(
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
 ):
-    """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address."""
+    """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address.
+
+    A new run never writes into a folder holding an earlier run (exit 2; continue that one with
+    --resume). Ctrl-C stops the run, keeps the last complete checkpoint, prints the command that
+    resumes it and exits with status 130."""
+    from rlhfc.runtime import checkpoint as ckpt
     from rlhfc.runtime.job import JobError, run_job
 
-    if os.path.isdir(target):
-        if not os.path.isfile(os.path.join(target, "plan.json")):
-            raise CompileError([Diagnostic("error", f"{target} is not a job folder (no plan.json)", None,
-                                           "compile one with `rlhfc compile FILE --emit job -o DIR`")])
-        job_dir = target
-        name = os.path.basename(os.path.normpath(target))
-    else:
-        module, _ = load(target, plugin)
-        done = optimise(module, opt, passes, placement=placement)
-        name = done.module.name
-        out = out or default_run_dir(name, resume)
-        job_dir = os.path.join(out, "job")
-        if resume and os.path.isfile(os.path.join(job_dir, "plan.json")):
-            with open(os.path.join(job_dir, "ir.rlir"), encoding="utf-8") as fh:
-                if fh.read() != print_module(done.module):
-                    typer.echo("rlhfc: note: the program changed since the checkpointed run; "
-                               "resuming with the new compiled job", err=True)
-        emit_job(done, job_dir, target)
+    def resume_command(folder: str) -> list[str]:
+        """The exact command that continues this run from its latest checkpoint."""
+        cmd = ["rlhfc", "run", target]
+        cmd += ["-O", opt] if opt is not None else []
+        cmd += ["--passes", passes] if passes is not None else []
+        cmd += ["--placement", placement] if placement is not None else []
+        for p in plugin:
+            cmd += ["--plugin", p]
+        cmd += ["--steps", str(steps)] if steps is not None else []
+        cmd += ["--out", folder, "--resume"]
+        cmd += ["--ray-address", ray_address] if ray_address else []
+        return cmd + (["--no-progress"] if no_progress else [])
+
     try:
-        run_job(job_dir, steps=steps, out=out or default_run_dir(name, resume), resume=resume,
-                ray_address=ray_address, progress=not no_progress)
+        if os.path.isdir(target):
+            if not os.path.isfile(os.path.join(target, "plan.json")):
+                raise CompileError([Diagnostic("error", f"{target} is not a job folder (no plan.json)", None,
+                                               "compile one with `rlhfc compile FILE --emit job -o DIR`")])
+            job_dir = target
+            out = out or default_run_dir(os.path.basename(os.path.normpath(target)), resume)
+        else:
+            if out is not None and not resume:   # before compiling: never write over an earlier run
+                ckpt.check_fresh_run_folder(out, None, shlex.join(resume_command(out)))
+            module, _ = load(target, plugin)
+            done = optimise(module, opt, passes, placement=placement)
+            out = out or default_run_dir(done.module.name, resume)
+            job_dir = os.path.join(out, "job")
+            if resume:
+                emit_job_for_resume(done, out, target)
+            else:
+                emit_job(done, job_dir, target)
+        run_job(job_dir, steps=steps, out=out, resume=resume, ray_address=ray_address,
+                progress=not no_progress, resume_command=resume_command(out))
     except JobError as exc:
-        typer.echo(f"rlhfc: error: {exc.message}", err=True)
+        typer.echo(f"rlhfc: {getattr(exc, 'label', 'error')}: {exc.message}", err=True)
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)
-        raise SystemExit(1)
+        raise SystemExit(getattr(exc, "exit_code", 1))
+
+
+def emit_job_for_resume(done: Optimised, out: str, source: str) -> None:
+    """``run --resume``: write the new job beside ``OUT/job``, check the latest checkpoint's manifest against
+    it, and only then replace ``OUT/job`` — a refused resume leaves the run's own job untouched."""
+    from rlhfc.runtime import checkpoint as ckpt
+
+    root = ckpt.checkpoint_root(out)
+    latest = ckpt.latest_checkpoint(root)
+    if latest is None:
+        raise ckpt.RunFolderError(f"--resume: no checkpoint in {root}", "run without --resume to start fresh")
+    job_dir, new, old = (os.path.join(out, name) for name in ("job", ".job.new", ".job.old"))
+    shutil.rmtree(new, ignore_errors=True)
+    emit_job(done, new, source)
+    try:
+        with open(os.path.join(new, "plan.json"), encoding="utf-8") as fh:
+            ckpt.check_resume(latest, json.load(fh))   # its notes are printed when the run starts
+    except BaseException as exc:
+        shutil.rmtree(new, ignore_errors=True)
+        if isinstance(exc, ckpt.CheckpointMismatch) and os.path.isfile(os.path.join(job_dir, "main.py")):
+            exc.hint += (f"; the job that wrote it is {job_dir}: "
+                         f"{shlex.join(['python', os.path.join(job_dir, 'main.py'), '--resume', '--out', out])}")
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(job_dir):
+        os.replace(job_dir, old)
+    os.replace(new, job_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @app.command(name="passes")

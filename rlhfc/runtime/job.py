@@ -24,6 +24,10 @@ Run folder layout (``--out``, default ``runs/<module>``)::
 
 Checkpoints are written to a temporary folder and renamed when complete, and
 never deleted, so a crash never leaves a half checkpoint or loses an old one.
+A new run refuses a folder holding an earlier run; ``--resume`` checks the
+checkpoint's manifest against the job first. Ctrl-C stops the run (the last
+complete checkpoint stays ``latest``), shuts Ray down, prints the command that
+resumes it and exits with status 130.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import sys
 import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from . import checkpoint
+from . import checkpoint, rewards
 from .cluster import Cluster
 from .cluster import import_ray as _ray
 from .data import PromptSource, prompt_source_from_spec
@@ -44,27 +50,45 @@ from .errors import JobError
 from .group import WorkerGroup
 from .metrics import MetricsLog, Progress, step_metrics, summarize
 
-__all__ = ["Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
+__all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
+
+
+class Interrupted(JobError):
+    """The run was stopped by Ctrl-C (SIGINT); exit status 130."""
+
+    exit_code = 130
+    label = "interrupted"
 
 
 class Job:
     """The driver-side state of a running job; the generated ``step`` function calls its methods."""
 
     def __init__(self, job_dir: str, out: str | None = None, steps: int | None = None, resume: bool = False,
-                 ray_address: str | None = None, progress: bool = True):
+                 ray_address: str | None = None, progress: bool = True, resume_command: list[str] | None = None):
         self.job_dir = os.path.abspath(job_dir)
         with open(os.path.join(self.job_dir, "plan.json"), encoding="utf-8") as fh:
             self.plan = json.load(fh)
         run = self.plan["run"]
+        if steps is not None and int(steps) < 1:
+            raise JobError(f"steps must be at least 1, not {steps}",
+                           "steps is the total number of steps to train (with --resume: including those "
+                           "the checkpoint already trained)")
         self.steps = int(steps if steps is not None else run["steps"])
         self.checkpoint_every = int(run["checkpoint_every"])
         self.seed = int(run["seed"])
         self.out = os.path.abspath(out or os.path.join("runs", self.plan["module"]))
         self.resume = resume
         self.ray_address = ray_address
+        #: the command that resumes this run (printed on Ctrl-C and failures)
+        self.resume_command = resume_command or [
+            sys.executable, os.path.join(self.job_dir, "main.py"), "--resume", "--out", self.out,
+            *(["--steps", str(self.steps)] if steps is not None else []),
+            *(["--ray-address", ray_address] if ray_address else [])]
+        self.step = 0   # the step running (or about to run)
         self.show_progress = progress
         self.data: dict[str, PromptSource] = {name: prompt_source_from_spec(spec)
                                               for name, spec in self.plan["data"].items()}
+        rewards.configure(self.plan.get("program_dir"), self.plan["run"].get("reward_modules", ()))
         self.cluster: Cluster | None = None
         #: worker name -> its WorkerGroup (also ``self.handles.<name>``, the step function's ``w``)
         self.workers: dict[str, WorkerGroup] = {}
@@ -235,9 +259,21 @@ class Job:
         info = self.plan["graph"]["stages_by_name"].get(stage, {})
         where = f"stage %{stage}" + (f" ({info.get('op')} on model '{info['target']}')" if info.get("target") else "")
         last = self.last_checkpoint
-        hint = (f"last good checkpoint: {last}; continue with --resume --out {self.out}" if last else
+        hint = (f"last good checkpoint: {last}; continue with: {shlex.join(self.resume_command)}" if last else
                 f"no checkpoint was written yet; metrics so far are in {self.out}/metrics.jsonl")
         return JobError(f"{where} failed: {why}", hint)
+
+    def interrupted(self) -> Interrupted:
+        """The error a Ctrl-C becomes: where the run stopped and how to resume it."""
+        where = f"stopped at step {self.step}" + (f" (stage %{self.current_stage})" if self.current_stage else "")
+        last = (self.latest_checkpoint() if os.path.isdir(self.out) else None) or self.last_checkpoint
+        if last:
+            hint = (f"the last complete checkpoint, {last}, is kept as latest; resume with:\n"
+                    f"    {shlex.join(self.resume_command)}")
+        else:
+            hint = (f"no checkpoint was written yet (metrics so far are in {self.out}/metrics.jsonl); "
+                    "start again in another folder (--out)")
+        return Interrupted(f"{where}; Ray is shut down", hint)
 
     # -- set-up (cluster.py) ---------------------------------------------------------------------
     def start(self) -> None:
@@ -252,8 +288,18 @@ class Job:
             setattr(self.handles, name, group)
 
     def shutdown(self) -> None:
-        if self.cluster is not None:
+        """Stop Ray (if this job started it); a second Ctrl-C does not cut the shutdown short."""
+        if self.cluster is None:
+            return
+        try:
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:   # not the main thread
+            previous = None
+        try:
             self.cluster.shutdown()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     # -- checkpoints (checkpoint.py) -------------------------------------------------------------
     def checkpoint_root(self) -> str:
@@ -263,14 +309,39 @@ class Job:
         return checkpoint.latest_checkpoint(self.checkpoint_root())
 
     def save_checkpoint(self, step: int) -> str:
+        """Write ``step_{step}``; a worker dying (or a write failing) meanwhile is a JobError naming the stage
+        ``checkpoint``, and the previous checkpoint stays ``latest``."""
         self.current_stage = "checkpoint"
         meta = {"step": step, "data": {k: v.state() for k, v in self.data.items()},
-                "overcommit": self.overcommit, "module": self.plan["module"], "seed": self.seed}
-        self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_root(), step, self.workers, meta)
+                "overcommit": self.overcommit, "module": self.plan["module"], "seed": self.seed,
+                "manifest": checkpoint.manifest(self.plan, step)}
+        try:
+            self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_root(), step, self.workers, meta)
+        except checkpoint.CheckpointWriteError as exc:
+            ray = _ray()
+            cause = exc.cause
+            if isinstance(cause, ray.exceptions.RayActorError):
+                why = f"its worker died ({type(cause).__name__})"
+            else:
+                inner = getattr(cause, "cause", None) or cause
+                log = self._log_error("checkpoint", cause) if isinstance(cause, ray.exceptions.RayTaskError) else None
+                why = f"{type(inner).__name__}: {inner}" + (f" (traceback in {log})" if log else "")
+            who = f"worker '{exc.worker}'" if exc.worker else "the driver"
+            err = self._stage_failed("checkpoint", why)
+            raise JobError(f"stage %checkpoint (writing checkpoints/step_{step}: {who}) failed: {why}",
+                           err.hint) from None
         return self.last_checkpoint
 
     def load_checkpoint(self, path: str) -> int:
-        meta = checkpoint.load_checkpoint(path, self.workers)
+        self.current_stage = "resume"
+        ray = _ray()
+        try:
+            meta = checkpoint.load_checkpoint(path, self.workers)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise JobError(f"--resume: loading checkpoint {path} failed: {type(cause).__name__}: {cause}",
+                           "the checkpoint is damaged or was written by another job; start a new run in "
+                           "another folder (--out)") from None
         for k, state in meta["data"].items():
             self.data[k].load_state(state)
         self.overcommit = meta.get("overcommit", {})
@@ -285,42 +356,51 @@ class Job:
     def run(self, step_fn: Callable[["Job", Any], dict[str, Any]]) -> list[dict[str, float]]:
         start_step = 0
         existing = self.latest_checkpoint() if os.path.isdir(self.out) else None
-        if existing and not self.resume:
-            raise JobError(f"{self.out} already holds checkpoints (latest: {os.path.basename(existing)})",
-                           "continue it with --resume, or choose another folder with --out; "
-                           "nothing was overwritten")
-        if self.resume and existing is None:
-            raise JobError(f"--resume: no checkpoint in {self.checkpoint_root()}",
-                           "run without --resume to start fresh")
+        if not self.resume:
+            checkpoint.check_fresh_run_folder(self.out, self.job_dir, shlex.join(self.resume_command))
+        elif existing is None:
+            raise checkpoint.RunFolderError(f"--resume: no checkpoint in {self.checkpoint_root()}",
+                                            "run without --resume to start fresh")
+        else:   # before any worker starts: a checkpoint of another program is refused at once
+            for note in checkpoint.check_resume(existing, self.plan, self.plan["placement"]["workers"]):
+                print(f"note: {note}", file=sys.stderr)
         log = MetricsLog(self.out)
-        if not self.resume and os.path.isfile(log.path) and os.path.getsize(log.path) > 0:
-            raise JobError(f"{log.path} already exists", "choose another folder with --out")
         self.start()
+        kept = None
         if self.resume:
             start_step = self.load_checkpoint(existing)
-            log.trim(start_step)
-        log.open_tensorboard()
+            kept, notes = log.trim(start_step)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+        log.open_tensorboard(replay=kept)
         history: list[dict[str, float]] = []
-        with Progress(self.show_progress, self.steps, start_step, self.plan) as bar:
-            for step in range(start_step, self.steps):
-                t0 = time.perf_counter()
-                self.stage_seconds = {}
-                values = self.resolve(step_fn(self, self.handles))
-                m = self.step_metrics(step, values, time.perf_counter() - t0)
-                m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
-                log.write(m)
-                history.append(m)
-                bar.update(m)
-                done = step + 1
-                if (self.checkpoint_every and done % self.checkpoint_every == 0) or done == self.steps:
-                    self.save_checkpoint(done)
-        log.close()
+        try:
+            with Progress(self.show_progress, self.steps, start_step, self.plan) as bar:
+                for step in range(start_step, self.steps):
+                    self.step = step
+                    t0 = time.perf_counter()
+                    self.stage_seconds = {}
+                    values = self.resolve(step_fn(self, self.handles))
+                    m = self.step_metrics(step, values, time.perf_counter() - t0)
+                    m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
+                    log.write(m)
+                    history.append(m)
+                    bar.update(m)
+                    done = step + 1
+                    if (self.checkpoint_every and done % self.checkpoint_every == 0) or done == self.steps:
+                        self.save_checkpoint(done)
+        finally:
+            log.close()
         return history
 
 
 def run_job(job_dir: str, step_fn: Callable | None = None, *, steps: int | None = None, out: str | None = None,
-            resume: bool = False, ray_address: str | None = None, progress: bool = True) -> list[dict[str, float]]:
-    """Run the job in ``job_dir`` (its ``main.py`` supplies ``step_fn`` when not given)."""
+            resume: bool = False, ray_address: str | None = None, progress: bool = True,
+            resume_command: list[str] | None = None) -> list[dict[str, float]]:
+    """Run the job in ``job_dir`` (its ``main.py`` supplies ``step_fn`` when not given).
+
+    Ctrl-C raises :class:`Interrupted` (after Ray is shut down) saying how to resume:
+    ``resume_command``, by default ``python JOB/main.py --resume --out OUT``."""
     if step_fn is None:
         import importlib.util
 
@@ -328,9 +408,12 @@ def run_job(job_dir: str, step_fn: Callable | None = None, *, steps: int | None 
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         step_fn = mod.step
-    job = Job(job_dir, out=out, steps=steps, resume=resume, ray_address=ray_address, progress=progress)
+    job = Job(job_dir, out=out, steps=steps, resume=resume, ray_address=ray_address, progress=progress,
+              resume_command=resume_command)
     try:
         history = job.run(step_fn)
+    except KeyboardInterrupt:
+        raise job.interrupted() from None
     finally:
         job.shutdown()
     if progress:
@@ -341,7 +424,8 @@ def run_job(job_dir: str, step_fn: Callable | None = None, *, steps: int | None 
 def main(job_file: str, argv: list[str] | None = None) -> int:
     """Command line of a generated ``main.py``: ``python job/main.py [--steps N] [--out DIR] [--resume] ...``."""
     ap = argparse.ArgumentParser(description="Run this compiled rlhfc job.")
-    ap.add_argument("--steps", type=int, default=None, help="train this many steps in total (default: plan)")
+    ap.add_argument("--steps", type=_positive_steps, default=None,
+                    help="train this many steps in total (default: plan)")
     ap.add_argument("--out", default=None, help="run folder (metrics, checkpoints)")
     ap.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     ap.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
@@ -352,11 +436,23 @@ def main(job_file: str, argv: list[str] | None = None) -> int:
         run_job(os.path.dirname(os.path.abspath(job_file)), getattr(module, "step", None), steps=args.steps,
                 out=args.out, resume=args.resume, ray_address=args.ray_address, progress=not args.no_progress)
     except JobError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"{getattr(exc, 'label', 'error')}: {exc.message}", file=sys.stderr)
         if exc.hint:
             print(f"  hint: {exc.hint}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+        return getattr(exc, "exit_code", 1)
+    except KeyboardInterrupt:   # before the run started (e.g. while importing)
         print("interrupted; checkpoints written so far are kept", file=sys.stderr)
         return 130
     return 0
+
+
+def _positive_steps(text: str) -> int:
+    """``--steps``: a whole number of at least 1 (argparse turns the ValueError into a usage error, exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of steps: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a number of steps: give the total number of steps to "
+                                         "train, at least 1 (with --resume: including the checkpoint's)")
+    return n

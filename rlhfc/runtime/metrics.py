@@ -7,6 +7,7 @@ writes rows; :class:`Progress` shows them live; :func:`summarize` prints the end
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -68,20 +69,39 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
 
 
 class MetricsLog:
-    """``OUT/metrics.jsonl`` (NaN written as null, fsynced per row) and, when installed, TensorBoard."""
+    """``OUT/metrics.jsonl`` (NaN written as null, fsynced per row) and, when installed, TensorBoard.
+
+    On resume, :meth:`trim` keeps the complete rows of the steps before the checkpoint (dropping, and
+    saying so, a partial last line a crash left mid-write) and :meth:`open_tensorboard` rewrites the
+    TensorBoard events from those rows into a fresh events file and removes the old files, so no step
+    appears twice in TensorBoard."""
 
     def __init__(self, out: str):
         self.out = out
         self.path = os.path.join(out, "metrics.jsonl")
         self.tb = None
 
-    def open_tensorboard(self) -> None:
+    def open_tensorboard(self, replay: list[dict] | None = None) -> None:
+        """Open the TensorBoard writer; with ``replay`` (on resume: the kept rows) first write those rows
+        to it and remove the events files of earlier sessions, which also hold the steps to be redone."""
+        old = sorted(glob.glob(os.path.join(self.out, "events.out.tfevents.*")))
         try:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(self.out)
         except Exception:  # tensorboard missing: metrics.jsonl still has everything
             self.tb = None
+            return
+        if replay is None:
+            return
+        for m in replay:
+            self._tb_write(m)
+        self.tb.flush()
+        for path in old:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
     def write(self, m: dict[str, float]) -> None:
         with open(self.path, "a", encoding="utf-8") as fh:
@@ -90,23 +110,65 @@ class MetricsLog:
             fh.flush()
             os.fsync(fh.fileno())
         if self.tb is not None:
-            for k, v in m.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v):
-                    self.tb.add_scalar(k, v, m["step"])
+            self._tb_write(m)
             self.tb.flush()
 
-    def trim(self, upto: int) -> None:
-        """On resume: keep the metric lines of steps before ``upto`` (later ones will be recomputed)."""
+    def _tb_write(self, m: dict) -> None:
+        for k, v in m.items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v):
+                self.tb.add_scalar(k, v, m["step"])
+
+    def trim(self, upto: int) -> tuple[list[dict], list[str]]:
+        """On resume: keep the rows of steps before ``upto`` (later ones will be recomputed); returns the
+        kept rows and notes on what was dropped that was not a complete row. The file is replaced
+        atomically, so a crash here loses nothing."""
         if not os.path.isfile(self.path):
-            return
-        with open(self.path, encoding="utf-8") as fh:
-            lines = [ln for ln in fh if ln.strip() and json.loads(ln)["step"] < upto]
-        with open(self.path, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
+            return [], []
+        with open(self.path, "rb") as fh:
+            data = fh.read()
+        lines = data.split(b"\n")
+        tail = lines.pop()   # b"" when the file ends with a newline; else a line cut off mid-write
+        if _parse_row(tail) is not None:   # only its newline is missing: a complete row
+            lines.append(tail)
+            tail = b""
+        kept, rows, notes = [], [], []
+        for i, raw in enumerate(lines, 1):
+            row = _parse_row(raw)
+            if row is None:
+                if raw.strip():
+                    notes.append(f"dropped line {i} of {self.path}: not a metrics row ({_clip(raw)})")
+                continue
+            if row["step"] < upto:
+                kept.append(raw + b"\n")
+                rows.append(row)
+        if tail.strip():
+            notes.append(f"dropped the partial last line of {self.path} (cut off by a crash while it was "
+                         f"written): {_clip(tail)}")
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as fh:
+            fh.writelines(kept)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        return rows, notes
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+
+
+def _parse_row(raw: bytes) -> dict | None:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def _clip(raw: bytes, n: int = 60) -> str:
+    text = raw.decode("utf-8", errors="replace")
+    return repr(text if len(text) <= n else text[:n] + "…")
 
 
 class Progress:
