@@ -13,31 +13,24 @@ from typing import Any, Sequence
 
 from .errors import JobError
 
-#: How each ``ModelWorker`` method will run on a group of dp > 1 ranks (not implemented yet):
+#: How each ``ModelWorker`` method runs on a group of dp > 1 data-parallel ranks
+#: (:class:`~rlhfc.runtime.parallel.DataParallelWorker`, which shards the model with FSDP2):
 #:
-#: * ``split`` — the batch (prompts, or the rows of a rollout / loss input) is cut into contiguous
-#:   shards, one per rank; each rank runs the method on its shard and the results are gathered back in
-#:   row order (``train``: each rank trains on its shard, gradients are all-reduced inside the group,
-#:   and the per-rank statistics are averaged). ``generate_chunks`` merges the ranks' chunk streams.
-#: * ``each`` — every rank gets the same call (state all replicas share: start-up, checkpoint load,
-#:   weights arriving from a sync, the weights version).
-#: * ``root`` — rank 0 answers for the group (all ranks hold the same weights: checkpoint save,
-#:   weights leaving by a sync).
+#: * ``split`` — every rank gets the call and computes its contiguous share of the rollout's rows; the
+#:   group joins the results in row order.
+#: * ``all`` — every rank takes part (training, generation, gathering or loading weights are
+#:   collectives of the group); the group answers with rank 0's result once every rank is done.
+#: * ``stream`` — every rank takes part; rank 0 streams the chunks (it samples every row).
 #:
-#: The collective transfer methods (``open_group``, ``join_group``, ``send_weights``,
-#: ``recv_weights``) are left out: with dp > 1 a sync's process group spans the sender's rank 0 and
-#: every receiving rank, which that issue designs.
+#: The collective transfer methods (``open_group``, ``join_group``, ``send_weights``, ``recv_weights``)
+#: are refused on dp > 1 groups: a sync's process group would span the sender's rank 0 and every
+#: receiving rank, which is not built yet (object-store syncs work).
 DP_RULES: dict[str, str] = {
-    "generate": "split", "generate_chunks": "split", "logprobs": "split", "values": "split",
-    "score": "split", "train": "split",
-    "ready": "each", "load": "each", "set_weights": "each", "import_bucket": "each", "set_version": "each",
-    "save": "root", "get_weights": "root", "export_buckets": "root", "get_version": "root",
-}
-
-_HOW = {
-    "split": "by splitting its batch over the ranks and gathering the results in row order",
-    "each": "on every rank",
-    "root": "on rank 0 for the whole group",
+    "logprobs": "split", "values": "split", "score": "split",
+    "generate": "all", "train": "all", "ready": "all", "load": "all", "save": "all", "set_weights": "all",
+    "get_weights": "all", "import_bucket": "all", "export_buckets": "all", "set_version": "all",
+    "get_version": "all",
+    "generate_chunks": "stream",
 }
 
 
@@ -49,11 +42,11 @@ class WorkerGroup:
     ``group.generate_chunks.remote(...)`` the same streaming generator) as the actor would, and
     errors surface exactly as before (``Job.get`` / ``Job.stream`` / ``Job.sync`` name the stage).
 
-    **Later (dp > 1, the parallel worker-groups issue).** A group of ``n`` ranks holds ``n``
-    data-parallel replicas; :data:`DP_RULES` says how each method will run (split the batch over the
-    ranks and gather results in row order, call every rank, or call rank 0). Until then a group
-    with more than one rank can be built (and :meth:`kill`-ed), but calling any worker method on it
-    raises a :class:`JobError` naming the group and the method.
+    **Data parallel (dp > 1).** A group of ``n`` ranks holds ``n`` data-parallel ranks of one model;
+    :data:`DP_RULES` says how each method runs (split the rows and join them in row order, or have
+    every rank take part and answer with rank 0's result). Either way ``.remote(...)`` returns one
+    ``ObjectRef`` (a small Ray task joins the ranks' results), so the generated code and ``Job`` are
+    the same for every group size. A method with no rule raises a :class:`JobError` naming it.
 
     Attributes of the group itself (``name``, ``model``, ``ranks``, ``size``, ``kill``) shadow
     worker methods of the same name; ``ModelWorker`` has none (a test checks it).
@@ -65,6 +58,7 @@ class WorkerGroup:
         self.name = name
         self.model = model or name
         self.ranks: list[Any] = list(ranks)
+        self.pending: list = []   # the other ranks' streams of the last streamed call (kept alive)
 
     @property
     def size(self) -> int:
@@ -90,21 +84,47 @@ class WorkerGroup:
 
 
 class _Unsplit:
-    """A worker method of a group with more than one rank: refuses until dp > 1 execution exists."""
+    """A worker method of a group with more than one rank."""
 
     def __init__(self, group: WorkerGroup, method: str):
         self.group, self.method = group, method
 
     def remote(self, *args, **kwargs):
-        raise self.error()
+        rule = DP_RULES.get(self.method)
+        if rule is None:
+            raise self.error()
+        import ray
+
+        if rule == "stream":
+            streams = [getattr(r, self.method).remote(*args, **kwargs) for r in self.group.ranks]
+            self.group.pending = streams[1:]   # the other ranks' (empty) streams: keep them alive
+            return streams[0]
+        refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.group.ranks]
+        return (_join if rule == "split" else _first)(ray).remote(*refs)
 
     def options(self, **kwargs):
-        raise self.error()
+        return self
 
     def error(self) -> JobError:
-        how = _HOW.get(DP_RULES.get(self.method, ""))
-        later = f"; data-parallel groups will run it {how}" if how else ""
-        return JobError(f"worker group '{self.group.name}' has {self.group.size} ranks, but "
-                        f"'{self.method}' cannot run on more than one rank yet{later}",
-                        "data-parallel worker groups (dp > 1) are not implemented; "
-                        "give each (model, mesh) one rank")
+        return JobError(f"worker group '{self.group.name}' has {self.group.size} ranks, but '{self.method}' "
+                        "cannot run on a data-parallel group yet",
+                        "collective weight syncs need one rank per group: use realloc{transport=object_store}")
+
+
+_TASKS: dict = {}
+
+
+def _join(ray):
+    """A Ray task joining the ranks' forward results in row order (it waits for every rank)."""
+    if "join" not in _TASKS:
+        from .parallel import join
+
+        _TASKS["join"] = ray.remote(num_cpus=0)(lambda *parts: join(list(parts)))
+    return _TASKS["join"]
+
+
+def _first(ray):
+    """A Ray task answering with rank 0's result once every rank is done."""
+    if "first" not in _TASKS:
+        _TASKS["first"] = ray.remote(num_cpus=0)(lambda *results: results[0])
+    return _TASKS["first"]

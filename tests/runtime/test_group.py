@@ -1,4 +1,4 @@
-"""WorkerGroup: the handle the generated step function calls (one rank today; dp > 1 refused clearly)."""
+"""WorkerGroup: the handle the generated step function calls (one rank, or dp > 1 data-parallel ranks)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class _Method:
 class FakeActor:
     """Stands in for a Ray actor handle: each method has ``.remote`` returning a fake reference."""
 
-    METHODS = ("generate", "generate_chunks", "train", "export_buckets", "import_bucket", "save", "ready")
+    METHODS = ("generate", "generate_chunks", "train", "export_buckets", "import_bucket", "save", "ready", "logprobs",
+               "open_group")
 
     def __init__(self, tag):
         self.tag, self.calls = tag, []
@@ -54,19 +55,32 @@ def test_group_survives_copy_and_pickle():
         assert clone.name == "critic" and clone.ranks == ["handle"]
 
 
-def test_more_than_one_rank_is_refused_with_a_clear_error():
+def test_more_than_one_rank_splits_rows_or_runs_every_rank(monkeypatch):
+    """dp > 1: every rank gets the call; a small Ray task joins the ranks' rows (forwards) or answers with
+    rank 0's result once all are done (collectives); rank 0 streams; collective syncs are refused."""
+    import rlhfc.runtime.group as grp
+
+    class Task:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def remote(self, *refs):
+            return (self.kind, refs)
+
+    monkeypatch.setattr(grp, "_join", lambda ray: Task("join"))
+    monkeypatch.setattr(grp, "_first", lambda ray: Task("first"))
     a0, a1 = FakeActor("a0"), FakeActor("a1")
     group = WorkerGroup("actor", [a0, a1])
     assert group.size == 2
-    with pytest.raises(JobError, match=r"worker group 'actor' has 2 ranks, but 'train' cannot run on more "
-                                       r"than one rank yet.*splitting its batch.*row order") as exc:
-        group.train.remote("loss", lr=0.1)
-    assert "dp > 1" in exc.value.hint
-    with pytest.raises(JobError, match="'save' cannot run on more than one rank yet"):
-        group.save.remote("/tmp/x")
-    with pytest.raises(JobError, match="'open_group' cannot run on more than one rank yet"):
-        group.open_group.options(name="x")
-    assert a0.calls == [] and a1.calls == []    # nothing ran anywhere
+    assert group.logprobs.remote("roll", temperature=1.0) == ("join", ("ref:a0:logprobs", "ref:a1:logprobs"))
+    assert group.train.remote("loss", lr=0.1) == ("first", ("ref:a0:train", "ref:a1:train"))
+    assert group.generate_chunks.remote(["p"], chunk=2) == "ref:a0:generate_chunks"
+    assert group.pending == ["ref:a1:generate_chunks"]
+    assert a0.calls == a1.calls
+    with pytest.raises(JobError, match=r"worker group 'actor' has 2 ranks, but 'open_group' cannot run on a "
+                                       r"data-parallel group yet") as exc:
+        group.open_group.remote("sync")
+    assert "object_store" in exc.value.hint
 
 
 def test_empty_group_is_refused():
@@ -78,7 +92,7 @@ def test_group_attributes_do_not_shadow_worker_methods():
     from rlhfc.runtime.worker import ModelWorker
 
     worker_methods = {n for n, _ in inspect.getmembers(ModelWorker, inspect.isfunction) if not n.startswith("_")}
-    group_attrs = {n for n in dir(WorkerGroup) if not n.startswith("_")} | {"name", "model", "ranks"}
+    group_attrs = {n for n in dir(WorkerGroup) if not n.startswith("_")} | {"name", "model", "ranks", "pending"}
     assert not worker_methods & group_attrs
     assert set(DP_RULES) <= worker_methods     # the dp > 1 rules name real worker methods
 
