@@ -225,3 +225,62 @@ def test_missing_file_is_a_diagnostic(capsys):
     output = capsys.readouterr().err
     assert rc == 2
     assert "error: no such file" in output and "hint:" in output and "Traceback" not in output
+
+
+# -- rule() modules: the program's folder, rlhfc's built-in rewards, or an allowed installed module ------
+_GRPO = """model actor = llama(layers = 2, hidden = 64, heads = 4, vocab = 96, max_seq = 64) trainable
+data prompts = synthetic(count = 64, min_len = 4, max_len = 12)
+pipeline grpo(batch = 8) {
+  roll   = actor.generate(prompts, n = 4, max_new_tokens = 16)
+  logp   = actor.logprobs(roll)
+  scores = rule("RULE", roll)
+  actor.train(ppo_clip(roll, logp, group_advantages(roll, scores)), lr = 1e-3, minibatches = 2)
+}
+"""
+
+
+def test_rule_from_the_programs_folder_and_from_an_allowed_module(tmp_path, monkeypatch, capsys):
+    from rlhfc.codegen.plan import build_plan
+    from rlhfc.frontend import load_file
+    from rlhfc.ir import parse_ir, print_module, verify
+
+    (tmp_path / "my_rewards.py").write_text("def exact(prompt, response):\n    return float(prompt == response)\n")
+    program = tmp_path / "prog.rlhf"
+    program.write_text(_GRPO.replace("RULE", "my_rewards:exact"))
+    assert main(["check", str(program)]) == 0, capsys.readouterr().err     # no PYTHONPATH needed
+    module, _, _ = load_file(str(program))
+    assert "reward_modules" not in print_module(module)                      # printed only when set
+    plan = build_plan(module, source=str(program), opt_level="O0", passes=[])
+    assert plan["program_dir"] == str(tmp_path) and "reward_modules" not in plan["run"]
+    assert plan["data"]["prompts"]["fit"] == [{"model": "actor", "tokenizer": {"source": None, "vocab": 96},
+                                               "max_seq": 64, "max_new_tokens": 16}]
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "team_rewards_xyz.py").write_text("def score(prompt, response):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(site))
+    allowed = tmp_path / "allowed.rlhf"
+    allowed.write_text(_GRPO.replace("RULE", "team_rewards_xyz:score"))
+    assert main(["check", str(allowed)]) == 2
+    assert 'reward_modules = ["team_rewards_xyz"]' in capsys.readouterr().err   # the hint says how to allow it
+    allowed.write_text(_GRPO.replace("RULE", "team_rewards_xyz:score") +
+                       'run { steps = 2; reward_modules = ["team_rewards_xyz",] }\n')
+    assert main(["check", str(allowed)]) == 0, capsys.readouterr().err
+    module, _, _ = load_file(str(allowed))
+    text = print_module(module)
+    assert 'reward_modules = ["team_rewards_xyz"]' in text
+    again = parse_ir(text, "allowed.rlir")
+    verify(again)
+    assert again.run.reward_modules == ["team_rewards_xyz"] and print_module(again) == text
+    assert build_plan(module, source=str(allowed), opt_level="O0", passes=[])["run"]["reward_modules"] == \
+        ["team_rewards_xyz"]
+
+
+def test_checking_a_rule_runs_none_of_its_code(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    (tmp_path / "my_rewards.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef exact(prompt, response):\n    return 1.0\n")
+    program = tmp_path / "prog.rlhf"
+    program.write_text(_GRPO.replace("RULE", "my_rewards:exact"))
+    assert main(["check", str(program)]) == 0, capsys.readouterr().err
+    assert not marker.exists()

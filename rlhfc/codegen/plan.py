@@ -93,16 +93,34 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
                        "outputs": [v.name for v in s.outputs], "types": [str(v.type) for v in s.outputs],
                        "attrs": s.attrs, "annotations": _jsonable(s.annotations),
                        "loc": str(s.loc) if s.loc else None})
+    from rlhfc.ir.verify_fields import rollout_readers, tokenizer_key
+
     data = {}
     for d in module.data.values():
         spec = {"kind": d.kind, **d.options}
         if d.kind == "jsonl":
             spec["path"] = os.path.abspath(spec["path"])
+        # every model that reads these prompts' tokens: the job checks each prompt fits its max_seq at start
+        fit = []
+        for s in g.stages:
+            if s.op != "generate" or not s.inputs or g.producer(s.inputs[0]).target != d.name:
+                continue
+            gen = module.models[s.target]
+            for r in [s] + rollout_readers(g, s.outputs[0]):
+                m = module.models[r.target]
+                entry = {"model": m.name, "tokenizer": {"source": model_spec(m)["source"], "vocab": m.vocab},
+                         "max_seq": m.max_seq, "max_new_tokens": s.attrs["max_new_tokens"]}
+                if tokenizer_key(m) == tokenizer_key(gen) and entry not in fit:
+                    fit.append(entry)
+        if fit:
+            spec["fit"] = fit
         data[d.name] = spec
     return {
         "format": 1,
         "module": module.name,
         "source": source,
+        # rule("module:function") modules are looked up in the program's folder (runtime.rewards)
+        "program_dir": os.path.dirname(os.path.abspath(source)) if source else None,
         "opt_level": opt_level,
         "passes": passes,
         "cluster": {"name": module.cluster.name, **module.cluster.attrs()},

@@ -8,7 +8,7 @@ from . import ast
 
 #: how a message names each kind of literal
 KIND_NAMES = {"int": "an integer", "float": "a number", "size": "a size", "str": "a string",
-              "bool": "a bool", "ident": "a name", "device": "a device count"}
+              "bool": "a bool", "ident": "a name", "device": "a device count", "list": "a list"}
 
 
 def value_of(lit: ast.Literal):
@@ -20,6 +20,8 @@ def value_of(lit: ast.Literal):
         return str(lit.value)
     if lit.kind == "device":
         return show(lit)
+    if lit.kind == "list":
+        return [value_of(x) for x in lit.value]
     return lit.value
 
 
@@ -44,6 +46,8 @@ def show(lit: ast.Literal) -> str:
         return "true" if lit.value else "false"
     if lit.kind == "device":
         return f"{lit.value[0]}:{lit.value[1]}"
+    if lit.kind == "list":
+        return "[" + ", ".join(show(x) for x in lit.value) + "]"
     return str(lit.value)
 
 
@@ -56,4 +60,4 @@ def size_text(lit: ast.Literal) -> str:
                 text = f"{n / scale:.3g}"
                 return f"{text}{unit}"
         return str(n)
-    return str(lit.value)
+    return show(lit)

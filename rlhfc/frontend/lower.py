@@ -26,11 +26,13 @@ import networkx as nx
 from rlhfc.ir.core import Cluster, Graph, Module, Stage, Value
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, get_op
-from rlhfc.ir.verify_fields import attr_hint, check_attr_values, check_params
+from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths,
+                                    reward_module_problem)
 
 from . import ast
 from .literals import KIND_NAMES, coerce, show, value_of
 from .lower_decls import Declarations, Scope
+from .rules import rule_problem
 
 _PIPELINE_PARAMS = {"batch": 8}
 
@@ -53,6 +55,10 @@ def lower(program: ast.Program, sink: DiagnosticSink) -> Module:
     pipeline = _Pipeline(scope)
     module.graph = pipeline.lower()
     module.refresh_versions()
+    if not sink.errors:   # the longest prompt of each data source (JSONL: read by decls.data())
+        check_prompt_lengths(module, sink, {**scope.prompt_lengths, **{
+            d.name: (d.options["max_len"], f"max_len = {d.options['max_len']} of data '{d.name}'")
+            for d in module.data.values() if d.kind == "synthetic"}})
     pipeline.warn_unused()
     return module
 
@@ -187,6 +193,13 @@ class _Pipeline:
                 self.sink.error(f'rule function must be written "module:function", got {json.dumps(fn.value)}',
                                 fn.loc, 'name an importable Python module and a function in it, e.g. '
                                 '"rlhfc.runtime.rewards:vowel_fraction"')
+                raise _Failed
+            allowed = self.module.run.reward_modules   # those the verifier refuses (reported) allow nothing
+            allowed = [m for m in allowed if isinstance(m, str) and reward_module_problem(m) is None] \
+                if isinstance(allowed, list) else []
+            problem = rule_problem(fn.value, self.scope.base_dir, allowed)
+            if problem is not None:
+                self.sink.error(problem[0], fn.loc, problem[1])
                 raise _Failed
             preset["fn"], preset_locs["fn"] = fn.value, fn.loc
         lo, hi = spec.min_operands(), len(spec.operands)

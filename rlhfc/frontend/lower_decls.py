@@ -12,7 +12,11 @@ so that its uses do not repeat the error.
 Reported here are only the mistakes the IR cannot hold: unknown constructors,
 settings and model names, settings given twice, a second cluster or run block,
 misused syntax (``devices`` other than ``cpu:N``, positional arguments where
-keywords go), copy()/like() loops, missing files and unreadable configs.
+keywords go), copy()/like() loops, missing files and unreadable configs, and
+what the files say (:mod:`.files`): a JSONL prompt file that the job could not
+read (not UTF-8, a line that is not JSON or lacks the field; its longest prompt
+is kept for the length check), a model folder without a tokenizer or with one
+larger than the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.verify_fields import EXAMPLES, check_cluster, check_data, check_model, check_run, is_positive_int
 
 from . import ast
+from .files import read_prompts, tokenizer_problem
 from .literals import size_text, value_of
 from .parser import end_of_code
 
@@ -47,6 +52,8 @@ class Scope:
         self.failed_decls: set[str] = set()  # models/data whose declaration had an error (already reported)
         file = program.file
         self.base_dir = os.path.dirname(file) if file and not file.startswith("<") else "."
+        #: per JSONL data source read at check time: (characters of its longest prompt, where it is)
+        self.prompt_lengths: dict[str, tuple[int, str]] = {}
 
     def declare(self, name: str, loc: Loc) -> bool:
         if name in self.names:
@@ -343,6 +350,12 @@ class Declarations:
             _set(m, "head", opt.value)
         m.trainable = d.flag == "trainable"
         ok = check_model(m, self.module.models, self.sink) and ok
+        if ok and d.ctor.name == "hf":   # a well-formed model: does its folder's tokenizer fit it?
+            lit = d.ctor.args[0]
+            problem = tokenizer_problem(m.source, lit.value, m.vocab)
+            if problem is not None:
+                self.sink.error(problem[0], lit.loc, problem[1])
+                ok = False
         if not ok:   # leave it undeclared so later uses do not repeat the error
             self.scope.failed_decls.add(d.name)
             return
@@ -406,6 +419,13 @@ class Declarations:
                             f"looked for {path}; paths are relative to the program's folder")
             check_data(src, self.sink)   # so that a bad field is reported too
             return None
+        if isinstance(src.options["field"], str):   # else the verifier reports the field
+            longest, problem = read_prompts(path, lit.value, src.options["field"])
+            if problem is not None:
+                self.sink.error(problem[0], lit.loc, problem[1])
+                return None
+            if longest is not None:
+                self.scope.prompt_lengths[d.name] = longest
         return src
 
     # -- run ---------------------------------------------------------------------------------

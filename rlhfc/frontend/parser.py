@@ -272,6 +272,12 @@ class _ToAst(Transformer):
     def device_count(self, meta, items):
         return ast.Literal((str(items[0]), int(items[1])), "device", self._loc(meta))
 
+    def items(self, meta, items):
+        return items
+
+    def list(self, meta, items):
+        return ast.Literal(items[0] or [], "list", self._loc(meta))
+
     # -- calls -----------------------------------------------------------------------------
     def ref(self, meta, items):
         return ast.Ref(str(items[0]), self._tok(items[0]))

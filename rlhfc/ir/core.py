@@ -134,21 +134,27 @@ class DataSource:
 
 @dataclass
 class RunConfig:
-    """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level, and the
-    placement strategy (``auto``: search on multi-device clusters, else flatten)."""
+    """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level, the
+    placement strategy (``auto``: search on multi-device clusters, else flatten), and the installed
+    modules that ``rule("module:function", ...)`` may name besides the program's folder and rlhfc's
+    built-in rewards (``reward_modules``; printed only when not empty)."""
 
     steps: int = 10
     seed: int = 0
     checkpoint_every: int = 0
     optimize: str = "O1"
     placement: str = "auto"
+    reward_modules: list = field(default_factory=list)
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
     def attrs(self) -> dict:
-        return {"steps": self.steps, "seed": self.seed, "checkpoint_every": self.checkpoint_every,
-                "optimize": self.optimize, "placement": self.placement}
+        out = {"steps": self.steps, "seed": self.seed, "checkpoint_every": self.checkpoint_every,
+               "optimize": self.optimize, "placement": self.placement}
+        if self.reward_modules:
+            out["reward_modules"] = self.reward_modules
+        return out
 
 
 #: The settings of a run block (every field of RunConfig but the locations).

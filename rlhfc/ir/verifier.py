@@ -19,6 +19,13 @@ Every message says what is wrong *and* carries a hint saying how to fix it. Chec
   per model;
 - parameter versions: exactly the edges the stage order implies (none missing,
   none stale, no duplicates);
+- what would train nothing or garbage (:func:`_check_training`): ``minibatches``
+  no larger than the batch a train stage sees; no ``temperature = 0`` on a
+  generate whose groups feed ``group_advantages`` (identical samples, zero
+  advantages); models that read a rollout's token ids share the generating
+  model's tokenizer (that prompts plus ``max_new_tokens`` fit ``max_seq`` is
+  checked by the frontend, which knows the prompts:
+  :func:`~rlhfc.ir.verify_fields.check_prompt_lengths`);
 - the plan annotations passes write (:func:`rlhfc.ir.plan.verify_plan`);
 - plus checks registered by passes (:func:`register_check`), e.g. for the
   annotations they add.
@@ -41,7 +48,8 @@ from .ops import LOSS_FOR_HEAD, OpSpec, all_ops, get_op
 from .plan import OPT_LEVELS, verify_plan
 from .types import ValueType
 from .verify_fields import (EXAMPLES, attr_hint, check_attr_value, check_attr_values, check_cluster, check_data,
-                            check_model, check_models, check_params, check_run, is_positive_int, show)
+                            check_model, check_models, check_params, check_run, is_positive_int, rollout_readers, show,
+                            tokenizer_key, tokenizer_text)
 
 _EXTRA_CHECKS: list[Callable[[Module, DiagnosticSink], None]] = []
 
@@ -77,6 +85,8 @@ def verify(module: Module) -> None:
         check_data(d, sink)
     check_run(module.run, sink)
     _check_graph(module, sink)
+    if not sink.errors:   # the rules below follow values to their producers: only on a well-formed graph
+        _check_training(module, sink)
     verify_plan(module, sink)
     for check in _EXTRA_CHECKS:
         check(module, sink)
@@ -259,6 +269,50 @@ def _check_stage(module: Module, stage: Stage, spec: OpSpec, label: str, sink: D
         if v.type != t:
             sink.error(f"{label}: result %{v.name} has type {v.type}, expected {t}", at,
                        f"change the type to {t} (result batch follows {spec.batch_from})")
+
+
+# -- what would train nothing or garbage -------------------------------------------------------------------
+def _check_training(module: Module, sink: DiagnosticSink) -> None:
+    g = module.graph
+    for s in g.stages:
+        if s.op == "train" and s.inputs:
+            mb, seen = s.attrs.get("minibatches"), s.inputs[0].type.batch
+            if is_positive_int(mb) and is_positive_int(seen) and mb > seen:
+                sink.error(f"minibatches ({mb}) is more than the {seen} samples this train stage sees",
+                           where(s, "minibatches"), f"each minibatch needs at least one sample: use minibatches = "
+                           f"{seen} or fewer, or raise the pipeline's batch")
+        elif s.op == "compute.group_advantages" and s.inputs:
+            gen = g.producer(s.inputs[0])
+            n = gen.attrs.get("n", 1)
+            if gen.op == "generate" and gen.attrs.get("temperature") == 0 and is_positive_int(n) and n > 1:
+                sink.error(f"temperature = 0 samples greedily: the {n} samples of each prompt are identical, so "
+                           "group_advantages() gives every sample a zero advantage and nothing trains",
+                           where(gen, "temperature"), "sample with temperature > 0 (e.g. temperature = 1.0), or "
+                           "generate n = 1 and estimate advantages with a critic (gae)")
+    _check_tokenizers(module, sink)
+
+
+def _check_tokenizers(module: Module, sink: DiagnosticSink) -> None:
+    """A model that reads a rollout's token ids (logprobs, values, train) must share the generating model's
+    tokenizer (a score model may have its own: it scores the decoded text)."""
+    g = module.graph
+    reported: set[tuple[str, str]] = set()
+    for s in g.stages:
+        if s.op != "generate" or not s.outputs:
+            continue
+        gen = module.models.get(s.target or "")
+        for r in rollout_readers(g, s.outputs[0]):
+            m = module.models.get(r.target or "")
+            if gen is None or m is None or r.op == "forward.score" or (m.name, gen.name) in reported:
+                continue
+            if tokenizer_key(m) != tokenizer_key(gen):
+                reported.add((m.name, gen.name))
+                fix = (f"give '{m.name}' vocab = {gen.vocab}" if not m.source and not gen.source else
+                       f"load '{m.name}' from the folder of '{gen.name}'")
+                sink.error(f"'{m.name}' reads the token ids '{gen.name}' generates, but uses another tokenizer "
+                           f"({tokenizer_text(m)}, not {tokenizer_text(gen)})", where(r),
+                           f"models that exchange per-token values share a tokenizer: {fix}, or declare it "
+                           f"like({gen.name}) or copy({gen.name})")
 
 
 def _count(spec: OpSpec) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 from .arch import ARCH_FIELDS, ARCHS, HEADS
 from .core import DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol
@@ -41,6 +42,8 @@ def show(value) -> str:
         return json.dumps(value)
     if value is None:
         return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
     return str(value)
 
 
@@ -246,7 +249,40 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
     if r.placement not in PLACEMENTS:
         f.error("placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {_name(r.placement)}",
                 "auto searches on multi-device clusters; e.g. placement = interleave")
+    mods = r.reward_modules
+    if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+        f.error("reward_modules", f"reward_modules must be a list of module names, got {show(mods)}",
+                'the installed modules rule() may name, e.g. reward_modules = ["my_package.rewards"]')
+    else:
+        for i, m in enumerate(mods):
+            problem = reward_module_problem(m)
+            if problem is None and m in mods[:i]:
+                problem = f"reward module '{m}' is listed twice", "remove one"
+            if problem is not None:
+                f.error("reward_modules", *problem)
     return f.ok
+
+
+#: the module of rlhfc's built-in reward rules (rule() may always name it)
+BUILTIN_REWARDS = "rlhfc.runtime.rewards"
+_NO_CODE_HINT = ("a rule runs only a reward function you wrote: define def f(prompt, response) -> float in a .py "
+                 "file beside the program and name it rule(\"file:f\", roll), or use a built-in rule such as "
+                 f"\"{BUILTIN_REWARDS}:vowel_count\"")
+
+
+def reward_module_problem(name: str) -> tuple[str, str] | None:
+    """(message, hint) when ``name`` cannot be listed in ``reward_modules``, else None."""
+    if not name or not all(p.isidentifier() for p in name.split(".")):
+        return (f"{json.dumps(name)} is not a module name",
+                'write the dotted name of an installed module, e.g. reward_modules = ["my_package.rewards"]')
+    top = name.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return f"'{name}' is a Python standard-library module, not a reward module", _NO_CODE_HINT
+    if top == "rlhfc":
+        return (f"'{name}' is part of rlhfc, not a reward module",
+                f"rlhfc's built-in rules ({BUILTIN_REWARDS}) need no listing; reward_modules lists installed "
+                "packages of your own")
+    return None
 
 
 def check_params(g: Graph, sink: DiagnosticSink) -> bool:
@@ -269,9 +305,91 @@ def check_attr_values(stage: Stage, spec: OpSpec, sink: DiagnosticSink) -> bool:
     return f.ok
 
 
+# -- prompt lengths and tokenizers ----------------------------------------------------------------------
+#: a built-in (character) tokenizer of at least this vocabulary gives every character exactly one token
+#: (its first 27 characters are the lowercase letters and space, and any other character becomes a space)
+CHAR_VOCAB_EXACT = 30
+
+
+def tokenizer_key(m: Model) -> tuple:
+    """Which tokenizer a model uses: its folder's (``hf(...)``), else the built-in one of its vocabulary."""
+    return ("hf", m.source) if m.source else ("char", m.vocab)
+
+
+def tokenizer_text(m: Model) -> str:
+    return f"the tokenizer in {m.source}" if m.source else f"the built-in tokenizer with vocab {show(m.vocab)}"
+
+
+def prompt_tokens(m: Model, chars: int) -> int | None:
+    """Tokens (BOS included) of a prompt of ``chars`` characters for ``m``, when known without its tokenizer
+    (the built-in tokenizer of a large enough vocabulary), else None."""
+    if m.source or not _is_int(m.vocab) or m.vocab < CHAR_VOCAB_EXACT:
+        return None
+    return chars + 1
+
+
+def rollout_readers(g: Graph, rollout) -> list[Stage]:
+    """The stages on a model that read ``rollout``'s token ids: forwards, and trains on a loss built from it."""
+    out = []
+    for s in g.stages:
+        if s.target is None or s.op in ("generate", "load", "sync"):
+            continue
+        if any(v is rollout for v in s.inputs):
+            out.append(s)
+        elif s.op == "train" and s.inputs:
+            try:
+                loss = g.producer(s.inputs[0])
+            except KeyError:
+                continue
+            if loss.inputs and loss.inputs[0] is rollout:
+                out.append(s)
+    return out
+
+
+def check_prompt_lengths(module: Module, sink: DiagnosticSink, longest: dict[str, tuple[int, str]]) -> bool:
+    """The longest prompt of each data source in ``longest`` (``{data: (characters, where it is)}``) plus a
+    generate's ``max_new_tokens`` must fit the ``max_seq`` of the generating model and of every model of the
+    same tokenizer that reads the rollout. Checked where the token count is known without a tokenizer;
+    the runtime checks the rest when the job starts. False if anything was reported."""
+    ok = True
+    g = module.graph
+    for s in g.stages:
+        if s.op != "generate" or not s.inputs or not s.outputs:
+            continue
+        try:
+            load = g.producer(s.inputs[0])
+        except KeyError:
+            continue
+        new = s.attrs.get("max_new_tokens")
+        if load.op != "load" or load.target not in longest or not is_positive_int(new):
+            continue
+        chars, what = longest[load.target]
+        gen = module.models.get(s.target or "")
+        if gen is None:
+            continue
+        names = [gen.name] + [r.target for r in rollout_readers(g, s.outputs[0])]
+        for name in dict.fromkeys(names):
+            m = module.models.get(name)
+            if m is None or tokenizer_key(m) != tokenizer_key(gen) or not is_positive_int(m.max_seq):
+                continue
+            tokens = prompt_tokens(m, chars)
+            if tokens is None or tokens + new <= m.max_seq:
+                continue
+            fixes = [f"lower max_new_tokens to {m.max_seq - tokens}"] if m.max_seq > tokens else []
+            fixes.append(f"raise max_seq of '{name}' to {tokens + new}" if not m.source else
+                         f"use a model with a longer context than '{name}'")
+            sink.error(f"max_new_tokens ({new}) + the longest prompt ({tokens} tokens with BOS; {what}) = "
+                       f"{tokens + new} tokens, more than max_seq {m.max_seq} of model '{name}'",
+                       where(s, "max_new_tokens"), ", ".join(fixes) + ", or shorten the prompts")
+            ok = False
+            break
+    return ok
+
+
 def _stage_label(stage: Stage) -> str:
     return f"stage %{stage.name} ({stage.op})" if stage.outputs else f"a {stage.op} stage"
 
 
-__all__ = ["EXAMPLES", "attr_hint", "check_attr_value", "check_attr_values", "check_cluster", "check_data",
+__all__ = ["BUILTIN_REWARDS", "CHAR_VOCAB_EXACT", "check_prompt_lengths", "prompt_tokens", "reward_module_problem",
+           "rollout_readers", "tokenizer_key", "tokenizer_text", "EXAMPLES", "attr_hint", "check_attr_value", "check_attr_values", "check_cluster", "check_data",
            "check_model", "check_models", "check_params", "check_run", "is_positive_int", "show"]

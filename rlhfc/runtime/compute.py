@@ -1,7 +1,10 @@
 """Driver-side compute stages (``compute.*`` ops): cheap tensor math on gathered values.
 
 Each function takes the runtime values of its IR operands, in operand order,
-and the op's attributes as keywords; names match the IR ops.
+and the op's attributes as keywords; names match the IR ops. Rewards, scores,
+values, advantages and returns are checked where they enter or leave a stage: a
+NaN or infinity raises :class:`~rlhfc.runtime.guards.NonFiniteError` naming the
+value and the sample, which the driver reports as the stage's error.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import ppo
+from .guards import check_finite
 from .rewards import resolve_rule, rule_scores
 from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput
 
@@ -27,6 +31,11 @@ def gae(rewards, values: TokenValues, logp: TokenValues | None = None, ref_logp:
     ``logp``/``ref_logp`` when given) or per-token rewards (TokenValues)."""
     mask = values.mask
     if isinstance(rewards, TokenValues):
+        check_finite(rewards.values, "a per-token reward", mask=rewards.mask)
+    else:
+        check_finite(rewards, "a score")
+    check_finite(values.values, "a value estimate", mask=mask)
+    if isinstance(rewards, TokenValues):
         token_rewards = rewards.values
     elif logp is not None and ref_logp is not None:
         token_rewards = ppo.kl_penalized_rewards(rewards, logp.values, ref_logp.values, mask, kl_coef, estimator)
@@ -34,32 +43,40 @@ def gae(rewards, values: TokenValues, logp: TokenValues | None = None, ref_logp:
         token_rewards = ppo.kl_penalized_rewards(rewards, torch.zeros_like(values.values),
                                                  torch.zeros_like(values.values), mask, 0.0)
     adv, ret = ppo.gae(token_rewards, values.values, mask, gamma=gamma, lam=lam)
+    check_finite(token_rewards, "a KL-penalised reward (the KL of logp and ref_logp)", mask=mask)
     if whiten:
         adv = ppo.masked_whiten(adv, mask)
         adv = adv * mask.to(adv.dtype)
+    check_finite(adv, "an advantage", mask=mask)
+    check_finite(ret, "a return", mask=mask)
     return TokenValues(adv, mask), TokenValues(ret, mask)
 
 
 def kl_penalty(scores: torch.Tensor, logp: TokenValues, ref_logp: TokenValues, *, coef: float,
                estimator: str) -> TokenValues:
     """Per-token rewards: ``-coef * KL`` on each token plus the score on the last."""
-    return TokenValues(ppo.kl_penalized_rewards(scores, logp.values, ref_logp.values, logp.mask, coef, estimator),
+    check_finite(scores, "a score")
+    out = ppo.kl_penalized_rewards(scores, logp.values, ref_logp.values, logp.mask, coef, estimator)
+    return TokenValues(check_finite(out, "a KL-penalised reward (the KL of logp and ref_logp)", mask=logp.mask),
                        logp.mask)
 
 
 def group_advantages(rollout: Rollout, scores: torch.Tensor, *, method: str, normalize_std: bool,
                      group: int) -> TokenValues:
     """GRPO / RLOO advantages over groups of ``group`` samples of one prompt, on every response token."""
+    check_finite(scores, "a score", prompts=rollout.prompts)
     if method == "rloo":
         seq = ppo.rloo_advantages(scores, group) if group > 1 else torch.zeros_like(scores)
     else:
         seq = ppo.group_advantages(scores, group, normalize_std=normalize_std)
+    check_finite(seq, "an advantage", prompts=rollout.prompts)
     return TokenValues(ppo.broadcast_to_tokens(seq, rollout.mask), rollout.mask)
 
 
 def rule(rollout: Rollout, *, fn: str) -> torch.Tensor:
-    """Score each sample with the Python rule ``fn`` ("module:function")."""
-    return rule_scores(resolve_rule(fn), rollout.prompts, rollout.responses)
+    """Score each sample with the Python rule ``fn`` ("module:function"); errors name ``fn``, the sample and
+    its prompt."""
+    return rule_scores(resolve_rule(fn), rollout.prompts, rollout.responses, name=fn)
 
 
 def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_logp: TokenValues | None = None, *,

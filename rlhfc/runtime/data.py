@@ -17,6 +17,14 @@ reward within 20-40 PPO steps on CPU: with 16-32 prompts a step, 24 new tokens,
 lr 3e-3 (1e-3 works too), kl_coef 0.05, gamma 1, lam 0.95, whitened advantages,
 1 epoch of 2 minibatches, vowel_count goes from ~0.13 to ~0.4-0.6 (about 0.1 s
 of CPU a step at 16 prompts).
+
+A bad data file is a :class:`DataError` (a ``JobError``: printed without a
+traceback) naming ``file:line``: bytes that are not UTF-8, a line that is not
+JSON, a line without the prompt field. With ``fit`` (the compiler's
+``plan.json`` gives one entry per model that reads the prompts: its tokenizer,
+``max_seq`` and the generate's ``max_new_tokens``) every prompt is tokenized
+when the job starts and one too long for a model is an error naming its line,
+before any step runs.
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ import random
 import string
 from typing import Any, Mapping, Sequence
 
-__all__ = ["PromptSource", "SyntheticPrompts", "JsonlPrompts", "prompt_source_from_spec", "repeat_each"]
+from .errors import JobError
+
+__all__ = ["DataError", "PromptSource", "SyntheticPrompts", "JsonlPrompts", "prompt_source_from_spec", "repeat_each"]
+
+
+class DataError(JobError, ValueError):
+    """A data file or prompt the job cannot use; the message names the file and line."""
 
 
 class PromptSource:
@@ -45,6 +59,28 @@ class PromptSource:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def where(self, index: int) -> str:
+        """Where prompt ``index`` comes from, for messages."""
+        return f"prompt {index}"
+
+    def check_fit(self, fit: Sequence[Mapping[str, Any]]) -> None:
+        """Raise :class:`DataError` for the first prompt whose tokens (BOS included) plus ``max_new_tokens``
+        exceed the ``max_seq`` of a model in ``fit`` (``{"model", "tokenizer": spec, "max_seq",
+        "max_new_tokens"}`` each)."""
+        from .tokenizer import load_tokenizer
+
+        for entry in fit:
+            tok = load_tokenizer(entry["tokenizer"])
+            room = int(entry["max_seq"]) - int(entry["max_new_tokens"])
+            for i, text in enumerate(self.prompts):
+                n = len(tok.encode(text, add_bos=True))
+                if n > room:
+                    raise DataError(f"{self.where(i)}: the prompt has {n} tokens (with BOS); with max_new_tokens = "
+                                    f"{entry['max_new_tokens']} that is {n + int(entry['max_new_tokens'])}, more than "
+                                    f"max_seq {entry['max_seq']} of model '{entry['model']}'",
+                                    "shorten or remove that prompt, lower max_new_tokens, or use a model with a "
+                                    "larger max_seq")
 
     def _order_for(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
@@ -93,6 +129,7 @@ class SyntheticPrompts(PromptSource):
         seed: int = 0,
         alphabet: str = string.ascii_lowercase,
         shuffle: bool = False,
+        fit: Sequence[Mapping[str, Any]] = (),
     ):
         if count < 1:
             raise ValueError(f"count must be positive, got {count}")
@@ -102,6 +139,10 @@ class SyntheticPrompts(PromptSource):
             raise ValueError("alphabet must not be empty")
         self.count, self.min_len, self.max_len, self.alphabet = count, min_len, max_len, alphabet
         super().__init__([self.make_prompt(seed, i, min_len, max_len, alphabet) for i in range(count)], shuffle, seed)
+        self.check_fit(fit)
+
+    def where(self, index: int) -> str:
+        return f"synthetic prompt {index} (of max_len {self.max_len})"
 
     @staticmethod
     def make_prompt(seed: int, index: int, min_len: int, max_len: int, alphabet: str = string.ascii_lowercase) -> str:
@@ -112,28 +153,49 @@ class SyntheticPrompts(PromptSource):
 
 
 class JsonlPrompts(PromptSource):
-    """Prompts read from a JSON-lines file: one object per line, text in ``field``.
+    """Prompts read from a JSON-lines file (UTF-8): one object per line, text in ``field``.
     Blank lines are skipped."""
 
-    def __init__(self, path: str, field: str = "prompt", shuffle: bool = False, seed: int = 0):
-        prompts = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict) or field not in obj:
-                    raise ValueError(f"{path}:{lineno}: no field {field!r} in this line")
-                if not isinstance(obj[field], str):
-                    raise ValueError(f"{path}:{lineno}: field {field!r} is not a string")
-                prompts.append(obj[field])
+    def __init__(self, path: str, field: str = "prompt", shuffle: bool = False, seed: int = 0,
+                 fit: Sequence[Mapping[str, Any]] = ()):
+        prompts, self.lines = [], []
+        try:
+            with open(path, "rb") as f:
+                raw_lines = f.read().split(b"\n")
+        except OSError as e:
+            raise DataError(f"cannot read data file {path}: {e.strerror or e}",
+                            "check that the file exists and is readable") from None
+        for lineno, raw in enumerate(raw_lines, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]   # a byte-order mark
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not valid "
+                                "UTF-8", "save the data file as UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno})",
+                                'each line must be one JSON object, e.g. {"prompt": "..."}') from None
+            if not isinstance(obj, dict) or field not in obj:
+                raise DataError(f"{path}:{lineno}: no field {field!r} in this line",
+                                f'each line must be a JSON object with the prompt in "{field}"')
+            if not isinstance(obj[field], str):
+                raise DataError(f"{path}:{lineno}: field {field!r} is not a string",
+                                f'write the prompt as a JSON string: {{"{field}": "..."}}')
+            prompts.append(obj[field])
+            self.lines.append(lineno)
         if not prompts:
-            raise ValueError(f"{path}: no prompts found")
+            raise DataError(f"{path}: no prompts found", f'add lines like {{"{field}": "..."}}')
         self.path, self.field = path, field
         super().__init__(prompts, shuffle, seed)
+        self.check_fit(fit)
+
+    def where(self, index: int) -> str:
+        return f"{self.path}:{self.lines[index]}"
 
 
 def prompt_source_from_spec(spec: Mapping[str, Any]) -> PromptSource:
@@ -144,7 +206,7 @@ def prompt_source_from_spec(spec: Mapping[str, Any]) -> PromptSource:
         return SyntheticPrompts(**kwargs)
     if spec.get("kind") == "jsonl":
         return JsonlPrompts(**kwargs)
-    raise ValueError(f"unknown prompt source kind {spec.get('kind')!r}; use 'synthetic' or 'jsonl'")
+    raise DataError(f"unknown prompt source kind {spec.get('kind')!r}; use 'synthetic' or 'jsonl'")
 
 
 def repeat_each(items: Sequence[Any], n: int) -> list[Any]:

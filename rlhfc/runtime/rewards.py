@@ -1,8 +1,14 @@
 """Rule rewards: deterministic ``fn(prompt: str, response: str) -> float``.
 
-A pipeline names one as ``rule("module:function")``; ``resolve_rule`` imports it
-and ``rule_scores`` applies it to a batch. The built-in rules (all in [0, 1],
-all 0 for an empty response unless stated):
+A pipeline names one as ``rule("module:function")``; ``resolve_rule`` finds it
+and ``rule_scores`` applies it to a batch. A rule comes from this module (the
+built-in rules below), from a ``.py`` file in the program's folder (loaded from
+its path; the driver learns the folder from ``plan.json``), or from an installed
+module the program lists in ``reward_modules``; nothing else is imported, so a
+job runs no code but the reward functions its program named. A rule that raises,
+returns something other than a number, or returns NaN/inf stops the run with an
+error naming the function, the sample and its prompt. The built-in rules (all in
+[0, 1], all 0 for an empty response unless stated):
 
 * ``vowel_count``     ``min(#vowels in response, 8) / 8``: the recommended reward
   for ``SyntheticPrompts``; a random 2-layer width-64 policy starts near 0.17
@@ -22,9 +28,18 @@ Responses are the decoded texts (special tokens such as EOS removed).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+import zlib
+from types import ModuleType
 from typing import Callable, Sequence
 
 import torch
+
+from .guards import NonFiniteError, RewardError, check_finite, short
 
 __all__ = [
     "vowel_count",
@@ -33,9 +48,26 @@ __all__ = [
     "target_length",
     "prompt_letters",
     "echo_prompt",
+    "BUILTIN_RULES",
+    "configure",
     "resolve_rule",
     "rule_scores",
+    "RuleError",
+    "RewardError",
+    "NonFiniteError",
 ]
+
+#: the rules ``rule("rlhfc.runtime.rewards:NAME", ...)`` may name (the compiler reads this list from the source)
+BUILTIN_RULES = ("vowel_count", "vowel_fraction", "digit_fraction", "target_length", "prompt_letters", "echo_prompt")
+
+
+class RuleError(ValueError):
+    """A rule reference that names no usable function (unknown, refused, or of the wrong signature)."""
+
+
+#: where resolve_rule looks by default (:func:`configure`), and the modules it loaded
+_CONFIG: dict = {"program_dir": None, "allowed": ()}
+_MODULES: dict[tuple, ModuleType] = {}
 
 RuleFn = Callable[[str, str], float]
 
@@ -84,25 +116,115 @@ def echo_prompt(prompt: str, response: str) -> float:
     return sum(1 for a, b in zip(prompt, response) if a == b) / len(prompt)
 
 
-def resolve_rule(ref: str) -> RuleFn:
-    """Import ``"package.module:function"``; a bare name looks in this module."""
+def configure(program_dir: str | None, allowed: Sequence[str] = ()) -> None:
+    """Where :func:`resolve_rule` looks by default: the program's folder and the ``reward_modules`` a job's
+    plan allows (the driver calls this when it loads ``plan.json``)."""
+    _CONFIG["program_dir"] = program_dir
+    _CONFIG["allowed"] = tuple(allowed or ())
+
+
+def resolve_rule(ref: str, program_dir: str | None = None, allowed: Sequence[str] | None = None) -> RuleFn:
+    """The rule function ``ref`` names (``"module:function"``; a bare name is a built-in rule).
+
+    The module is rlhfc's built-in rewards (this module: only :data:`BUILTIN_RULES`), an installed module
+    listed in ``allowed`` (the program's ``reward_modules``), or a ``.py`` file (or package) in
+    ``program_dir``, the program's folder, loaded from its path. Anything else is refused: a job runs no
+    code but the reward functions its program named. The function must be a plain Python function
+    defined in that module and callable as ``fn(prompt, response)``. Defaults: :func:`configure`'s."""
+    program_dir = _CONFIG["program_dir"] if program_dir is None else program_dir
+    allowed = tuple(_CONFIG["allowed"] if allowed is None else allowed)
     module_name, sep, attr = ref.partition(":")
     if not sep:
         module_name, attr = __name__, ref
     if not module_name or not attr:
-        raise ValueError(f"a rule reference is 'module:function', got {ref!r}")
+        raise RuleError(f"a rule reference is 'module:function', got {ref!r}")
+    if module_name == __name__:
+        if attr not in BUILTIN_RULES:
+            raise RuleError(f"rule {ref!r}: {attr!r} is not a built-in rule (built-in: {', '.join(BUILTIN_RULES)})")
+        return globals()[attr]
+    key = (module_name, program_dir, module_name in allowed)
+    module = _MODULES.get(key)
+    if module is None:
+        module = _import_rule_module(ref, module_name, program_dir, allowed)
+        _MODULES[key] = module
+    fn = module.__dict__.get(attr)
+    if fn is None:
+        raise RuleError(f"rule {ref!r}: module {module_name!r} has no function {attr!r}")
+    if not inspect.isfunction(fn) or getattr(fn, "__module__", None) != module.__name__:
+        raise RuleError(f"rule {ref!r}: {attr!r} is not a plain Python function defined in module {module_name!r} "
+                        f"(it is {type(fn).__name__})")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"rule {ref!r}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"rule {ref!r}: module {module_name!r} has no function {attr!r}")
+        inspect.signature(fn).bind("prompt", "response")
+    except (TypeError, ValueError):
+        raise RuleError(f"rule {ref!r}: the function must take (prompt, response), but it is "
+                        f"{attr}{inspect.signature(fn)}") from None
     return fn
 
 
-def rule_scores(fn: RuleFn, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
-    """``fn`` applied pairwise -> float32 tensor [B] (on CPU)."""
+def _import_rule_module(ref: str, module_name: str, program_dir: str | None, allowed: tuple) -> ModuleType:
+    top = module_name.split(".")[0]
+    if module_name in allowed and top not in sys.stdlib_module_names and top not in sys.builtin_module_names \
+            and top != "rlhfc":
+        try:
+            return importlib.import_module(module_name)
+        except Exception as e:
+            raise RuleError(f"rule {ref!r}: cannot import reward module {module_name!r} "
+                            f"({type(e).__name__}: {e})") from None
+    path = _local_source(program_dir, module_name) if program_dir else None
+    if path is None:
+        where = f"the program's folder {program_dir}" if program_dir else "the program's folder (not known)"
+        raise RuleError(f"rule {ref!r}: module {module_name!r} is not in {where}, not rlhfc's built-in rewards and "
+                        "not listed in reward_modules; a job runs no other code")
+    name = f"_rlhfc_rule_{zlib.crc32(os.path.abspath(path).encode()):08x}_{module_name.replace('.', '_')}"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = [os.path.dirname(path)] if os.path.basename(path) == "__init__.py" else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=package)
+    module = importlib.util.module_from_spec(spec)
+    if program_dir not in sys.path:
+        sys.path.append(program_dir)   # its own helper modules (last: it never shadows an installed module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise RuleError(f"rule {ref!r}: loading {path} raised {type(e).__name__}: {e}") from None
+    return module
+
+
+def _local_source(program_dir: str, module_name: str) -> str | None:
+    """``a.b`` in the program's folder: ``a/b.py`` or ``a/b/__init__.py``."""
+    base = os.path.join(program_dir, *module_name.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def rule_scores(fn: RuleFn, prompts: Sequence[str], responses: Sequence[str], name: str | None = None) \
+        -> torch.Tensor:
+    """``fn`` applied pairwise -> float32 tensor [B] (on CPU). A call that raises or returns something other
+    than a finite number stops with a :class:`RewardError` / :class:`NonFiniteError` naming the function
+    (``name``), the sample index and its prompt."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    return torch.tensor([float(fn(p, r)) for p, r in zip(prompts, responses)], dtype=torch.float32)
+    name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+    out = []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        try:
+            value = fn(p, r)
+        except Exception as e:
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (at "
+                              f"{os.path.basename(frame.filename)}:{frame.lineno}) on sample {i}, prompt "
+                              f"{short(p)}") from None
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward function {name} returned {value!r}, not a number, on sample {i}, prompt "
+                              f"{short(p)}") from None
+        out.append(number)
+    scores = torch.tensor(out, dtype=torch.float32)   # a double beyond float32's range becomes inf: refused too
+    return check_finite(scores, f"the reward of {name}", prompts=prompts)

@@ -28,15 +28,22 @@ Its vocabulary convention:
 
 ``load_tokenizer(spec)`` returns ``CharTokenizer(spec["vocab"])`` for config
 models, and wraps ``transformers.AutoTokenizer.from_pretrained(folder,
-local_files_only=True)`` in ``HFTokenizer`` for ``source`` folders.
+local_files_only=True)`` in ``HFTokenizer`` for ``source`` folders. A folder
+without a tokenizer, or with one of more tokens than the model's ``vocab``
+(ids past the embeddings), is a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import os
 import string
 from typing import Any, Mapping, Protocol, Sequence
 
-__all__ = ["Tokenizer", "CharTokenizer", "HFTokenizer", "load_tokenizer", "CHAR_ORDER"]
+__all__ = ["Tokenizer", "CharTokenizer", "HFTokenizer", "load_tokenizer", "CHAR_ORDER", "TOKENIZER_FILES"]
+
+#: files that hold a Hugging Face tokenizer's vocabulary (a model folder needs one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 _COMMON_PUNCT = ".,!?'-:;\"()"
 _OTHER_PUNCT = "".join(c for c in string.punctuation if c not in _COMMON_PUNCT)
@@ -137,11 +144,18 @@ class HFTokenizer:
 def load_tokenizer(spec: Mapping[str, Any]) -> CharTokenizer | HFTokenizer:
     """The tokenizer for a model spec (see module docstring)."""
     source = spec.get("source")
+    vocab = spec.get("vocab")
     if source:
         from transformers import AutoTokenizer
 
-        return HFTokenizer(AutoTokenizer.from_pretrained(source, local_files_only=True))
-    vocab = spec.get("vocab")
+        if not any(os.path.isfile(os.path.join(source, f)) for f in TOKENIZER_FILES):
+            raise ValueError(f"model folder {source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
+                             "the model's tokenizer into it (tokenizer.save_pretrained(folder))")
+        tok = HFTokenizer(AutoTokenizer.from_pretrained(source, local_files_only=True))
+        if isinstance(vocab, int) and tok.vocab_size > vocab:
+            raise ValueError(f"the tokenizer in {source} has {tok.vocab_size} tokens but the model's vocabulary has "
+                             f"{vocab}: ids {vocab} and up would index past its embeddings")
+        return tok
     if not isinstance(vocab, int):
         raise ValueError(f"a config model spec needs an int 'vocab' for the built-in tokenizer, got {vocab!r}")
     return CharTokenizer(vocab)

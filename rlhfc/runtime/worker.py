@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from . import ppo
 from .generation import (FinishedSample, PartialSample, collate, decode_responses, encode_prompts,
                          generate_stream, response_logprobs, response_values, sequence_scores)
+from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
@@ -168,10 +169,15 @@ class ModelWorker:
     @torch.no_grad()
     def values(self, rollout: Rollout) -> TokenValues:
         self._check_tokens(rollout)
-        return TokenValues(response_values(self.model, rollout.batch.to(self.device)).cpu(), rollout.mask)
+        values = response_values(self.model, rollout.batch.to(self.device)).cpu()
+        check_finite(values, f"the value estimate of '{self.name}'", mask=rollout.mask, prompts=rollout.prompts)
+        return TokenValues(values, rollout.mask)
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> torch.Tensor:
+        return check_finite(self._score(rollout), f"the score of reward model '{self.name}'", prompts=rollout.prompts)
+
+    def _score(self, rollout: Rollout) -> torch.Tensor:
         if rollout.tokenizer == self.tok_id:
             return sequence_scores(self.model, rollout.batch.to(self.device)).cpu()
         # a reward model with its own tokenizer scores the text
@@ -187,9 +193,10 @@ class ModelWorker:
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
               max_grad_norm: float, weight_decay: float, unpad: bool = False) -> dict[str, float]:
         """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are
-        padding in all of its rows (the ``unpad`` pass)."""
+        padding in all of its rows (the ``unpad`` pass). A non-finite loss or gradient stops it before the
+        optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch."""
         if self.optimizer is None:
-            self.optimizer = ppo.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
+            self.optimizer = self._make_optimizer(lr=lr, weight_decay=weight_decay)
         self._check_tokens(loss.rollout)
         batch: dict[str, Any] = loss.rollout.batch.to(self.device).as_dict()
         if isinstance(loss, PolicyLossInput):
@@ -204,12 +211,41 @@ class ModelWorker:
             batch["old_values"] = loss.old_values.to(self.device)
             batch["returns"] = loss.returns.to(self.device)
             fn = ppo.critic_loss_fn(clip=loss.clip)
-        metrics = ppo.train_epochs(self.model, self.optimizer, batch, fn, epochs=epochs,
-                                   minibatches=min(minibatches, loss.rollout.size),
+        if minibatches > loss.rollout.size:
+            raise ValueError(f"minibatches ({minibatches}) is more than the {loss.rollout.size} samples of the batch "
+                             f"'{self.name}' trains on")
+        kind = "policy" if isinstance(loss, PolicyLossInput) else "value"
+
+        def guarded(model, mb):
+            out, stats = fn(model, mb)
+            if not bool(torch.isfinite(out.detach()).all()):
+                raise NonFiniteError(f"the {kind} loss of '{self.name}' is {float(out.detach())} on a minibatch; the "
+                                     "run stops before the optimizer step (nothing of this step is checkpointed)")
+            return out, stats
+
+        metrics = ppo.train_epochs(self.model, self.optimizer, batch, guarded, epochs=epochs, minibatches=minibatches,
                                    max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad)
         self.version += 1
         metrics["version"] = float(self.version)
         return metrics
+
+    def _make_optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW that refuses to step on a non-finite gradient (checked after clipping, which turns a
+        non-finite norm into NaN gradients), so a bad minibatch never reaches the weights."""
+        opt = ppo.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
+        name = self.name
+
+        def finite_grads(optimizer, args, kwargs):
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                local = [x.to_local() if hasattr(x, "to_local") else x for x in grads]   # sharded: this rank's part
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.detach()) for x in local]))
+                if not bool(torch.isfinite(norm)):
+                    raise NonFiniteError(f"the gradient norm of '{name}' is {float(norm)}; the run stops before the "
+                                         "optimizer step (nothing of this step is checkpointed)")
+
+        opt.register_step_pre_hook(finite_grads)
+        return opt
 
     # -- weights ---------------------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -360,8 +396,7 @@ class ModelWorker:
         opt = meta.get("optimizer")
         if opt is not None:
             groups = opt["param_groups"]
-            self.optimizer = ppo.make_optimizer(self.model, lr=groups[0]["lr"],
-                                                weight_decay=groups[0].get("weight_decay", 0.0))
+            self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
             state = {int(i): {k: tensors[f"opt.{i}.{k}"] for k in keys} for i, keys in opt["state_keys"].items()}
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         return self.version

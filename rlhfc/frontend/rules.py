@@ -1,0 +1,155 @@
+"""Where ``rule("module:function", ...)`` finds its function, checked without running any of its code.
+
+A program runs no code but the reward functions its author named. A rule's module is looked up in, in order:
+
+1. rlhfc's built-in rewards, ``rlhfc.runtime.rewards`` (only the rules it lists in ``BUILTIN_RULES``);
+2. an installed module listed in the run block's ``reward_modules = ["pkg.mod"]``;
+3. a ``.py`` file (or package folder) in the program's own folder: ``"my_rewards:f"`` is ``my_rewards.py``
+   beside the program, ``"rules.text:f"`` is ``rules/text.py``.
+
+Anything else — ``os``, ``builtins``, ``subprocess``, any other installed module — is refused. The module's
+source is read and parsed, never imported (a check runs no code): the function must be defined there by a
+plain ``def`` that can be called as ``f(prompt, response)``. The runtime
+(:func:`rlhfc.runtime.rewards.resolve_rule`) looks the function up the same way and checks it again.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import json
+import os
+import sys
+
+from rlhfc.ir.diagnostics import did_you_mean
+from rlhfc.ir.verify_fields import BUILTIN_REWARDS
+
+_BUILTIN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime", "rewards.py")
+_EXAMPLE = f'"{BUILTIN_REWARDS}:vowel_count"'
+
+
+def rule_problem(ref: str, base_dir: str, allowed: list[str]) -> tuple[str, str] | None:
+    """(message, hint) when rule ``ref`` ("module:function") cannot be used by a program in ``base_dir`` that
+    allows the installed ``allowed`` modules, else None."""
+    mod, _, fn = ref.partition(":")
+    if mod == BUILTIN_REWARDS:
+        source, what = _BUILTIN_FILE, "rlhfc's built-in rewards"
+    elif mod in allowed:
+        source = _installed_source(mod)
+        what = f"installed module '{mod}'"
+        if source is None:
+            return (f"reward module '{mod}' (listed in reward_modules) is not installed",
+                    f"install it where the job runs ({sys.executable}), or remove it from reward_modules")
+        if not source.endswith(".py"):
+            return (f"reward module '{mod}' has no Python source to check ({os.path.basename(source)})",
+                    "a reward module must be a .py file; write the rule in Python beside the program")
+    else:
+        source = local_source(base_dir, mod)
+        what = f"{os.path.relpath(source)}" if source else ""
+        if source is None:
+            return _not_found(mod, base_dir)
+    try:
+        with open(source, "rb") as fh:
+            tree = ast.parse(fh.read(), filename=source)
+    except (OSError, SyntaxError, ValueError) as exc:
+        line = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        return (f"cannot read rule module '{mod}' ({what}{line}): {type(exc).__name__}",
+                "fix the module so that Python can parse it")
+    if mod == BUILTIN_REWARDS:
+        names = _builtin_rules(tree)
+        if fn not in names:
+            return (f"'{fn}' is not one of rlhfc's built-in rules",
+                    " ".join(filter(None, [did_you_mean(fn, names), f"built-in rules: {', '.join(names)}"])))
+    return _function_problem(tree, mod, fn, what)
+
+
+def local_source(base_dir: str, mod: str) -> str | None:
+    """The file of module ``mod`` in the program's folder (``a.b`` is ``a/b.py`` or ``a/b/__init__.py``)."""
+    base = os.path.join(base_dir or ".", *mod.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _installed_source(mod: str) -> str | None:
+    """The file an installed module would be imported from, found without importing anything."""
+    parts = mod.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(parts[0])
+    for i in range(1, len(parts)):
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), list(spec.submodule_search_locations))
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen", "namespace"):
+        return None
+    return spec.origin
+
+
+def _not_found(mod: str, base_dir: str) -> tuple[str, str]:
+    top = mod.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "rlhfc":
+        return (f"rule() may not call into '{mod}': a rule names a reward function of the program's folder or "
+                "of rlhfc's built-in rewards",
+                f"define def f(prompt, response) -> float in a .py file beside the program, or use a built-in "
+                f"rule such as {_EXAMPLE}")
+    shown = os.path.join(base_dir or ".", *mod.split(".")) + ".py"
+    return (f"rule module '{mod}' not found: no {mod.replace('.', '/')}.py in the program's folder",
+            f"looked for {shown}; put the module beside the program, use a built-in rule such as {_EXAMPLE}, or "
+            f"allow an installed module with reward_modules = [{json.dumps(mod)}] in the run block")
+
+
+def _builtin_rules(tree: ast.Module) -> list[str]:
+    """The names in ``BUILTIN_RULES = (...)`` of the built-in rewards module."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "BUILTIN_RULES"
+                                                for t in node.targets):
+            try:
+                return [str(x) for x in ast.literal_eval(node.value)]
+            except ValueError:
+                return []
+    return []
+
+
+def _function_problem(tree: ast.Module, mod: str, fn: str, what: str) -> tuple[str, str] | None:
+    """Why ``fn`` of the parsed module is not a plain function callable as ``fn(prompt, response)``."""
+    binding = None   # the last top-level statement that binds the name wins, as when Python runs the module
+    defs = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.append(node.name)
+        if _binds(node, fn):
+            binding = node
+    example = f"def {fn}(prompt, response):\n    return float(...)"
+    if binding is None:
+        listed = f"functions there: {', '.join(defs[:8])}{' …' if len(defs) > 8 else ''}" if defs else \
+            f"define it there: {example.splitlines()[0]}"
+        return f"module '{mod}' ({what}) has no function '{fn}'", " ".join(filter(None, [did_you_mean(fn, defs), listed]))
+    if not isinstance(binding, ast.FunctionDef):
+        kind = {ast.AsyncFunctionDef: "an async function", ast.ClassDef: "a class", ast.Import: "an import",
+                ast.ImportFrom: "an import"}.get(type(binding), "not a function definition")
+        return (f"'{fn}' in module '{mod}' is {kind}, not a plain function defined there",
+                f"a rule is a function written in the module with def: {example.splitlines()[0]}")
+    a = binding.args
+    positional = a.posonlyargs + a.args
+    required = len(positional) - len(a.defaults)
+    shown = ", ".join(x.arg for x in positional) + (f", *{a.vararg.arg}" if a.vararg else "")
+    missing_kw = [k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    if required > 2 or (len(positional) < 2 and a.vararg is None) or missing_kw:
+        return (f"rule function '{mod}:{fn}' must take (prompt, response), but it is {fn}({shown}"
+                f"{', *, ' + ', '.join(missing_kw) if missing_kw else ''})",
+                f"define it as def {fn}(prompt, response) -> float")
+    return None
+
+
+def _binds(node: ast.stmt, name: str) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name.split(".")[0]) == name for a in node.names)
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t))
+    return False
+
+
+__all__ = ["rule_problem", "local_source"]
