@@ -368,6 +368,8 @@ def train_epochs(
     max_grad_norm: float | None = 1.0,
     generator: torch.Generator | None = None,
     unpad: bool = False,
+    shard: tuple[int, int] | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Run ``epochs`` passes over ``batch`` in ``minibatches`` optimizer steps each.
 
@@ -379,6 +381,13 @@ def train_epochs(
     Returns the mean of each metric over all steps, plus ``grad_norm`` (before
     clipping) and ``loss``. The model is put in train mode and left in eval mode.
     ``unpad``: each minibatch goes through :func:`crop_padding` first.
+
+    Data parallel (``shard = (rank, world)``, every rank calling with the same batch and generator
+    state): each rank takes its contiguous share of every minibatch and weights its loss by its share
+    of the minibatch's response tokens, times ``world``. The losses are token means, so once the
+    gradients are averaged over the ranks (FSDP does it in backward) they are the gradient of the
+    whole minibatch's loss; ``reduce`` (a sum over the ranks) makes the metrics the whole
+    minibatch's too. A minibatch needs at least ``world`` rows.
     """
     b = _batch_size(batch)
     if minibatches < 1 or minibatches > b:
@@ -392,16 +401,31 @@ def train_epochs(
             order = torch.randperm(b, generator=generator)
             for index in torch.tensor_split(order, minibatches):
                 optimizer.zero_grad(set_to_none=True)
+                weight = 1.0
+                if shard is not None:
+                    rank, world = shard
+                    if len(index) < world:
+                        raise ValueError(f"a minibatch of {len(index)} rows cannot be split over {world} "
+                                         "data-parallel ranks: use fewer minibatches or fewer ranks")
+                    tokens = batch["response_mask"][index].sum()
+                    index = torch.tensor_split(index, world)[rank]
+                    weight = float(batch["response_mask"][index].sum() / tokens.clamp(min=1))
                 part = _take(batch, index)
                 loss, metrics = loss_fn(model, crop_padding(part) if unpad else part)
-                loss.backward()
+                (loss * (weight * shard[1]) if shard is not None else loss).backward()
                 if max_grad_norm is not None:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
                 else:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, math.inf)
+                if hasattr(grad_norm, "full_tensor"):   # a DTensor (sharded parameters): the global norm
+                    grad_norm = grad_norm.full_tensor()
                 optimizer.step()
-                step_metrics = dict(metrics)
-                step_metrics["loss"] = float(loss.detach())
+                step_metrics = {k: float(v) * weight for k, v in metrics.items()}
+                step_metrics["loss"] = float(loss.detach()) * weight
+                if reduce is not None:
+                    keys = sorted(step_metrics)
+                    summed = reduce(torch.tensor([step_metrics[k] for k in keys], dtype=torch.float64))
+                    step_metrics = dict(zip(keys, summed.tolist()))
                 step_metrics["grad_norm"] = float(grad_norm)
                 for k, v in step_metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v)

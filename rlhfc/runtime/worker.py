@@ -223,11 +223,15 @@ class ModelWorker:
                                      "run stops before the optimizer step (nothing of this step is checkpointed)")
             return out, stats
 
-        metrics = ppo.train_epochs(self.model, self.optimizer, batch, guarded, epochs=epochs, minibatches=minibatches,
-                                   max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad)
+        metrics = self._train_epochs(self.model, self.optimizer, batch, guarded, epochs=epochs, minibatches=minibatches,
+                                     max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad)
         self.version += 1
         metrics["version"] = float(self.version)
         return metrics
+
+    def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
+        """The training loop (a data-parallel rank runs its share: rlhfc.runtime.parallel)."""
+        return ppo.train_epochs(*args, **kwargs)
 
     def _make_optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """AdamW that refuses to step on a non-finite gradient (checked after clipping, which turns a
@@ -321,7 +325,7 @@ class ModelWorker:
         limit = max(1, int(bucket_mb)) * 2**20
         out: list[list[tuple[str, torch.Tensor]]] = []
         size = 0
-        for name, tensor in self.model.state_dict().items():
+        for name, tensor in self._state_items():
             if not out or size >= limit or out[-1][0][1].dtype != tensor.dtype:
                 out.append([])
                 size = 0
@@ -366,10 +370,24 @@ class ModelWorker:
         self.version = int(version)
         return self.version
 
+    def _state_items(self):
+        """The model's tensors in state-dict order (a data-parallel rank gathers them in full)."""
+        return self.model.state_dict().items()
+
     # -- checkpoints (safetensors + JSON only: loading never unpickles) ----------------------------
+    #: whether this worker writes the checkpoint files (one rank of a data-parallel group does)
+    _writes = True
+
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of the optimizer state in full (a data-parallel rank gathers its shards)."""
+        return tensor
+
+    def _placed(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """Optimizer state of parameter ``index`` loaded in full, as this worker holds it."""
+        return full
+
     def save(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.get_weights().items()}, os.path.join(folder, "weights.safetensors"))
+        weights = {k: v.contiguous() for k, v in self.get_weights().items()}
         tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
                    "rng.torch": torch.get_rng_state()}
         meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": None}
@@ -377,15 +395,19 @@ class ModelWorker:
             sd = self.optimizer.state_dict()
             for idx, state in sd["state"].items():
                 for key, t in state.items():
-                    tensors[f"opt.{idx}.{key}"] = torch.as_tensor(t).detach().cpu().contiguous()
+                    tensors[f"opt.{idx}.{key}"] = self._full(torch.as_tensor(t)).detach().cpu().contiguous()
             meta["optimizer"] = {"param_groups": sd["param_groups"], "state_keys": {
                 str(i): sorted(s.keys()) for i, s in sd["state"].items()}}
+        if not self._writes:
+            return
+        os.makedirs(folder, exist_ok=True)
+        save_file(weights, os.path.join(folder, "weights.safetensors"))
         save_file(tensors, os.path.join(folder, "state.safetensors"))
         with open(os.path.join(folder, "state.json"), "w") as fh:
             json.dump(meta, fh)
 
     def load(self, folder: str) -> int:
-        set_weights(self.model, load_file(os.path.join(folder, "weights.safetensors")))
+        self.set_weights(load_file(os.path.join(folder, "weights.safetensors")))
         tensors = load_file(os.path.join(folder, "state.safetensors"))
         with open(os.path.join(folder, "state.json")) as fh:
             meta = json.load(fh)
@@ -397,6 +419,7 @@ class ModelWorker:
         if opt is not None:
             groups = opt["param_groups"]
             self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
-            state = {int(i): {k: tensors[f"opt.{i}.{k}"] for k in keys} for i, keys in opt["state_keys"].items()}
+            state = {int(i): {k: self._placed(int(i), tensors[f"opt.{i}.{k}"]) for k in keys}
+                     for i, keys in opt["state_keys"].items()}
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         return self.version

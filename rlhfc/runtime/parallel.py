@@ -1,0 +1,259 @@
+"""Data-parallel ranks: one model's replicas sharded with FSDP2 over a process group (the ``fsdp`` trainer).
+
+A worker group of ``world`` ranks hosts one model on ``world`` devices (cores on a CPU
+cluster). Every rank builds the same seeded initial weights, joins the group's
+``torch.distributed`` process group (gloo on CPU, NCCL on CUDA) and shards the model with
+``torch.distributed.fsdp.fully_shard`` — each transformer block, then the whole model —
+so a rank keeps 1/world of every parameter and of the optimizer state.
+
+How each stage runs on the group (the driver calls every rank; :mod:`rlhfc.runtime.group`):
+
+- **forwards** (``logprobs``, ``values``, ``score``): each rank runs its contiguous share of the
+  rollout's rows (``rows = (rank, world)``); the group concatenates the results in row order.
+  Per-row results equal the single-rank model's up to float rounding (batched products over
+  fewer rows).
+- **train**: every rank gets the whole loss input and draws the same minibatch order; each
+  trains on its share of every minibatch, its loss weighted by its share of the minibatch's
+  tokens, and FSDP averages the gradients in backward — the whole minibatch's gradient
+  (:func:`rlhfc.runtime.ppo.train_epochs`). Metrics are summed over the ranks the same way.
+- **generation**: the ranks gather the full weights into an unsharded copy and rank 0 samples
+  every row from the same random stream a single rank uses, so a dp group samples the tokens
+  a single rank samples. (Splitting generation over the ranks needs per-row random streams.)
+- **weights out** (``get_weights``, ``export_buckets``, ``save``): gathered in full on every
+  rank (a collective), answered or written by rank 0; **weights in** (``set_weights``,
+  ``import_bucket``, ``load``): every rank takes its shard of the full tensors. Checkpoints hold
+  full tensors, so a run saved under one layout resumes under another.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import ppo
+from .values import Rollout, TokenValues
+from .worker import GROUP_TIMEOUT_S, ModelWorker
+
+#: the methods of the model wrappers (rlhfc.runtime.models) that run a forward besides ``forward``
+FORWARD_METHODS = ("forward_logits", "decode_step", "values", "score", "token_outputs")
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a model (the largest ``nn.ModuleList`` inside it)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))
+
+
+def shard_model(model: nn.Module, device: str = "cpu") -> nn.Module:
+    """Shard ``model`` in place with FSDP2 over the default process group: each block, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for name in FORWARD_METHODS:
+        if callable(getattr(model, name, None)):
+            register_fsdp_forward_method(model, name)
+    return model
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer in full (a collective: every rank must call it)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        out[key] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return out
+
+
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a sharded model: each rank keeps its shard (exact copies)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    current = model.state_dict()
+    with torch.no_grad():
+        for key, full in state.items():
+            target = current[key]
+            if hasattr(target, "device_mesh"):
+                piece = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements)
+                target.to_local().copy_(piece.to_local())
+            else:
+                target.copy_(full)
+
+
+def row_share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The contiguous rows [lo, hi) of ``n`` that rank ``rank`` of ``world`` takes (as ``tensor_split``)."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def rows_of(rollout: Rollout, lo: int, hi: int) -> Rollout:
+    """The rollout's rows [lo, hi)."""
+    from dataclasses import replace
+
+    index = list(range(lo, hi))
+    return replace(rollout, batch=rollout.batch.select(index), prompts=rollout.prompts[lo:hi],
+                   responses=rollout.responses[lo:hi],
+                   rows=rollout.rows[lo:hi] if rollout.rows else [],
+                   born=rollout.born[lo:hi] if rollout.born else [],
+                   logprobs=rollout.logprobs[lo:hi] if rollout.logprobs is not None else None)
+
+
+def join(parts: list):
+    """Concatenate the ranks' forward results in row order (TokenValues or score tensors)."""
+    if isinstance(parts[0], TokenValues):
+        return TokenValues(torch.cat([p.values for p in parts]), torch.cat([p.mask for p in parts]))
+    return torch.cat(parts)
+
+
+class DataParallelWorker(ModelWorker):
+    """Rank ``rank`` of a data-parallel group of ``world`` ranks hosting one model (see module docstring).
+
+    ``store``: (host, port) of the group's rendezvous (rank 0 hosts it: :func:`open_store`)."""
+
+    def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
+                 cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int],
+                 backend: str = "gloo"):
+        super().__init__(name, spec, init, seed, threads, device, cores)
+        self.rank, self.world = int(rank), int(world)
+        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+        tcp = dist.TCPStore(store[0], int(store[1]), self.world, self.rank == 0, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"rlhfc-dp/{name}", tcp), rank=self.rank,
+                                world_size=self.world, timeout=timeout)
+        self._tcp = tcp   # the store must outlive the group
+        shard_model(self.model, device)
+        self._replica: nn.Module | None = None
+
+    # -- forwards: each rank its share of the rows ------------------------------------------------
+    def _mine(self, rollout: Rollout) -> Rollout:
+        return rows_of(rollout, *row_share(rollout.size, self.rank, self.world))
+
+    # FSDP2 keeps the root module's parameters gathered after a forward (backward would gather them
+    # again); a forward-only stage reshards them, so memory is freed and model.parameters() are the
+    # sharded ones again (an optimizer built on gathered copies would update throwaway tensors)
+    def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
+        try:
+            return super().logprobs(self._mine(rollout), temperature=temperature)
+        finally:
+            self.model.reshard()
+
+    def values(self, rollout: Rollout) -> TokenValues:
+        try:
+            return super().values(self._mine(rollout))
+        finally:
+            self.model.reshard()
+
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        try:
+            return super().score(self._mine(rollout))
+        finally:
+            self.model.reshard()
+
+    # -- training: every rank its share of every minibatch ------------------------------------------
+    def _make_optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        self.model.reshard()   # the optimizer must hold the sharded parameters
+        return super()._make_optimizer(lr=lr, weight_decay=weight_decay)
+
+    def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t)
+            return t
+
+        return ppo.train_epochs(*args, shard=(self.rank, self.world), reduce=reduce, **kwargs)
+
+    # -- generation: rank 0 samples every row on a gathered copy ------------------------------------
+    def _generation_model(self) -> nn.Module:
+        from .models import build_model
+
+        state = full_state(self.model)
+        if self._replica is None:
+            self._replica = build_model(self.model.spec, seed=0, device=self.device)
+        self._replica.load_state_dict(state)
+        return self._replica
+
+    def generate(self, prompts: list[str], **kwargs):
+        model = self._generation_model()   # a collective: every rank gathers
+        if self.rank != 0:
+            return None
+        with _swapped(self, model):
+            return super().generate(prompts, **kwargs)
+
+    def generate_chunks(self, prompts: list[str], **kwargs):
+        model = self._generation_model()
+        if self.rank != 0:
+            return
+        with _swapped(self, model):
+            yield from super().generate_chunks(prompts, **kwargs)
+
+    # -- weights ----------------------------------------------------------------------------------------
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in full_state(self.model).items()}
+
+    def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
+        load_full_state(self.model, weights)
+        if version is not None:
+            self.version = version
+        return self.version
+
+    def export_buckets(self, bucket_mb: int) -> tuple[list, int, int]:
+        if self.rank == 0:
+            return super().export_buckets(bucket_mb)   # its buckets gather the full tensors
+        full_state(self.model)                         # take part in the gathers
+        return [], self.version, 0
+
+    def _state_items(self):
+        return full_state(self.model).items()
+
+    def import_bucket(self, bucket: dict) -> int:
+        load_full_state(self.model, {k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
+        return len(bucket)
+
+    # -- checkpoints: full tensors (layout-free), written by rank 0 ---------------------------------------
+    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    @property
+    def _writes(self) -> bool:
+        return self.rank == 0
+
+    def _placed(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """Optimizer state loaded in full, as the shard of parameter ``index`` this rank holds."""
+        from torch.distributed.tensor import distribute_tensor
+
+        param = [p for g in self.optimizer.param_groups for p in g["params"]][index]
+        if hasattr(param, "device_mesh") and full.dim() > 0:
+            return distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements)
+        return full
+
+    def save(self, folder: str) -> None:
+        super().save(folder)
+        dist.barrier()   # the checkpoint is complete on disk when any rank returns
+
+
+class _swapped:
+    """Run the single-rank code on the gathered copy, then put the sharded model back."""
+
+    def __init__(self, worker: DataParallelWorker, model: nn.Module):
+        self.worker, self.model = worker, model
+
+    def __enter__(self):
+        self.sharded, self.worker.model = self.worker.model, self.model
+
+    def __exit__(self, *exc):
+        self.worker.model = self.sharded
+
+
+def open_store() -> tuple[str, int]:
+    """A free (host, port) on this node for a group's rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1", s.getsockname()[1]
