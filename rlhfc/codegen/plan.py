@@ -51,7 +51,7 @@ def placement(module: Module) -> dict:
                for _ in range(c.nodes)]
     workers = {w.name: {"model": w.model, "mesh": list(w.mesh.pair()), "bundle": w.node,
                         "num_cpus": 0 if gpu else w.share, "num_gpus": w.share if gpu else 0,
-                        "threads": 1 if gpu else w.threads, "cores": list(w.cores)}
+                        "threads": 1 if gpu else w.threads, "cores": list(w.cores), "ranks": w.ranks}
                for w in plan.workers(module).values()}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 

@@ -137,7 +137,9 @@ class RunConfig:
     """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level, the
     placement strategy (``auto``: search on multi-device clusters, else flatten), and the installed
     modules that ``rule("module:function", ...)`` may name besides the program's folder and rlhfc's
-    built-in rewards (``reward_modules``; printed only when not empty)."""
+    built-in rewards (``reward_modules``; printed only when not empty), and the trainer of models whose
+    layout is data parallel (``trainer``: ``torch`` runs each model on one process per mesh, ``fsdp``
+    runs dp ranks sharded with FSDP2; printed only when not ``torch``)."""
 
     steps: int = 10
     seed: int = 0
@@ -145,6 +147,7 @@ class RunConfig:
     optimize: str = "O1"
     placement: str = "auto"
     reward_modules: list = field(default_factory=list)
+    trainer: str = "torch"
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
@@ -154,6 +157,8 @@ class RunConfig:
                "optimize": self.optimize, "placement": self.placement}
         if self.reward_modules:
             out["reward_modules"] = self.reward_modules
+        if self.trainer != "torch":
+            out["trainer"] = self.trainer
         return out
 
 

@@ -21,7 +21,7 @@ from .core import DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunCo
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
 from .ops import OpSpec
-from .plan import OPT_LEVELS, PLACEMENTS
+from .plan import OPT_LEVELS, PLACEMENTS, TRAINERS
 from .plan import describe as _describe
 
 #: the example value a hint suggests for each integer setting
@@ -249,6 +249,10 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
     if r.placement not in PLACEMENTS:
         f.error("placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {_name(r.placement)}",
                 "auto searches on multi-device clusters; e.g. placement = interleave")
+    if r.trainer not in TRAINERS:
+        hint = ("megatron-core tensor/pipeline parallelism is not implemented yet" if r.trainer in ("megatron", "auto")
+                else "torch runs one process per model and mesh; fsdp runs a data-parallel layout as FSDP2 ranks")
+        f.error("trainer", f"trainer must be one of {', '.join(TRAINERS)}, got {_name(r.trainer)}", hint)
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         f.error("reward_modules", f"reward_modules must be a list of module names, got {show(mods)}",

@@ -101,9 +101,11 @@ class Cluster:
         return pg
 
     def _create_workers(self, ray) -> dict[str, Any]:
-        """One group of one rank per placed worker; returns each group's ``ready`` reference."""
+        """One group per placed worker — one rank, or ``ranks`` data-parallel ranks (``trainer = fsdp``) —
+        and each group's ``ready`` reference."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from .parallel import DataParallelWorker
         from .worker import ModelWorker
 
         use_gpu = self.plan["cluster"]["device"] != "cpu"
@@ -111,19 +113,42 @@ class Cluster:
         for name, w in self.plan["placement"]["workers"].items():
             model_name = w.get("model", name)
             model = self.plan["models"][model_name]
-            actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
-                                   max_restarts=0)(ModelWorker)
-            handle = actor_cls.options(
-                name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w["bundle"]),
-            ).remote(model_name, model["spec"], model["init"], self.seed, w.get("threads", 1),
-                     "cuda" if use_gpu else "cpu", w.get("cores"))
-            group = WorkerGroup(name, [handle], model=model_name)
+            ranks = int(w.get("ranks", 1))
+            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w["bundle"])
+            args = (model_name, model["spec"], model["init"], self.seed)
+            device = "cuda" if use_gpu else "cpu"
+            if ranks == 1:
+                actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
+                                       max_restarts=0)(ModelWorker)
+                handles = [actor_cls.options(scheduling_strategy=where).remote(
+                    *args, w.get("threads", 1), device, w.get("cores"))]
+            else:   # the ranks share the worker's devices: one core (or GPU) each, round robin
+                store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
+                actor_cls = ray.remote(num_cpus=w["num_cpus"] / ranks, num_gpus=w.get("num_gpus", 0) / ranks,
+                                       max_restarts=0)(DataParallelWorker)
+                cores = w.get("cores") or []
+                handles = [actor_cls.options(scheduling_strategy=where).remote(
+                    *args, 1, device, [cores[r % len(cores)]] if cores else None, rank=r, world=ranks, store=store,
+                    backend="nccl" if use_gpu else "gloo") for r in range(ranks)]
+            group = WorkerGroup(name, handles, model=model_name)
             self.workers[name] = group
-            refs[name] = group.ready.remote()   # the health check: every worker has built its model
+            refs[name] = group.ready.remote()   # the health check: every rank has built its model
         return refs
 
     def shutdown(self) -> None:
         """Stop Ray if this job started it (a connected cluster keeps running)."""
         if self.started_ray:
             import_ray().shutdown()
+
+
+def _free_port() -> tuple[str, int]:
+    """(this node's address, a free port on it): the rendezvous of a data-parallel group, run as a Ray
+    task on the group's node."""
+    import socket
+
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]

@@ -83,3 +83,23 @@ def test_stream_and_overcommit_only_on_generate():
     assert "'stream' applies to generate stages only, not forward.logprobs" in d.message
     (d,) = _errors({}, module_ann={"strategy": "random"})
     assert "strategy must be one of flatten, interleave, separate, search" in d.message
+
+
+def test_fsdp_trainer_runs_dp_ranks_and_refuses_tensor_or_pipeline_parallel_layouts():
+    from rlhfc.ir.plan import workers
+
+    m = gpu_ppo()
+    m.run.trainer = "fsdp"
+    text = print_module(m)
+    assert 'trainer = "fsdp"' in text and print_module(parse_ir(text)) == text
+    (d,) = _errors({"roll": {"mesh": {"first": 0, "count": 4}, "parallel": {"dp": 2, "tp": 2, "pp": 1}}}, m)
+    assert "trainer fsdp runs data-parallel ranks only" in d.message and "trainer = torch" in d.hint
+    m = gpu_ppo()
+    m.run.trainer = "fsdp"
+    assert _errors({"actor_train": {"mesh": {"first": 0, "count": 4}, "parallel": {"dp": 4}},
+                    "roll": {"mesh": {"first": 0, "count": 4}, "parallel": {"dp": 4}}}, m) == []
+    ranks = {w.name: w.ranks for w in workers(m).values()}
+    assert ranks["actor"] == 4 and all(r == 8 for n, r in ranks.items() if n != "actor")   # the rest: all 8 devices
+    m.run.trainer = "torch"
+    assert {w.ranks for w in workers(m).values()} == {1}
+    assert "trainer" not in print_module(m)

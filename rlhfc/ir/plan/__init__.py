@@ -33,21 +33,21 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 
 from __future__ import annotations
 
-from .attrs import (OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS, WORKER_FAMILIES, Layout,
+from .attrs import (OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRAINERS, TRANSPORTS, WORKER_FAMILIES, Layout,
                     Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Sync, describe, opt_level)
 from .check import verify_plan
 from .rules import (Worker, device_shares, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
                     overcommit_delta, overlap_group, policy_temperature, recompute, set_flag, set_layout, set_overlap,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
                     stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
-                    workers)
+                    worker_ranks, workers)
 
 __all__ = [
-    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRANSPORTS", "WORKER_FAMILIES",
+    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "set_flag", "set_layout",
     "set_overlap", "set_strategy", "set_stream_from", "stage_layout", "stage_mesh", "stage_worker", "strategy",
     "stream", "stream_chunk", "stream_consumers", "stream_source", "streams", "sync_destination", "worker_key",
-    "worker_name", "workers",
+    "worker_name", "worker_ranks", "workers",
 ]

@@ -18,6 +18,9 @@ STRATEGIES = ("flatten", "interleave", "separate", "search")
 PLACEMENTS = ("auto",) + STRATEGIES
 #: activation recomputation policies of a training stage, cheapest in memory last
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+#: trainers a run can choose (``run { trainer = ... }``): ``torch`` — one process per model and mesh;
+#: ``fsdp`` — a model whose layout has dp > 1 runs as dp ranks sharded with FSDP2
+TRAINERS = ("torch", "fsdp")
 #: how a ``sync`` stage moves weights
 TRANSPORTS = ("object_store", "collective")
 #: op families whose stages run on a model's worker

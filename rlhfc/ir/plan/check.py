@@ -39,8 +39,13 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
             count = None
     if Parallel.key in ann:
         try:
-            for exc in Parallel.parse(ann[Parallel.key], count).verify(count, module.models.get(stage.target or "")):
+            par = Parallel.parse(ann[Parallel.key], count)
+            for exc in par.verify(count, module.models.get(stage.target or "")):
                 report(exc)
+            if module.run.trainer == "fsdp" and (par.tp > 1 or par.pp > 1):
+                sink.error(f"{label}: trainer fsdp runs data-parallel ranks only, but the layout has tp = {par.tp}, "
+                           f"pp = {par.pp}", at, "use parallel = {dp = N} for this stage, or trainer = torch "
+                           "(tensor and pipeline parallel trainers are not implemented yet)")
         except PlanError as exc:
             report(exc)
     if "microbatches" in ann and not (_is_int(ann["microbatches"]) and ann["microbatches"] >= 1):

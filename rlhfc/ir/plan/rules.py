@@ -212,12 +212,15 @@ class Worker:
     devices: tuple[int, ...]
     share: float
     threads: int
+    ranks: int = 1
 
 
 def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
     """Every worker the runtime starts, keyed by (model, mesh): one per mesh a model's stages run on, plus
     the destination of each ``sync``. A worker occupies its mesh's devices on the mesh's first node (one
-    Ray bundle per node); a device used by k workers gives each 1/k (:func:`device_shares`)."""
+    Ray bundle per node); a device used by k workers gives each 1/k (:func:`device_shares`). Under
+    ``trainer = fsdp`` a worker runs as ``ranks`` data-parallel processes: the dp of its train stage's
+    layout (else the largest dp of its stages); otherwise as one."""
     c = module.cluster
     found: dict[tuple[str, Mesh], tuple[int, tuple[int, ...]]] = {}
     for s in module.graph.stages:
@@ -235,8 +238,20 @@ def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
     for (model, m), (node, cores) in found.items():
         sh = shares[(model, m)]
         out[(model, m)] = Worker(worker_name(module, model, m), model, m, node, cores,
-                                 tuple(node * c.per_node + core for core in cores), sh["share"], sh["threads"])
+                                 tuple(node * c.per_node + core for core in cores), sh["share"], sh["threads"],
+                                 worker_ranks(module, model, m))
     return out
+
+
+def worker_ranks(module: Module, model: str, where: Mesh) -> int:
+    """How many processes run ``model`` on ``where``: its data-parallel degree under ``trainer = fsdp``
+    (the train stage's, else the largest of its stages there), else 1."""
+    if module.run.trainer != "fsdp":
+        return 1
+    on = [s for s in module.graph.stages_on(model) if on_worker(module, s) and s.op != "sync"
+          and stage_mesh(module, s) == where]
+    train = [s for s in on if s.op == "train"]
+    return max((stage_layout(module, s).dp for s in (train or on)), default=1)
 
 
 def device_shares(devices_by_worker: dict) -> dict:
