@@ -22,13 +22,13 @@ from .errors import JobError
 #:   collectives of the group); the group answers with rank 0's result once every rank is done.
 #: * ``stream`` — every rank takes part; rank 0 streams the chunks (it samples every row).
 #:
-#: The collective transfer methods (``open_group``, ``join_group``, ``send_weights``, ``recv_weights``)
+#: The collective transfer methods (``sync_open``, ``sync_join``, ``sync_send``, ``sync_recv``)
 #: are refused on dp > 1 groups: a sync's process group would span the sender's rank 0 and every
 #: receiving rank, which is not built yet (object-store syncs work).
 DP_RULES: dict[str, str] = {
     "logprobs": "split", "values": "split", "score": "split",
     "generate": "all", "train": "all", "ready": "all", "load": "all", "save": "all", "set_weights": "all",
-    "get_weights": "all", "import_bucket": "all", "export_buckets": "all", "set_version": "all",
+    "get_weights": "all", "sync_import": "all", "sync_export": "all", "set_version": "all",
     "get_version": "all",
     "generate_chunks": "stream",
 }

@@ -202,15 +202,15 @@ class Job:
             if transport == "collective":
                 if stage not in self.collectives:
                     backend = "gloo" if self.plan["cluster"]["device"] == "cpu" else "nccl"
-                    host, port = ray.get(src.open_group.remote(stage))
-                    ray.get([src.join_group.remote(stage, 0, host, port, backend),
-                             dst.join_group.remote(stage, 1, host, port, backend)])
+                    host, port = ray.get(src.sync_open.remote(stage))
+                    ray.get([src.sync_join.remote(stage, 0, host, port, backend),
+                             dst.sync_join.remote(stage, 1, host, port, backend)])
                     self.collectives[stage] = backend
-                sent, received = src.send_weights.remote(stage, bucket_mb), dst.recv_weights.remote(stage, bucket_mb)
+                sent, received = src.sync_send.remote(stage, bucket_mb), dst.sync_recv.remote(stage, bucket_mb)
                 (version, nbytes, buckets), _ = ray.get([sent, received])
             elif transport == "object_store":
-                refs, version, nbytes = ray.get(src.export_buckets.remote(bucket_mb))
-                ray.get([dst.import_bucket.remote(r) for r in refs])
+                refs, version, nbytes = ray.get(src.sync_export.remote(bucket_mb))
+                ray.get([dst.sync_import.remote(r) for r in refs])
                 buckets = len(refs)
             else:
                 raise JobError(f"stage '{stage}': unknown weight transport {transport!r}",

@@ -19,9 +19,9 @@ How each stage runs on the group (the driver calls every rank; :mod:`rlhfc.runti
 - **generation**: the ranks gather the full weights into an unsharded copy and rank 0 samples
   every row from the same random stream a single rank uses, so a dp group samples the tokens
   a single rank samples. (Splitting generation over the ranks needs per-row random streams.)
-- **weights out** (``get_weights``, ``export_buckets``, ``save``): gathered in full on every
+- **weights out** (``get_weights``, ``sync_export``, ``save``): gathered in full on every
   rank (a collective), answered or written by rank 0; **weights in** (``set_weights``,
-  ``import_bucket``, ``load``): every rank takes its shard of the full tensors. Checkpoints hold
+  ``sync_import``, ``load``): every rank takes its shard of the full tensors. Checkpoints hold
   full tensors, so a run saved under one layout resumes under another.
 """
 
@@ -202,16 +202,16 @@ class DataParallelWorker(ModelWorker):
             self.version = version
         return self.version
 
-    def export_buckets(self, bucket_mb: int) -> tuple[list, int, int]:
+    def sync_export(self, bucket_mb: int) -> tuple[list, int, int]:
         if self.rank == 0:
-            return super().export_buckets(bucket_mb)   # its buckets gather the full tensors
+            return super().sync_export(bucket_mb)   # its buckets gather the full tensors
         full_state(self.model)                         # take part in the gathers
         return [], self.version, 0
 
     def _state_items(self):
         return full_state(self.model).items()
 
-    def import_bucket(self, bucket: dict) -> int:
+    def sync_import(self, bucket: dict) -> int:
         load_full_state(self.model, {k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
         return len(bucket)
 

@@ -261,7 +261,7 @@ class ModelWorker:
             self.version = version
         return self.version
 
-    def export_buckets(self, bucket_mb: int) -> tuple[list, int, int]:
+    def sync_export(self, bucket_mb: int) -> tuple[list, int, int]:
         """Put the weights into the object store in buckets of about ``bucket_mb`` MiB (numpy arrays:
         zero-copy for the receiver). Returns (bucket refs, weights version, total bytes)."""
         import ray
@@ -273,7 +273,7 @@ class ModelWorker:
             total += sum(a.nbytes for a in arrays.values())
         return refs, self.version, total
 
-    def import_bucket(self, bucket: dict) -> int:
+    def sync_import(self, bucket: dict) -> int:
         """Load one bucket of weights (exact copies) into this worker's model."""
         import warnings
 
@@ -287,7 +287,7 @@ class ModelWorker:
     # -- collective weight transfer (sync with transport = "collective") ------------------------
     # The sender and the receiver of a sync stage form a two-rank process group of their own (NCCL
     # between GPUs, gloo on CPU) and the sender broadcasts its weights in flat buckets.
-    def open_group(self, key: str) -> tuple[str, int]:
+    def sync_open(self, key: str) -> tuple[str, int]:
         """Start the rendezvous store of group ``key`` here (the sender's side): (host, port)."""
         from datetime import timedelta
 
@@ -300,7 +300,7 @@ class ModelWorker:
         self._stores[key] = store
         return host, int(store.port)
 
-    def join_group(self, key: str, rank: int, host: str, port: int, backend: str) -> str:
+    def sync_join(self, key: str, rank: int, host: str, port: int, backend: str) -> str:
         """Join the two-rank group ``key`` (rank 0 sends, rank 1 receives); blocks until both are in."""
         from datetime import timedelta
 
@@ -341,7 +341,7 @@ class ModelWorker:
         opts.rootRank = 0
         group.broadcast([flat], opts).wait()
 
-    def send_weights(self, key: str, bucket_mb: int) -> tuple[int, int, int]:
+    def sync_send(self, key: str, bucket_mb: int) -> tuple[int, int, int]:
         """Broadcast the weights to the other rank of group ``key``: (version, bytes, buckets)."""
         total = 0
         buckets = self._buckets(bucket_mb)
@@ -352,7 +352,7 @@ class ModelWorker:
                 total += flat.numel() * flat.element_size()
         return self.version, total, len(buckets)
 
-    def recv_weights(self, key: str, bucket_mb: int) -> int:
+    def sync_recv(self, key: str, bucket_mb: int) -> int:
         """Receive the weights broadcast by rank 0 of group ``key`` into this worker's model (exact copies)."""
         buckets = self._buckets(bucket_mb)
         with torch.no_grad():

@@ -24,8 +24,8 @@ class _Method:
 class FakeActor:
     """Stands in for a Ray actor handle: each method has ``.remote`` returning a fake reference."""
 
-    METHODS = ("generate", "generate_chunks", "train", "export_buckets", "import_bucket", "save", "ready", "logprobs",
-               "open_group")
+    METHODS = ("generate", "generate_chunks", "train", "sync_export", "sync_import", "save", "ready", "logprobs",
+               "sync_open")
 
     def __init__(self, tag):
         self.tag, self.calls = tag, []
@@ -77,9 +77,9 @@ def test_more_than_one_rank_splits_rows_or_runs_every_rank(monkeypatch):
     assert group.generate_chunks.remote(["p"], chunk=2) == "ref:a0:generate_chunks"
     assert group.pending == ["ref:a1:generate_chunks"]
     assert a0.calls == a1.calls
-    with pytest.raises(JobError, match=r"worker group 'actor' has 2 ranks, but 'open_group' cannot run on a "
+    with pytest.raises(JobError, match=r"worker group 'actor' has 2 ranks, but 'sync_open' cannot run on a "
                                        r"data-parallel group yet") as exc:
-        group.open_group.remote("sync")
+        group.sync_open.remote("sync")
     assert "object_store" in exc.value.hint
 
 

@@ -29,17 +29,17 @@ def _same(a, b) -> bool:
 def test_collective_broadcast_gives_exact_copies_in_buckets(make_spec, arch):
     src, dst = _pair(make_spec, arch)
     assert not _same(src, dst)
-    host, port = src.open_group("sync_test")
+    host, port = src.sync_open("sync_test")
     joined = []
-    t = threading.Thread(target=lambda: joined.append(dst.join_group("sync_test", 1, host, port, "gloo")))
+    t = threading.Thread(target=lambda: joined.append(dst.sync_join("sync_test", 1, host, port, "gloo")))
     t.start()
-    src.join_group("sync_test", 0, host, port, "gloo")
+    src.sync_join("sync_test", 0, host, port, "gloo")
     t.join(60)
     assert joined == ["gloo"]
     got = []
-    t = threading.Thread(target=lambda: got.append(dst.recv_weights("sync_test", 1)))
+    t = threading.Thread(target=lambda: got.append(dst.sync_recv("sync_test", 1)))
     t.start()
-    version, nbytes, buckets = src.send_weights("sync_test", 1)
+    version, nbytes, buckets = src.sync_send("sync_test", 1)
     t.join(60)
     assert got == [buckets] and buckets >= 3
     assert version == 7 and nbytes == sum(v.numel() * v.element_size() for v in src.model.state_dict().values())
@@ -47,9 +47,9 @@ def test_collective_broadcast_gives_exact_copies_in_buckets(make_spec, arch):
     # the group stays: a second transfer after more "training" reuses it
     with torch.no_grad():
         next(src.model.parameters()).mul_(2.0)
-    t = threading.Thread(target=lambda: dst.recv_weights("sync_test", 1))
+    t = threading.Thread(target=lambda: dst.sync_recv("sync_test", 1))
     t.start()
-    src.send_weights("sync_test", 1)
+    src.sync_send("sync_test", 1)
     t.join(60)
     assert _same(src, dst)
 
@@ -59,10 +59,10 @@ def test_object_store_buckets_give_exact_copies(make_spec):
     src, dst = _pair(make_spec, "llama")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
-        refs, version, nbytes = src.export_buckets(1)
+        refs, version, nbytes = src.sync_export(1)
         assert len(refs) >= 3 and version == 7
         for r in refs:
-            dst.import_bucket(ray.get(r))
+            dst.sync_import(ray.get(r))
     finally:
         ray.shutdown()
     assert _same(src, dst)
@@ -70,6 +70,6 @@ def test_object_store_buckets_give_exact_copies(make_spec):
 
 def test_unknown_backend_is_refused(make_spec):
     src, _ = _pair(make_spec, "llama")
-    host, port = src.open_group("bad")
+    host, port = src.sync_open("bad")
     with pytest.raises(ValueError, match="unknown collective backend"):
-        src.join_group("bad", 0, host, port, "mpi")
+        src.sync_join("bad", 0, host, port, "mpi")
