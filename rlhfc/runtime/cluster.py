@@ -144,11 +144,8 @@ class Cluster:
 def _free_port() -> tuple[str, int]:
     """(this node's address, a free port on it): the rendezvous of a data-parallel group, run as a Ray
     task on the group's node."""
-    import socket
-
     import ray
 
-    host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
+    from .parallel import open_store
+
+    return open_store(ray.util.get_node_ip_address())

@@ -27,6 +27,7 @@ How each stage runs on the group (the driver calls every rank; :mod:`rlhfc.runti
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -237,23 +238,20 @@ class DataParallelWorker(ModelWorker):
         dist.barrier()   # the checkpoint is complete on disk when any rank returns
 
 
-class _swapped:
+@contextmanager
+def _swapped(worker: DataParallelWorker, model: nn.Module):
     """Run the single-rank code on the gathered copy, then put the sharded model back."""
-
-    def __init__(self, worker: DataParallelWorker, model: nn.Module):
-        self.worker, self.model = worker, model
-
-    def __enter__(self):
-        self.sharded, self.worker.model = self.worker.model, self.model
-
-    def __exit__(self, *exc):
-        self.worker.model = self.sharded
+    sharded, worker.model = worker.model, model
+    try:
+        yield
+    finally:
+        worker.model = sharded
 
 
-def open_store() -> tuple[str, int]:
+def open_store(host: str = "127.0.0.1") -> tuple[str, int]:
     """A free (host, port) on this node for a group's rendezvous."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1", s.getsockname()[1]
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
