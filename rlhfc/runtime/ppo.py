@@ -370,6 +370,8 @@ def train_epochs(
     unpad: bool = False,
     shard: tuple[int, int] | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    backward: Callable[..., tuple[torch.Tensor, Mapping[str, float]]] | None = None,
+    clip: Callable[[list[torch.Tensor], float], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Run ``epochs`` passes over ``batch`` in ``minibatches`` optimizer steps each.
 
@@ -411,12 +413,17 @@ def train_epochs(
                     index = torch.tensor_split(index, world)[rank]
                     weight = float(batch["response_mask"][index].sum() / tokens.clamp(min=1))
                 part = _take(batch, index)
-                loss, metrics = loss_fn(model, crop_padding(part) if unpad else part)
-                (loss * (weight * shard[1]) if shard is not None else loss).backward()
-                if max_grad_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                part = crop_padding(part) if unpad else part
+                if backward is not None:
+                    loss, metrics = backward(model, part, loss_fn, weight * shard[1] if shard is not None else 1.0)
                 else:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, math.inf)
+                    loss, metrics = loss_fn(model, part)
+                    (loss * (weight * shard[1]) if shard is not None else loss).backward()
+                limit = max_grad_norm if max_grad_norm is not None else math.inf
+                if clip is not None:
+                    grad_norm = clip(params, limit)
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
                 if hasattr(grad_norm, "full_tensor"):   # a DTensor (sharded parameters): the global norm
                     grad_norm = grad_norm.full_tensor()
                 optimizer.step()

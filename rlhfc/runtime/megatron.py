@@ -1,0 +1,534 @@
+"""Tensor- and pipeline-parallel ranks with megatron-core (the ``megatron`` trainer).
+
+A worker group of ``dp × tp × pp`` ranks hosts one model as a megatron-core ``GPTModel`` (the local,
+pure-PyTorch layer spec: no Transformer Engine, no Apex). The group is one ``torch.distributed``
+world (gloo on CPU, NCCL on CUDA) split by ``parallel_state.initialize_model_parallel`` in megatron's
+rank order — tensor-parallel ranks fastest, then data-parallel, then pipeline stages:
+``rank = (pp_rank · dp + dp_rank) · tp + tp_rank``.
+
+Every rank builds the single-rank model's seeded weights (Hugging Face layout), converts them
+(:mod:`rlhfc.runtime.mcore_convert`) and keeps its piece, so every layout starts from the same model.
+
+How each stage runs:
+
+- **forwards** (``logprobs``, ``values``, ``score``) and **training** go through megatron's pipeline
+  schedule (``get_forward_backward_func``: no pipelining for ``pp = 1``, 1F1B otherwise). Rows are
+  split over data-parallel ranks as under FSDP; the tensor-parallel ranks of a replica see the same rows.
+  The last stage gathers the vocabulary-parallel logits and hands them, in the rollout's layout, to
+  the same log-prob, value and loss code a single rank runs; the rank with ``tp_rank = 0`` of the last
+  stage answers each data-parallel share.
+- Rows are left-padded prompts followed by right-padded responses. megatron's rotary embedding counts
+  positions from each sequence's first column, so each row is shifted to start at column 0 before the
+  forward and the outputs are shifted back: with a causal mask no real token then sees padding, and
+  positions match the single-rank model (which counts them from the attention mask).
+- **training** uses one microbatch per optimizer minibatch (no pipelining across microbatches yet);
+  gradients are summed over data-parallel ranks, the tied GPT-2 embedding's over its two stages, and
+  clipped by the norm over all pieces; AdamW steps on each rank's pieces (element-wise, so the result
+  is the single-rank step up to the rounding of the sums).
+- **generation**, **weights out** and **checkpoints**: the ranks gather the full weights (Hugging
+  Face layout); rank 0 samples every row on a single-rank copy (resharding into a tensor-parallel
+  generation layout is not built), answers ``get_weights`` and writes checkpoints — full tensors, so a
+  run saved under one layout resumes under any other. **Weights in**: every rank takes its piece.
+
+On a machine without CUDA three megatron-core spots need a CUDA device (``torch.cuda.current_device()``
+for buffers and the rotary table; a CUDA RNG state for the tensor-parallel RNG tracker; the pipeline
+schedules' token counters, made with ``device="cuda"``): :func:`cpu_shims` points the first and the
+last at the CPU and uses megatron's own no-op tracker (dropout is off). Stages exchange activations
+with plain ``isend``/``irecv`` (``batch_p2p_comm = False``), which gloo supports.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import mcore_convert as conv
+from .models import build_model, last_token_index, normalize_spec
+from .parallel import row_share, rows_of
+from .values import Rollout, TokenValues
+from .worker import GROUP_TIMEOUT_S, ModelWorker
+
+INSTALL_HINT = "pip install -c constraints.txt -e '.[megatron]'"
+
+
+def cpu_shims() -> None:
+    """Let megatron-core run on CPU (see module docstring); a no-op where CUDA is available."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")   # buffers and the rotary table: on the CPU
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)   # fork() is a no-op
+    schedules.torch = _TorchOnCPU()   # the schedules' token counters are made with device="cuda"
+
+
+class _TorchOnCPU:
+    """``torch`` as megatron's pipeline schedules see it on a CPU machine: ``device="cuda"`` means the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def transformer_config(spec: dict, tp: int, pp: int, device: str = "cpu"):
+    """The megatron-core ``TransformerConfig`` of an rlhfc model spec (float32, no dropout, no fusions)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    llama = spec["arch"] == "llama"
+    return TransformerConfig(
+        num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
+        num_query_groups=spec["kv_heads"], ffn_hidden_size=spec["ffn"],
+        normalization="RMSNorm" if llama else "LayerNorm", layernorm_epsilon=1e-6 if llama else 1e-5,
+        gated_linear_unit=llama, add_bias_linear=not llama,
+        activation_func=F.silu if llama else partial(F.gelu, approximate="tanh"),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=not device.startswith("cuda"), perform_initialization=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        batch_p2p_comm=False,   # plain isend/irecv between stages: gloo has them, and no CUDA synchronize
+    )
+
+
+class ScalarHead(nn.Linear):
+    """A value/score head in the place of megatron's output layer: ``Linear(hidden, 1)``, replicated."""
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None, **_):   # megatron's call signature
+        return super().forward(hidden), None
+
+
+def build_gpt(spec: dict, tp: int, pp: int, device: str = "cpu"):
+    """This rank's stage of the megatron-core ``GPTModel`` for ``spec`` (weights uninitialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(spec, tp, pp, device)
+    llama = spec["arch"] == "llama"
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm"),
+                     vocab_size=spec["vocab"], max_sequence_length=spec["max_seq"], pre_process=pre,
+                     post_process=post, parallel_output=True,
+                     # a tied embedding split over stages is two copies kept equal by the worker (megatron's
+                     # own set-up moves them to CUDA): the last stage's output layer is a parameter of its own
+                     share_embeddings_and_output_weights=conv.tied(spec) and pp == 1,
+                     position_embedding_type="rope" if llama else "learned_absolute", rotary_base=10000)
+    if post and spec["head"] != "lm":
+        model.output_layer = ScalarHead(spec["hidden"], 1)
+    return model.to(device)
+
+
+def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A rank's parameters by megatron name (the model has no other state worth keeping)."""
+    return dict(model.named_parameters())
+
+
+class _Outputs(nn.Module):
+    """The last stage's outputs dressed as a model: the single-rank log-prob, value and loss code reads
+    them through the wrappers' methods (``forward_logits``, ``values``, ``score``, ``token_outputs``)."""
+
+    def __init__(self, out: torch.Tensor):
+        super().__init__()
+        self.out = out
+
+    def forward_logits(self, input_ids, attention_mask):
+        return self.out
+
+    def token_outputs(self, input_ids, attention_mask):
+        return self.out
+
+    values = token_outputs
+
+    def score(self, input_ids, attention_mask):
+        idx = last_token_index(attention_mask)
+        return self.out.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def _shifts(mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the number of leading padding columns (each row's tokens must be one contiguous block)."""
+    m = mask.long().cpu()
+    n = m.sum(-1)
+    lead = (m.cumsum(-1) == 0).sum(-1)
+    pos = torch.arange(m.shape[1]).expand_as(m)
+    inside = (pos >= lead[:, None]) & (pos < (lead + n)[:, None])
+    if bool((inside.long() != m).any()):
+        raise ValueError("the megatron trainer needs each row's tokens in one contiguous block (left/right padding)")
+    return lead
+
+
+def _roll(x: torch.Tensor, shift: torch.Tensor, sign: int) -> torch.Tensor:
+    """Shift each row of x [B, T, ...] left by ``shift`` (sign 1) or back right (sign -1), circularly."""
+    t = x.shape[1]
+    index = (torch.arange(t)[None, :] + sign * shift[:, None]) % t
+    index = index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x)
+    return x.gather(1, index.to(x.device))
+
+
+class MegatronWorker(ModelWorker):
+    """Rank ``rank`` of a ``dp × tp × pp`` megatron-core group hosting one model (see module docstring).
+
+    ``store``: (host, port) of the group's rendezvous (:func:`rlhfc.runtime.parallel.open_store`)."""
+
+    def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
+                 cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int], tp: int = 1,
+                 pp: int = 1, backend: str = "gloo"):
+        super().__init__(name, spec, init, seed, threads, device, cores)   # the single-rank model: the replica
+        from megatron.core import parallel_state as ps
+
+        self.rank, self.world, self.tp, self.pp = int(rank), int(world), int(tp), int(pp)
+        if self.world % (self.tp * self.pp):
+            raise ValueError(f"a group of {world} ranks cannot hold tp = {tp} × pp = {pp}")
+        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+        tcp = dist.TCPStore(store[0], int(store[1]), self.world, self.rank == 0, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"rlhfc-mp/{name}", tcp), rank=self.rank,
+                                world_size=self.world, timeout=timeout)
+        self._tcp = tcp   # the store must outlive the group
+        cpu_shims()
+        ps.initialize_model_parallel(self.tp, self.pp, distributed_timeout_minutes=max(1, GROUP_TIMEOUT_S // 60))
+        self.ps = ps
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.spec = normalize_spec(self.model.spec)
+        self.replica = self.model           # Hugging Face layout: generation and the checkpoint order
+        self.model = build_gpt(self.spec, self.tp, self.pp, device)
+        self._load_full({k: v for k, v in self.replica.state_dict().items()})
+        self._fresh = True                  # the replica holds the current weights
+        #: the Hugging Face parameter names in the single-rank model's order (the checkpoint's optimizer order)
+        self.hf_params = [n for n, _ in self.replica.named_parameters()]
+
+    # -- layout ---------------------------------------------------------------------------------
+    @property
+    def _answers(self) -> bool:
+        """Whether this rank answers its data-parallel share (tp rank 0 of the last stage)."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp - 1
+
+    def _pieces(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's local tensors gathered and put together in the Hugging Face layout (a collective)."""
+        box: list[Any] = [None] * self.world
+        dist.all_gather_object(box, (self.dp_rank, self.tp_rank, self.pp_rank,
+                                     {k: v.detach().cpu() for k, v in local.items()}))
+        pieces = {(t, p): state for d, t, p, state in box if d == 0}
+        return conv.from_megatron(conv.unshard(pieces, self.spec, self.tp, self.pp), self.spec, self.tp)
+
+    def _piece_of(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's local tensors of a full Hugging Face-layout state."""
+        full = conv.to_megatron(hf, self.spec, self.tp)
+        return conv.shard(full, self.spec, self.tp, self.tp_rank, self.pp, self.pp_rank)
+
+    def _load_full(self, hf: dict[str, torch.Tensor]) -> None:
+        mine = self._piece_of(hf)
+        params = local_state(self.model)
+        if set(mine) != set(params):
+            raise ValueError(f"weights for '{self.name}' do not match its megatron layout: "
+                             f"{sorted(set(mine) ^ set(params))[:4]}")
+        with torch.no_grad():
+            for key, value in mine.items():
+                params[key].copy_(value.to(params[key].dtype))
+        self._fresh = False
+
+    # -- the pipeline schedule ------------------------------------------------------------------
+    def _schedule(self, ids: torch.Tensor, mask: torch.Tensor, on_output: Callable, *, forward_only: bool):
+        """One microbatch through megatron's schedule. ``on_output(out)`` runs on the last stage with the
+        model's outputs in the rows' own layout (logits [B, T, V] or head outputs [B, T]) and returns
+        (loss, extra) for training, or anything for a forward."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        shift = _shifts(mask)
+        rows, width = ids.shape
+        rolled = _roll(ids, shift, 1).to(self.device)
+        positions = torch.arange(width, device=self.device).expand(rows, width)
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), 1)[None, None]
+        last = self.ps.is_pipeline_last_stage()
+        kept: dict[str, Any] = {}
+
+        def step(_data, model):
+            out = model(rolled, positions, causal)   # True: masked out
+            if not last:
+                return out, None
+            if self.spec["head"] == "lm":
+                out = gather_from_tensor_model_parallel_region(out)
+            else:
+                out = out.squeeze(-1)
+            out = _roll(out.float(), shift, -1)
+            if forward_only:
+                kept["result"] = on_output(out)
+                return out, None
+            return out, lambda o: on_output(o)
+
+        with torch.set_grad_enabled(not forward_only):
+            get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[self.model],
+                                        num_microbatches=1, seq_length=width, micro_batch_size=rows,
+                                        forward_only=forward_only)
+        return kept.get("result")
+
+    # -- forwards: each data-parallel rank its share of the rows ---------------------------------
+    def _mine(self, rollout: Rollout) -> Rollout:
+        return rows_of(rollout, *row_share(rollout.size, self.dp_rank, self.dp))
+
+    def _forward(self, rollout: Rollout, fn: Callable) -> Any:
+        mine = self._mine(rollout)
+        batch = mine.batch.to(self.device)
+        with torch.no_grad():
+            out = self._schedule(batch.input_ids, batch.attention_mask,
+                                 lambda o: fn(_Outputs(o), batch), forward_only=True)
+        return (out.cpu(), mine) if self._answers else (None, mine)
+
+    def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues | None:
+        from .generation import response_logprobs
+
+        self._check_tokens(rollout)
+        lp, mine = self._forward(rollout, lambda m, b: response_logprobs(m, b, temperature))
+        return TokenValues(lp, mine.mask) if lp is not None else None
+
+    def values(self, rollout: Rollout) -> TokenValues | None:
+        from .generation import response_values
+        from .guards import check_finite
+
+        self._check_tokens(rollout)
+        v, mine = self._forward(rollout, lambda m, b: response_values(m, b))
+        if v is None:
+            return None
+        check_finite(v, f"the value estimate of '{self.name}'", mask=mine.mask, prompts=mine.prompts)
+        return TokenValues(v, mine.mask)
+
+    def _score(self, rollout: Rollout) -> torch.Tensor | None:
+        from .generation import sequence_scores
+
+        if rollout.tokenizer != self.tok_id:
+            raise ValueError(f"reward model '{self.name}' under the megatron trainer scores rollouts of its own "
+                             "tokenizer only")
+        s, _ = self._forward(rollout, lambda m, b: sequence_scores(m, b))
+        return s
+
+    def score(self, rollout: Rollout) -> torch.Tensor | None:
+        from .guards import check_finite
+
+        s = self._score(rollout)
+        return None if s is None else check_finite(s, f"the score of reward model '{self.name}'",
+                                                   prompts=self._mine(rollout).prompts)
+
+    # -- training --------------------------------------------------------------------------------
+    def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
+        from . import ppo
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+            return t
+
+        if self.dp > 1:
+            kwargs.update(shard=(self.dp_rank, self.dp), reduce=reduce)
+        self._fresh = False
+        return ppo.train_epochs(*args, backward=self._backward, clip=self._clip, **kwargs)
+
+    def _backward(self, model, part: dict, loss_fn: Callable, scale: float):
+        from .generation import RolloutBatch
+
+        batch = RolloutBatch.from_dict(part)
+        kept: dict[str, Any] = {}
+
+        def on_output(out):
+            loss, metrics = loss_fn(_Outputs(out), part)
+            kept["loss"], kept["metrics"] = loss.detach(), {k: float(v) for k, v in metrics.items()}
+            return loss * scale, {}
+
+        self._schedule(batch.input_ids, batch.attention_mask, on_output, forward_only=False)
+        if self.pp > 1:   # the loss and metrics live on the last stage
+            box = [(kept.get("loss"), kept.get("metrics"))]
+            dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.ps.get_pipeline_model_parallel_group())
+            kept["loss"], kept["metrics"] = box[0]
+        self._reduce_grads()
+        return kept["loss"], kept["metrics"]
+
+    def _reduce_grads(self) -> None:
+        """Sum gradients over the data-parallel ranks (then average), and the tied embedding's over its stages."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self.ps.get_data_parallel_group())
+                p.grad.div_(self.dp)
+        if conv.tied(self.spec) and self.pp > 1 and self.ps.is_rank_in_embedding_group():
+            first = self.ps.is_pipeline_first_stage()
+            weight = (self.model.embedding.word_embeddings.weight if first else self.model.output_layer.weight)
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=self.ps.get_embedding_group())
+
+    def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every rank's pieces (each replicated tensor counted once)."""
+        duplicate = None
+        if conv.tied(self.spec) and self.pp > 1 and self.ps.is_pipeline_last_stage():
+            duplicate = self.model.output_layer.weight   # the last stage's copy of the embedding
+        split = {id(p) for n, p in self.model.named_parameters() if conv.partition_dim(self.spec, n) is not None}
+        sq = torch.zeros((), dtype=torch.float32)
+        for p in params:
+            if p.grad is None or p is duplicate:
+                continue
+            if id(p) in split or self.tp_rank == 0:
+                sq = sq + p.grad.detach().float().norm() ** 2
+        if self.tp * self.pp > 1:
+            dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return norm
+
+    # -- generation: rank 0 samples every row on the single-rank copy -----------------------------
+    def _refresh(self) -> None:
+        if not self._fresh:
+            state = self._pieces(local_state(self.model))
+            if self.rank == 0:
+                self.replica.load_state_dict(state)
+            self._fresh = True
+
+    def generate(self, prompts: list[str], **kwargs):
+        self._refresh()   # a collective: every rank takes part
+        if self.rank != 0:
+            return None
+        with _swapped(self):
+            return super().generate(prompts, **kwargs)
+
+    def generate_chunks(self, prompts: list[str], **kwargs):
+        self._refresh()
+        if self.rank != 0:
+            return
+        with _swapped(self):
+            yield from super().generate_chunks(prompts, **kwargs)
+
+    # -- weights -----------------------------------------------------------------------------------
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return self._pieces(local_state(self.model))
+
+    def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
+        self._load_full(weights)
+        if version is not None:
+            self.version = version
+        return self.version
+
+    def _state_items(self):
+        return self.get_weights().items()
+
+    def sync_export(self, bucket_mb: int) -> tuple[list, int, int]:
+        if self.rank == 0:
+            return super().sync_export(bucket_mb)   # its buckets gather the full tensors
+        self.get_weights()                             # take part in the gather
+        return [], self.version, 0
+
+    def sync_import(self, bucket: dict) -> int:
+        """Load one bucket of Hugging Face-layout tensors: the rest of the state is this rank's current one."""
+        current = self._pieces(local_state(self.model))
+        current.update({k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
+        self._load_full(current)
+        return len(bucket)
+
+    # -- checkpoints: Hugging Face layout, the single-rank model's optimizer order ------------------
+    @property
+    def _writes(self) -> bool:
+        return self.rank == 0
+
+    def _optimizer_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state in full, Hugging Face layout: {state key: {parameter name: tensor}} (a collective)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        per_key: dict[str, dict[str, torch.Tensor]] = {}
+        for p, state in self.optimizer.state.items():
+            for key, t in state.items():
+                per_key.setdefault(key, {})[names[id(p)]] = t
+        out = {}
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            local = per_key.get(key, {})
+            if key == "step":   # a scalar per tensor: the same count everywhere
+                steps = [float(t) for t in local.values()]
+                out[key] = {n: torch.tensor(steps[0] if steps else 0.0) for n in self.hf_params}
+                continue
+            out[key] = self._pieces({n: local.get(n, torch.zeros_like(p)) for n, p in self.model.named_parameters()})
+        return out
+
+    def save(self, folder: str) -> None:
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        weights = self.get_weights()
+        tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
+                   "rng.torch": torch.get_rng_state()}
+        meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": None}
+        if self.optimizer is not None:
+            state = self._optimizer_by_name()
+            for index, name in enumerate(self.hf_params):
+                for key, by_name in state.items():
+                    tensors[f"opt.{index}.{key}"] = by_name[name].detach().cpu().contiguous()
+            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(self.hf_params)))}
+                      for g in self.optimizer.state_dict()["param_groups"][:1]]
+            meta["optimizer"] = {"param_groups": groups, "state_keys": {
+                str(i): sorted(state) for i in range(len(self.hf_params))}}
+        if self._writes:
+            os.makedirs(folder, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, "weights.safetensors"))
+            save_file(tensors, os.path.join(folder, "state.safetensors"))
+            with open(os.path.join(folder, "state.json"), "w") as fh:
+                json.dump(meta, fh)
+        dist.barrier()   # the checkpoint is complete on disk when any rank returns
+
+    def load(self, folder: str) -> int:
+        import json
+        import os
+
+        from safetensors.torch import load_file
+
+        self.set_weights(load_file(os.path.join(folder, "weights.safetensors")))
+        tensors = load_file(os.path.join(folder, "state.safetensors"))
+        with open(os.path.join(folder, "state.json")) as fh:
+            meta = json.load(fh)
+        self.sample_gen.set_state(tensors["rng.sample"])
+        self.train_gen.set_state(tensors["rng.train"])
+        torch.set_rng_state(tensors["rng.torch"])
+        self.version = int(meta["version"])
+        opt = meta.get("optimizer")
+        if opt is not None:
+            groups = opt["param_groups"]
+            self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
+            params = list(self.model.named_parameters())
+            local: dict[str, dict[str, torch.Tensor]] = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                hf = {name: tensors[f"opt.{i}.{key}"] for i, name in enumerate(self.hf_params)}
+                hf |= {k: torch.zeros_like(v) for k, v in self.replica.state_dict().items() if k not in hf}   # tied copy
+                local[key] = self._piece_of(hf)
+            step = tensors["opt.0.step"] if "opt.0.step" in tensors else torch.tensor(0.0)
+            state = {i: {"step": step.clone(), "exp_avg": local["exp_avg"][n].clone(),
+                         "exp_avg_sq": local["exp_avg_sq"][n].clone()} for i, (n, _) in enumerate(params)}
+            mine = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": state, "param_groups": [
+                {**groups[0], "params": g["params"]} for g in mine]})
+        self._fresh = False
+        return self.version
+
+
+class _swapped:
+    """Run the single-rank generation code on the replica, then put the megatron model back."""
+
+    def __init__(self, worker: MegatronWorker):
+        self.worker = worker
+
+    def __enter__(self):
+        self.saved, self.worker.model = self.worker.model, self.worker.replica
+
+    def __exit__(self, *exc):
+        self.worker.model = self.saved
