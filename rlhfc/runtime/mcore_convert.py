@@ -180,7 +180,9 @@ def from_megatron(full: Mapping[str, torch.Tensor], spec: Mapping, tp: int) -> d
         out[t + "ln_f.weight"] = full["decoder.final_layernorm.weight"]
         out[t + "ln_f.bias"] = full["decoder.final_layernorm.bias"]
     if spec["head"] == "lm":
-        out["hf.lm_head.weight"] = full.get("output_layer.weight", full["embedding.word_embeddings.weight"])
+        tied_copy = "output_layer.weight" not in full
+        out["hf.lm_head.weight"] = (full["embedding.word_embeddings.weight"].clone() if tied_copy
+                                    else full["output_layer.weight"])   # own storage: safetensors refuses shared
     else:
         out["head.weight"] = full["output_layer.weight"]
         out["head.bias"] = full["output_layer.bias"]
