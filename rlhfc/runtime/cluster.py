@@ -101,11 +101,10 @@ class Cluster:
         return pg
 
     def _create_workers(self, ray) -> dict[str, Any]:
-        """One group per placed worker — one rank, or ``ranks`` data-parallel ranks (``trainer = fsdp``) —
-        and each group's ``ready`` reference."""
+        """One group per placed worker — one rank; ``ranks`` data-parallel FSDP2 ranks (``trainer = fsdp``);
+        or ``dp × tp × pp`` megatron-core ranks (``trainer = megatron``) — and each group's ``ready`` reference."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .parallel import DataParallelWorker
         from .worker import ModelWorker
 
         use_gpu = self.plan["cluster"]["device"] != "cpu"
@@ -114,22 +113,24 @@ class Cluster:
             model_name = w.get("model", name)
             model = self.plan["models"][model_name]
             ranks = int(w.get("ranks", 1))
+            trainer = w.get("trainer") or ("fsdp" if ranks > 1 else "torch")
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w["bundle"])
             args = (model_name, model["spec"], model["init"], self.seed)
             device = "cuda" if use_gpu else "cpu"
-            if ranks == 1:
+            if trainer == "torch" and ranks == 1:
                 actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
                                        max_restarts=0)(ModelWorker)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
                     *args, w.get("threads", 1), device, w.get("cores"))]
             else:   # the ranks share the worker's devices: one core (or GPU) each, round robin
                 store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
+                worker_cls, extra = _group_class(trainer, w)
                 actor_cls = ray.remote(num_cpus=w["num_cpus"] / ranks, num_gpus=w.get("num_gpus", 0) / ranks,
-                                       max_restarts=0)(DataParallelWorker)
+                                       max_restarts=0)(worker_cls)
                 cores = w.get("cores") or []
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
                     *args, 1, device, [cores[r % len(cores)]] if cores else None, rank=r, world=ranks, store=store,
-                    backend="nccl" if use_gpu else "gloo") for r in range(ranks)]
+                    backend="nccl" if use_gpu else "gloo", **extra) for r in range(ranks)]
             group = WorkerGroup(name, handles, model=model_name)
             self.workers[name] = group
             refs[name] = group.ready.remote()   # the health check: every rank has built its model
@@ -139,6 +140,23 @@ class Cluster:
         """Stop Ray if this job started it (a connected cluster keeps running)."""
         if self.started_ray:
             import_ray().shutdown()
+
+
+def _group_class(trainer: str, w: dict) -> tuple[type, dict]:
+    """The worker class of a multi-rank group and its extra keyword arguments."""
+    if trainer == "megatron":
+        import importlib.util
+
+        from .mcore_model import INSTALL_HINT
+        from .megatron import MegatronWorker
+
+        if importlib.util.find_spec("megatron.core") is None:
+            raise JobError(f"model '{w.get('model')}' runs under trainer = megatron but megatron-core is not "
+                           "installed", INSTALL_HINT)
+        return MegatronWorker, {"tp": int(w.get("tp", 1)), "pp": int(w.get("pp", 1))}
+    from .parallel import DataParallelWorker
+
+    return DataParallelWorker, {}
 
 
 def _free_port() -> tuple[str, int]:

@@ -13,11 +13,13 @@ from typing import Any, Sequence
 
 from .errors import JobError
 
-#: How each ``ModelWorker`` method runs on a group of dp > 1 data-parallel ranks
-#: (:class:`~rlhfc.runtime.parallel.DataParallelWorker`, which shards the model with FSDP2):
+#: How each ``ModelWorker`` method runs on a group of several ranks
+#: (:class:`~rlhfc.runtime.parallel.DataParallelWorker`, which shards the model with FSDP2, or
+#: :class:`~rlhfc.runtime.megatron.MegatronWorker`, megatron-core's dp × tp × pp ranks):
 #:
-#: * ``split`` — every rank gets the call and computes its contiguous share of the rollout's rows; the
-#:   group joins the results in row order.
+#: * ``split`` — every rank gets the call and computes its contiguous share of the rollout's rows (under
+#:   megatron, one rank per data-parallel share answers and the others give None); the group joins the
+#:   results in row order.
 #: * ``all`` — every rank takes part (training, generation, gathering or loading weights are
 #:   collectives of the group); the group answers with rank 0's result once every rank is done.
 #: * ``stream`` — every rank takes part; rank 0 streams the chunks (it samples every row).
@@ -100,7 +102,8 @@ class _Unsplit:
             self.group.pending = streams[1:]   # the other ranks' (empty) streams: keep them alive
             return streams[0]
         refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.group.ranks]
-        return (_join if rule == "split" else _first)(ray).remote(*refs)
+        # the refs travel inside a list, so the task gets them unresolved and fails as soon as one rank fails
+        return _gather(ray).remote(self.group.name, rule, refs)
 
     def options(self, **kwargs):
         return self
@@ -111,20 +114,40 @@ class _Unsplit:
                         "collective weight syncs need one rank per group: use realloc{transport=object_store}")
 
 
+class RankFailed(RuntimeError):
+    """One rank of a worker group died or raised; the message names the group and the rank."""
+
+
 _TASKS: dict = {}
 
 
-def _join(ray):
-    """A Ray task joining the ranks' forward results in row order (it waits for every rank)."""
-    if "join" not in _TASKS:
-        from .parallel import join
+def _gather(ray):
+    """A Ray task that waits for every rank of a call and answers for the group: the ranks' forward
+    results joined in row order (``split``), or rank 0's result (``all``). It fails as soon as one rank
+    fails, naming it — the other ranks may be blocked in a collective with the failed one."""
+    if "gather" not in _TASKS:
+        def gather(group: str, rule: str, refs: list):
+            from .parallel import join
 
-        _TASKS["join"] = ray.remote(num_cpus=0)(lambda *parts: join(list(parts)))
-    return _TASKS["join"]
+            results: list = [None] * len(refs)
+            where = {ref: i for i, ref in enumerate(refs)}
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                for ref in ready:
+                    rank = where[ref]
+                    try:
+                        results[rank] = ray.get(ref)
+                    except ray.exceptions.RayActorError as exc:
+                        raise RankFailed(f"rank {rank} of worker group '{group}' died ({type(exc).__name__})") from None
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = getattr(exc, "cause", None) or exc
+                        raise RankFailed(f"rank {rank} of worker group '{group}' failed: "
+                                         f"{type(cause).__name__}: {cause}") from None
+            if rule == "split":
+                # ranks that hold no share (megatron's other tensor-parallel ranks and stages) give None
+                return join([r for r in results if r is not None])
+            return results[0]
 
-
-def _first(ray):
-    """A Ray task answering with rank 0's result once every rank is done."""
-    if "first" not in _TASKS:
-        _TASKS["first"] = ray.remote(num_cpus=0)(lambda *results: results[0])
-    return _TASKS["first"]
+        _TASKS["gather"] = ray.remote(num_cpus=0)(gather)
+    return _TASKS["gather"]

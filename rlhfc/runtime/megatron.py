@@ -30,150 +30,23 @@ How each stage runs:
   generation layout is not built), answers ``get_weights`` and writes checkpoints — full tensors, so a
   run saved under one layout resumes under any other. **Weights in**: every rank takes its piece.
 
-On a machine without CUDA three megatron-core spots need a CUDA device (``torch.cuda.current_device()``
-for buffers and the rotary table; a CUDA RNG state for the tensor-parallel RNG tracker; the pipeline
-schedules' token counters, made with ``device="cuda"``): :func:`cpu_shims` points the first and the
-last at the CPU and uses megatron's own no-op tracker (dropout is off). Stages exchange activations
-with plain ``isend``/``irecv`` (``batch_p2p_comm = False``), which gloo supports.
+The model itself, and the shims megatron-core needs on a machine without CUDA: :mod:`rlhfc.runtime.mcore_model`.
 """
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
-from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from . import mcore_convert as conv
-from .models import build_model, last_token_index, normalize_spec
+from .mcore_model import Outputs, build_gpt, cpu_shims, local_state, roll_rows, row_shifts
+from .models import normalize_spec
 from .parallel import row_share, rows_of
 from .values import Rollout, TokenValues
 from .worker import GROUP_TIMEOUT_S, ModelWorker
-
-INSTALL_HINT = "pip install -c constraints.txt -e '.[megatron]'"
-
-
-def cpu_shims() -> None:
-    """Let megatron-core run on CPU (see module docstring); a no-op where CUDA is available."""
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if torch.cuda.is_available():
-        return
-    torch.cuda.current_device = lambda: torch.device("cpu")   # buffers and the rotary table: on the CPU
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)   # fork() is a no-op
-    schedules.torch = _TorchOnCPU()   # the schedules' token counters are made with device="cuda"
-
-
-class _TorchOnCPU:
-    """``torch`` as megatron's pipeline schedules see it on a CPU machine: ``device="cuda"`` means the CPU."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-
-def transformer_config(spec: dict, tp: int, pp: int, device: str = "cpu"):
-    """The megatron-core ``TransformerConfig`` of an rlhfc model spec (float32, no dropout, no fusions)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    llama = spec["arch"] == "llama"
-    return TransformerConfig(
-        num_layers=spec["layers"], hidden_size=spec["hidden"], num_attention_heads=spec["heads"],
-        num_query_groups=spec["kv_heads"], ffn_hidden_size=spec["ffn"],
-        normalization="RMSNorm" if llama else "LayerNorm", layernorm_epsilon=1e-6 if llama else 1e-5,
-        gated_linear_unit=llama, add_bias_linear=not llama,
-        activation_func=F.silu if llama else partial(F.gelu, approximate="tanh"),
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        use_cpu_initialization=not device.startswith("cuda"), perform_initialization=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        batch_p2p_comm=False,   # plain isend/irecv between stages: gloo has them, and no CUDA synchronize
-    )
-
-
-class ScalarHead(nn.Linear):
-    """A value/score head in the place of megatron's output layer: ``Linear(hidden, 1)``, replicated."""
-
-    def forward(self, hidden, weight=None, runtime_gather_output=None, **_):   # megatron's call signature
-        return super().forward(hidden), None
-
-
-def build_gpt(spec: dict, tp: int, pp: int, device: str = "cpu"):
-    """This rank's stage of the megatron-core ``GPTModel`` for ``spec`` (weights uninitialised)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    config = transformer_config(spec, tp, pp, device)
-    llama = spec["arch"] == "llama"
-    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm" if llama else "LayerNorm"),
-                     vocab_size=spec["vocab"], max_sequence_length=spec["max_seq"], pre_process=pre,
-                     post_process=post, parallel_output=True,
-                     # a tied embedding split over stages is two copies kept equal by the worker (megatron's
-                     # own set-up moves them to CUDA): the last stage's output layer is a parameter of its own
-                     share_embeddings_and_output_weights=conv.tied(spec) and pp == 1,
-                     position_embedding_type="rope" if llama else "learned_absolute", rotary_base=10000)
-    if post and spec["head"] != "lm":
-        model.output_layer = ScalarHead(spec["hidden"], 1)
-    return model.to(device)
-
-
-def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A rank's parameters by megatron name (the model has no other state worth keeping)."""
-    return dict(model.named_parameters())
-
-
-class _Outputs(nn.Module):
-    """The last stage's outputs dressed as a model: the single-rank log-prob, value and loss code reads
-    them through the wrappers' methods (``forward_logits``, ``values``, ``score``, ``token_outputs``)."""
-
-    def __init__(self, out: torch.Tensor):
-        super().__init__()
-        self.out = out
-
-    def forward_logits(self, input_ids, attention_mask):
-        return self.out
-
-    def token_outputs(self, input_ids, attention_mask):
-        return self.out
-
-    values = token_outputs
-
-    def score(self, input_ids, attention_mask):
-        idx = last_token_index(attention_mask)
-        return self.out.gather(1, idx.unsqueeze(1)).squeeze(1)
-
-
-def _shifts(mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the number of leading padding columns (each row's tokens must be one contiguous block)."""
-    m = mask.long().cpu()
-    n = m.sum(-1)
-    lead = (m.cumsum(-1) == 0).sum(-1)
-    pos = torch.arange(m.shape[1]).expand_as(m)
-    inside = (pos >= lead[:, None]) & (pos < (lead + n)[:, None])
-    if bool((inside.long() != m).any()):
-        raise ValueError("the megatron trainer needs each row's tokens in one contiguous block (left/right padding)")
-    return lead
-
-
-def _roll(x: torch.Tensor, shift: torch.Tensor, sign: int) -> torch.Tensor:
-    """Shift each row of x [B, T, ...] left by ``shift`` (sign 1) or back right (sign -1), circularly."""
-    t = x.shape[1]
-    index = (torch.arange(t)[None, :] + sign * shift[:, None]) % t
-    index = index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x)
-    return x.gather(1, index.to(x.device))
 
 
 class MegatronWorker(ModelWorker):
@@ -248,9 +121,9 @@ class MegatronWorker(ModelWorker):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        shift = _shifts(mask)
+        shift = row_shifts(mask)
         rows, width = ids.shape
-        rolled = _roll(ids, shift, 1).to(self.device)
+        rolled = roll_rows(ids, shift, 1).to(self.device)
         positions = torch.arange(width, device=self.device).expand(rows, width)
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), 1)[None, None]
         last = self.ps.is_pipeline_last_stage()
@@ -264,7 +137,7 @@ class MegatronWorker(ModelWorker):
                 out = gather_from_tensor_model_parallel_region(out)
             else:
                 out = out.squeeze(-1)
-            out = _roll(out.float(), shift, -1)
+            out = roll_rows(out.float(), shift, -1)
             if forward_only:
                 kept["result"] = on_output(out)
                 return out, None
@@ -285,7 +158,7 @@ class MegatronWorker(ModelWorker):
         batch = mine.batch.to(self.device)
         with torch.no_grad():
             out = self._schedule(batch.input_ids, batch.attention_mask,
-                                 lambda o: fn(_Outputs(o), batch), forward_only=True)
+                                 lambda o: fn(Outputs(o), batch), forward_only=True)
         return (out.cpu(), mine) if self._answers else (None, mine)
 
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues | None:
@@ -342,7 +215,7 @@ class MegatronWorker(ModelWorker):
         kept: dict[str, Any] = {}
 
         def on_output(out):
-            loss, metrics = loss_fn(_Outputs(out), part)
+            loss, metrics = loss_fn(Outputs(out), part)
             kept["loss"], kept["metrics"] = loss.detach(), {k: float(v) for k, v in metrics.items()}
             return loss * scale, {}
 

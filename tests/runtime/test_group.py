@@ -7,6 +7,7 @@ import inspect
 import pickle
 
 import pytest
+import torch
 
 from rlhfc.runtime.errors import JobError
 from rlhfc.runtime.group import DP_RULES, WorkerGroup
@@ -64,16 +65,15 @@ def test_more_than_one_rank_splits_rows_or_runs_every_rank(monkeypatch):
         def __init__(self, kind):
             self.kind = kind
 
-        def remote(self, *refs):
-            return (self.kind, refs)
+        def remote(self, group, rule, refs):
+            return (group, rule, tuple(refs))
 
-    monkeypatch.setattr(grp, "_join", lambda ray: Task("join"))
-    monkeypatch.setattr(grp, "_first", lambda ray: Task("first"))
+    monkeypatch.setattr(grp, "_gather", lambda ray: Task("gather"))
     a0, a1 = FakeActor("a0"), FakeActor("a1")
     group = WorkerGroup("actor", [a0, a1])
     assert group.size == 2
-    assert group.logprobs.remote("roll", temperature=1.0) == ("join", ("ref:a0:logprobs", "ref:a1:logprobs"))
-    assert group.train.remote("loss", lr=0.1) == ("first", ("ref:a0:train", "ref:a1:train"))
+    assert group.logprobs.remote("roll", temperature=1.0) == ("actor", "split", ("ref:a0:logprobs", "ref:a1:logprobs"))
+    assert group.train.remote("loss", lr=0.1) == ("actor", "all", ("ref:a0:train", "ref:a1:train"))
     assert group.generate_chunks.remote(["p"], chunk=2) == "ref:a0:generate_chunks"
     assert group.pending == ["ref:a1:generate_chunks"]
     assert a0.calls == a1.calls
@@ -124,3 +124,51 @@ def test_job_module_keeps_its_names_and_runtime_imports_no_compiler_code():
                 continue
             for m in mods:
                 assert not m.startswith(compiler) and not m.startswith(".."), f"{fname} imports {m}"
+
+
+@pytest.mark.e2e
+def test_group_answers_and_fails_fast_naming_the_rank(tmp_path):
+    """The group's answer task joins the ranks that answer (None: no share) and fails as soon as one rank
+    dies or raises — not when the ranks blocked on the failed one time out."""
+    import time
+
+    from rlhfc.runtime.cluster import import_ray
+    from rlhfc.runtime.group import RankFailed
+
+    class _Rank:   # defined here: Ray pickles it by value
+        """A stand-in rank: answers, dies, or blocks as a rank waiting in a collective does."""
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def logprobs(self, how):
+            import os
+            import time
+
+            if how[self.rank] == "die":
+                os._exit(1)
+            if how[self.rank] == "raise":
+                raise ValueError("the loss is nan")
+            if how[self.rank] == "block":
+                time.sleep(120)
+            return None if how[self.rank] == "none" else torch.full((1, 2), float(self.rank))
+
+    ray = import_ray()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        cls = ray.remote(num_cpus=0, max_restarts=0)(_Rank)
+        group = WorkerGroup("critic", [cls.remote(i) for i in range(3)])
+        joined = ray.get(group.logprobs.remote(("ok", "none", "ok")))
+        assert joined.tolist() == [[0.0, 0.0], [2.0, 2.0]]
+        for how, said in ((("block", "die", "block"), r"rank 1 of worker group 'critic' died"),
+                          (("block", "block", "raise"), r"rank 2 of worker group 'critic' failed: ValueError: "
+                                                        r"the loss is nan")):
+            group = WorkerGroup("critic", [cls.remote(i) for i in range(3)])
+            t0 = time.perf_counter()
+            with pytest.raises(ray.exceptions.RayTaskError) as exc:
+                ray.get(group.logprobs.remote(how), timeout=60)
+            assert isinstance(exc.value.cause, RankFailed)
+            assert __import__("re").search(said, str(exc.value.cause))
+            assert time.perf_counter() - t0 < 30
+    finally:
+        ray.shutdown()
