@@ -82,6 +82,8 @@ class MegatronWorker(ModelWorker):
         self._fresh = True                  # the replica holds the current weights
         #: the Hugging Face parameter names in the single-rank model's order (the checkpoint's optimizer order)
         self.hf_params = [n for n, _ in self.replica.named_parameters()]
+        self._needed = set(self.replica.state_dict())   # what a weight sync must bring
+        self._incoming: dict[str, torch.Tensor] = {}
 
     # -- layout ---------------------------------------------------------------------------------
     @property
@@ -305,10 +307,12 @@ class MegatronWorker(ModelWorker):
         return [], self.version, 0
 
     def sync_import(self, bucket: dict) -> int:
-        """Load one bucket of Hugging Face-layout tensors: the rest of the state is this rank's current one."""
-        current = self._pieces(local_state(self.model))
-        current.update({k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
-        self._load_full(current)
+        """Take one bucket of Hugging Face-layout tensors; once every tensor of the model has come, each rank
+        keeps its pieces (the converter needs a layer's query, key and value together)."""
+        self._incoming.update({k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
+        if self._incoming.keys() >= self._needed:
+            self._load_full(self._incoming)
+            self._incoming = {}
         return len(bucket)
 
     # -- checkpoints: Hugging Face layout, the single-rank model's optimizer order ------------------

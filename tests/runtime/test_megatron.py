@@ -10,7 +10,8 @@ the single-rank reference. Per case, in this order:
 3. a policy then samples, on the gathered weights, the tokens one rank samples;
 4. the group's checkpoint loads into one rank (another layout): the same weights and optimizer state;
 5. the group loads the single rank's checkpoint (layout → layout the other way) and trains a second
-   step like the single rank does after loading it.
+   step like the single rank does after loading it;
+6. a weight sync (buckets of Hugging Face-layout tensors) leaves exact copies of the sender's weights.
 """
 
 from __future__ import annotations
@@ -101,7 +102,14 @@ def _rank_main(rank, world, store, spec, layout, roll, save_to, load_from):
     dp, tp, pp = layout
     worker = MegatronWorker("m", spec, {"kind": "random"}, seed=SEED, rank=rank, world=world, store=store, tp=tp,
                             pp=pp)
-    return _steps(worker, spec["head"], roll, save_to, load_from)
+    out = _steps(worker, spec["head"], roll, save_to, load_from)
+    # a weight sync brings another model's weights in buckets (numpy arrays, Hugging Face layout)
+    other = ModelWorker("m", spec, {"kind": "random"}, seed=SEED + 1).get_weights()
+    names = list(other)
+    for bucket in (names[:3], names[3:7], names[7:]):
+        worker.sync_import({k: other[k].numpy() for k in bucket})
+    out["synced"] = worker.get_weights()
+    return out
 
 
 def _spawned(rank, args, queue):
@@ -159,6 +167,8 @@ def test_megatron_layout_matches_one_rank(arch, head, dp, tp, pp, tmp_path, make
     if head != "score":   # TokenValues; scores are plain tensors
         got, want_fwd = got.values, want_fwd.values
     torch.testing.assert_close(got, want_fwd, **TOL)
+    other = ModelWorker("m", spec, {"kind": "random"}, seed=SEED + 1).get_weights()
+    assert all(torch.equal(ranks[0]["synced"][k], v) for k, v in other.items())   # 6. exact copies
     if head == "score":
         return
     # 2. one training step: the metrics every rank reports and the gathered weights
