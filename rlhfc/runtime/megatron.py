@@ -12,7 +12,8 @@ Every rank builds the single-rank model's seeded weights (Hugging Face layout), 
 How each stage runs:
 
 - **forwards** (``logprobs``, ``values``, ``score``) and **training** go through megatron's pipeline
-  schedule (``get_forward_backward_func``: no pipelining for ``pp = 1``, 1F1B otherwise). Rows are
+  schedule (``get_forward_backward_func``: no pipelining for ``pp = 1``; with stages, 1F1B over up to
+  2·pp equal microbatches, each weighted by its share of the response tokens). Rows are
   split over data-parallel ranks as under FSDP; the tensor-parallel ranks of a replica see the same rows.
   The last stage gathers the vocabulary-parallel logits and hands them, in the rollout's layout, to
   the same log-prob, value and loss code a single rank runs; the rank with ``tp_rank = 0`` of the last
@@ -21,8 +22,7 @@ How each stage runs:
   positions from each sequence's first column, so each row is shifted to start at column 0 before the
   forward and the outputs are shifted back: with a causal mask no real token then sees padding, and
   positions match the single-rank model (which counts them from the attention mask).
-- **training** uses one microbatch per optimizer minibatch (no pipelining across microbatches yet);
-  gradients are summed over data-parallel ranks, the tied GPT-2 embedding's over its two stages, and
+- **training**: gradients are summed over data-parallel ranks, the tied GPT-2 embedding's over its two stages, and
   clipped by the norm over all pieces; AdamW steps on each rank's pieces (element-wise, so the result
   is the single-rank step up to the rounding of the sums).
 - **generation**, **weights out** and **checkpoints**: the ranks gather the full weights (Hugging
@@ -116,40 +116,53 @@ class MegatronWorker(ModelWorker):
         self._fresh = False
 
     # -- the pipeline schedule ------------------------------------------------------------------
-    def _schedule(self, ids: torch.Tensor, mask: torch.Tensor, on_output: Callable, *, forward_only: bool):
-        """One microbatch through megatron's schedule. ``on_output(out)`` runs on the last stage with the
-        model's outputs in the rows' own layout (logits [B, T, V] or head outputs [B, T]) and returns
-        (loss, extra) for training, or anything for a forward."""
+    def _microbatches(self, rows: int) -> int:
+        """How many microbatches a call of ``rows`` rows is cut into: one without stages; with ``pp`` stages
+        the largest count up to 2·pp that divides the rows (the p2p messages need one shape), so the stages
+        work on different microbatches at once."""
+        if self.pp == 1:
+            return 1
+        return max(m for m in range(1, min(rows, 2 * self.pp) + 1) if rows % m == 0)
+
+    def _schedule(self, ids: torch.Tensor, mask: torch.Tensor, on_output: Callable, *, forward_only: bool) -> list:
+        """The rows through megatron's schedule in equal microbatches. ``on_output(out, rows)`` runs on the
+        last stage for each microbatch (``rows``: its slice of the rows) with the model's outputs in the rows'
+        own layout (logits [b, T, V] or head outputs [b, T]); it returns (loss, extra) for training, or
+        anything for a forward. Returns the forward's results in microbatch order (last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         shift = row_shifts(mask)
         rows, width = ids.shape
+        m = self._microbatches(rows)
+        size = rows // m
         rolled = roll_rows(ids, shift, 1).to(self.device)
-        positions = torch.arange(width, device=self.device).expand(rows, width)
+        positions = torch.arange(width, device=self.device).expand(size, width)
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), 1)[None, None]
         last = self.ps.is_pipeline_last_stage()
-        kept: dict[str, Any] = {}
+        results: list = []
 
-        def step(_data, model):
-            out = model(rolled, positions, causal)   # True: masked out
+        def step(data, model):   # megatron calls it once per microbatch, in order
+            i = next(data)
+            part = slice(i * size, (i + 1) * size)
+            out = model(rolled[part], positions, causal)   # True: masked out
             if not last:
                 return out, None
             if self.spec["head"] == "lm":
                 out = gather_from_tensor_model_parallel_region(out)
             else:
                 out = out.squeeze(-1)
-            out = roll_rows(out.float(), shift, -1)
+            out = roll_rows(out.float(), shift[part], -1)
             if forward_only:
-                kept["result"] = on_output(out)
+                results.append(on_output(out, part))
                 return out, None
-            return out, lambda o: on_output(o)
+            return out, lambda o: on_output(o, part)
 
         with torch.set_grad_enabled(not forward_only):
-            get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[self.model],
-                                        num_microbatches=1, seq_length=width, micro_batch_size=rows,
+            get_forward_backward_func()(forward_step_func=step, data_iterator=iter(range(m)), model=[self.model],
+                                        num_microbatches=m, seq_length=width, micro_batch_size=size,
                                         forward_only=forward_only)
-        return kept.get("result")
+        return results
 
     # -- forwards: each data-parallel rank its share of the rows ---------------------------------
     def _mine(self, rollout: Rollout) -> Rollout:
@@ -159,9 +172,10 @@ class MegatronWorker(ModelWorker):
         mine = self._mine(rollout)
         batch = mine.batch.to(self.device)
         with torch.no_grad():
-            out = self._schedule(batch.input_ids, batch.attention_mask,
-                                 lambda o: fn(Outputs(o), batch), forward_only=True)
-        return (out.cpu(), mine) if self._answers else (None, mine)
+            outs = self._schedule(batch.input_ids, batch.attention_mask,
+                                  lambda o, rows: fn(Outputs(o), batch.select(range(rows.start, rows.stop))),
+                                  forward_only=True)
+        return (torch.cat(outs).cpu(), mine) if self._answers else (None, mine)
 
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues | None:
         from .generation import response_logprobs
@@ -211,24 +225,34 @@ class MegatronWorker(ModelWorker):
         return ppo.train_epochs(*args, backward=self._backward, clip=self._clip, **kwargs)
 
     def _backward(self, model, part: dict, loss_fn: Callable, scale: float):
+        """Forward and backward of one minibatch part in microbatches. The losses are token means, so each
+        microbatch's loss is weighted by its share of the part's response tokens (times the microbatch count,
+        which megatron's schedule divides by): the gradient, loss and metrics are the whole part's."""
         from .generation import RolloutBatch
+        from .ppo import _take
 
         batch = RolloutBatch.from_dict(part)
-        kept: dict[str, Any] = {}
+        tokens = batch.response_mask.sum().clamp(min=1)
+        m = self._microbatches(batch.batch_size)
+        totals: dict[str, float] = {}
 
-        def on_output(out):
-            loss, metrics = loss_fn(Outputs(out), part)
-            kept["loss"], kept["metrics"] = loss.detach(), {k: float(v) for k, v in metrics.items()}
-            return loss * scale, {}
+        def on_output(out, rows):
+            piece = _take(part, torch.arange(rows.start, rows.stop))
+            share = float(piece["response_mask"].sum() / tokens) if m > 1 else 1.0
+            loss, metrics = loss_fn(Outputs(out), piece)
+            for k, v in {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}.items():
+                totals[k] = totals.get(k, 0.0) + share * v
+            return loss * (scale * share * m) if m > 1 else loss * scale, {}
 
         self._schedule(batch.input_ids, batch.attention_mask, on_output, forward_only=False)
         if self.pp > 1:   # the loss and metrics live on the last stage
-            box = [(kept.get("loss"), kept.get("metrics"))]
+            box = [totals]
             dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
                                        group=self.ps.get_pipeline_model_parallel_group())
-            kept["loss"], kept["metrics"] = box[0]
+            totals = box[0]
         self._reduce_grads()
-        return kept["loss"], kept["metrics"]
+        loss = totals.pop("loss")
+        return torch.tensor(loss, dtype=torch.float64), totals
 
     def _reduce_grads(self) -> None:
         """Sum gradients over the data-parallel ranks (then average), and the tied embedding's over its stages."""
