@@ -43,6 +43,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from .models import PolicyModel, ScoreModel, ValueModel, position_ids_from_mask
+from .sampling import row_uniforms, sample_next_token  # noqa: F401 - re-exported: part of this module's API
 
 __all__ = [
     "RolloutBatch",
@@ -193,38 +194,6 @@ def collate(
 # ----------------------------------------------------------------------------- sampling
 
 
-def sample_next_token(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Draw one token per row from ``logits`` [B, V] -> [B] long.
-
-    ``temperature <= 0`` is greedy (argmax, no draw). ``top_k > 0`` keeps the k
-    largest logits; ``top_p < 1`` keeps the smallest set of most likely tokens
-    whose probability reaches ``top_p`` (always at least one).
-    """
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p <= 0.0:  # a nucleus of mass 0 keeps just the most likely token
-        top_p = 1e-12
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    if generator is not None and generator.device != probs.device:
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(logits.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -257,6 +226,8 @@ def generate_stream(
     stop_after: int | None = None,
     logprob_temperature: float | None = None,
     resumed: Sequence[int] | None = None,
+    row_keys: Sequence[int] | None = None,
+    compact: bool = True,
 ) -> Iterator[FinishedSample | PartialSample]:
     """Decode all prompts together with a KV cache; yield each sample when it finishes.
 
@@ -265,9 +236,18 @@ def generate_stream(
     tokens (or after ``budgets[row]`` tokens when per-row budgets are given,
     each in 1..max_new_tokens). With ``stop_after = k``, decoding stops as soon as
     k samples have finished and every unfinished row is yielded as a
-    :class:`PartialSample` holding its tokens so far (OPPO's overcommitment). Finished rows keep occupying their batch slot, fed ``pad_id`` with
-    attention mask 0, so unfinished rows are unaffected. Decoding stops early once
-    every sample is finished.
+:class:`PartialSample` holding its tokens so far (OPPO's overcommitment). Decoding stops early
+    once every sample is finished.
+
+    Random draws: every row samples from its own stream (:func:`row_uniforms`), keyed by
+    ``row_keys[row]`` and its token position (a resumed row continues at position ``resumed[row]``); by
+    default the keys are one draw from ``generator`` plus the row number. A row's tokens therefore do not
+    depend on the other rows of the batch.
+
+    ``compact``: finished rows leave the decode batch (with their KV cache) once a quarter of the batch
+    has finished, so a decode step costs what the live rows need. Otherwise they keep their slot, fed
+    ``pad_id`` with attention mask 0. Either way the live rows are unaffected (up to the float rounding
+    of batched products over a different number of rows).
 
     With ``logprob_temperature = T`` each finished sample also carries the log-prob of its response
     tokens under these weights at temperature T — what ``response_logprobs`` computes, here taken from
@@ -327,35 +307,51 @@ def generate_stream(
         if len(budgets) != b or any(not 1 <= int(x) <= max_new_tokens for x in budgets):
             raise ValueError(f"budgets must give each of the {b} rows 1..{max_new_tokens} tokens")
         limit = torch.tensor([int(x) for x in budgets], dtype=torch.long, device=device)
+    if row_keys is None:
+        base = int(torch.randint(0, 2**62, (1,), generator=generator))
+        row_keys = [base + row for row in range(b)]
+    if len(row_keys) != b:
+        raise ValueError(f"row_keys must give each of the {b} rows a key")
+    keys = torch.tensor([int(k) for k in row_keys], dtype=torch.long, device=device)
+    offset = torch.tensor([int(r) for r in resumed] if resumed is not None else [0] * b, dtype=torch.long,
+                          device=device)
+    rows = torch.arange(b, device=device)   # the original row in each batch slot
     n_finished = 0
     for step in range(max_new_tokens):
-        token = sample_next_token(next_logits, temperature, top_p, top_k, generator)
+        token = sample_next_token(next_logits, temperature, top_p, top_k, generator, keys=keys, steps=offset + step)
         active = ~finished
         token = torch.where(active, token, torch.full_like(token, pad_id))
-        responses[:, step] = token
+        responses[rows[active], step] = token[active]
         if want_lp:
             scaled = next_logits if T == 1.0 else next_logits / T
             lp = (scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)).tolist()
         done_now = active & ((token == eos_id) | (limit == step + 1))
         finished = finished | done_now
 
-        active_list = active.tolist()
-        for row in range(b):
-            if active_list[row]:
-                lengths[row] += 1
+        slot_rows = rows.tolist()
+        for slot, on in enumerate(active.tolist()):
+            if on:
+                lengths[slot_rows[slot]] += 1
                 if want_lp:
-                    token_lps[row].append(lp[row])
-        for row in torch.nonzero(done_now).flatten().tolist():
+                    token_lps[slot_rows[slot]].append(lp[slot])
+        for slot in torch.nonzero(done_now).flatten().tolist():
+            row = slot_rows[slot]
             ids = responses[row, : lengths[row]].tolist()
             yield FinishedSample(row, prompt_tuples[row], tuple(ids), ids[-1] == eos_id, step, tuple(token_lps[row]))
             n_finished += 1
 
         if stop_after is not None and n_finished >= stop_after and not bool(finished.all()):
-            for row in torch.nonzero(~finished).flatten().tolist():
+            for slot in torch.nonzero(~finished).flatten().tolist():
+                row = slot_rows[slot]
                 yield PartialSample(row, prompt_tuples[row], tuple(responses[row, : lengths[row]].tolist()))
             return
         if step == max_new_tokens - 1 or bool(finished.all()):
             return
+        if compact and int(finished.sum()) >= max(1, len(slot_rows) // 4):
+            keep = torch.nonzero(~finished).flatten()
+            cache.batch_select_indices(keep)
+            rows, keys, offset, limit, mask, last_pos, token, active, finished = (
+                x[keep] for x in (rows, keys, offset, limit, mask, last_pos, token, active, finished))
         mask = torch.cat([mask, active.long().unsqueeze(1)], dim=1)
         # finished rows stay put: a row that resumed from a long prefix with a small budget would
         # otherwise walk past the model's max positions while the others still decode

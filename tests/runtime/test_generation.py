@@ -233,3 +233,41 @@ def test_a_resumed_row_with_a_small_budget_does_not_walk_past_max_positions():
     out = list(generate_stream(model, [long_prefix, short], 30, eos_id=999, pad_id=0,
                                generator=torch.Generator().manual_seed(0), budgets=[2, 30]))
     assert sorted(len(s.response_ids) for s in out) == [2, 30]
+
+
+def test_row_streams_sample_the_distribution_and_keep_zero_mass_out():
+    from rlhfc.runtime.generation import row_uniforms
+
+    u = row_uniforms(torch.arange(20000), 3)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert not torch.equal(u, row_uniforms(torch.arange(20000), 4))   # another step, other draws
+    assert torch.equal(u[7:9], row_uniforms(torch.tensor([7, 8]), 3))   # a pure function of (key, step)
+    logits = torch.tensor([[3.0, 2.9, -5.0, -5.0, -5.0]]).repeat(4000, 1)
+    keys = torch.arange(4000)
+    assert set(sample_next_token(logits, 1.0, top_k=2, keys=keys).tolist()) == {0, 1}
+    assert set(sample_next_token(logits, 1.0, top_p=0.3, keys=keys).tolist()) == {0}
+    drawn = sample_next_token(torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]])).repeat(4000, 1), 1.0, keys=keys)
+    freq = torch.bincount(drawn, minlength=4).double() / 4000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.03)
+
+
+def test_a_row_samples_the_same_tokens_whatever_else_is_in_the_batch(small_vocab_policy):
+    """Finished rows leaving the batch (compact) and a row generated in another batch (a data-parallel
+    share, a streamed chunk) leave each row's tokens and log-probs as they were."""
+    prompts = [[1, 3 + i % 5] + [4] * (i % 3) for i in range(12)]
+    keys = [1000 + 17 * i for i in range(12)]
+
+    def run(rows, **kw):
+        out = list(generate_stream(small_vocab_policy, [prompts[i] for i in rows], 16, eos_id=EOS, pad_id=PAD,
+                                   row_keys=[keys[i] for i in rows], logprob_temperature=1.0, **kw))
+        return {rows[s.index]: s for s in out}
+
+    full = run(list(range(12)))
+    lengths = sorted(len(s.response_ids) for s in full.values())
+    assert lengths[0] < lengths[-1]   # rows finish at different steps: compaction happened
+    for other in (run(list(range(12)), compact=False), run([2, 5, 9]), run([11, 0])):
+        for row, s in other.items():
+            assert s.response_ids == full[row].response_ids, row
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(full[row].logprobs), rtol=1e-5,
+                                       atol=1e-5)

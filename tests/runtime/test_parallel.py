@@ -4,7 +4,7 @@ Two processes each host one :class:`~rlhfc.runtime.parallel.DataParallelWorker`;
 :class:`~rlhfc.runtime.worker.ModelWorker` is the single-rank reference built from the same seed. The
 forwards, the sampled tokens and one training step's loss and metrics must agree within 1e-5 relative
 (float rounding: batched products over fewer rows, gradients summed in another order); the updated
-weights, and a checkpoint saved by the group and loaded by a single rank, within 1e-5 absolute (see
+weights, and a checkpoint saved by the group and loaded by a single rank, within 1e-4 absolute (see
 WEIGHTS_TOL).
 """
 
@@ -24,9 +24,10 @@ PROMPTS = ["abc", "hello there", "x", "the quick brown", "fox", "jumps over", "a
 GEN = dict(max_new_tokens=8, temperature=1.0, top_p=1.0)
 TRAIN = dict(lr=1e-2, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0)
 TOL = dict(rtol=1e-5, atol=1e-6)
-#: updated weights: Adam moves each element by lr * m / sqrt(v), so where a gradient is rounding noise
-#: the two layouts can move it differently by a fraction of lr; 1e-5 absolute is 1e-3 of lr = 1e-2
-WEIGHTS_TOL = dict(rtol=1e-5, atol=1e-5)
+#: updated weights: Adam moves each element by lr·m/(sqrt(v) + eps). Where the true gradient is 0 and the
+#: computed one is rounding noise (GPT-2's key bias: softmax ignores it) that is lr·g/eps, which differs
+#: between layouts by up to ~1e-5..1e-4 at lr = 1e-2; any real error moves a weight by ~lr
+WEIGHTS_TOL = dict(rtol=1e-5, atol=1e-4)
 
 
 def _policy_loss(roll, old, adv) -> PolicyLossInput:
