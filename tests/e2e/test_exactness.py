@@ -61,7 +61,7 @@ def test_O2_trains_like_O0_within_rounding_on_long_tailed_lengths(tmp_path):
     o2, code2 = _train(tmp_path, "O2", program=TAIL)
     assert "unpad=True" in code2 and "generate_chunks" in code2 and "logprobs=True" in code2
     assert "compute.sample_logprobs" in code2 and "w.actor.logprobs" not in code2   # no second actor forward
-    assert min(r["response_len_max"] for r in o0) < 30    # some rollout really was narrower than max_new_tokens
+    assert min(r["response_len_max"] for r in o0) < 48    # some rollout really was narrower than max_new_tokens
     # same samples every step (integers compare exactly), metrics within the stated tolerance
     assert [r["response_len_mean"] for r in o2] == [r["response_len_mean"] for r in o0]
     assert _close(o0, o2), (o0, o2)
