@@ -25,10 +25,13 @@ How each stage runs:
 - **training**: gradients are summed over data-parallel ranks, the tied GPT-2 embedding's over its two stages, and
   clipped by the norm over all pieces; AdamW steps on each rank's pieces (element-wise, so the result
   is the single-rank step up to the rounding of the sums).
-- **generation**, **weights out** and **checkpoints**: the ranks gather the full weights (Hugging
-  Face layout); rank 0 samples every row on a single-rank copy (resharding into a tensor-parallel
-  generation layout is not built), answers ``get_weights`` and writes checkpoints — full tensors, so a
-  run saved under one layout resumes under any other. **Weights in**: every rank takes its piece.
+- **generation**: the ranks gather the full weights into a single-rank copy each (resharding into a
+  tensor-parallel generation layout is not built); every rank decodes its share of the rows, each row
+  from its own random stream, so the group samples the tokens one rank samples; rank 0 answers.
+  Streamed generation is decoded by rank 0 alone (as under FSDP).
+- **weights out** and **checkpoints**: gathered in Hugging Face layout; rank 0 answers ``get_weights``
+  and writes checkpoints — full tensors, so a run saved under one layout resumes under any other.
+  **Weights in**: every rank takes its piece.
 
 The model itself, and the shims megatron-core needs on a machine without CUDA: :mod:`rlhfc.runtime.mcore_model`.
 """
@@ -291,22 +294,24 @@ class MegatronWorker(ModelWorker):
 
     # -- generation: rank 0 samples every row on the single-rank copy -----------------------------
     def _refresh(self) -> None:
+        """Bring every rank's single-rank copy up to date (a collective; nothing to do when unchanged)."""
         if not self._fresh:
-            state = self._pieces(local_state(self.model))
-            if self.rank == 0:
-                self.replica.load_state_dict(state)
+            self.replica.load_state_dict(self._pieces(local_state(self.model)))
             self._fresh = True
 
     def generate(self, prompts: list[str], **kwargs):
-        self._refresh()   # a collective: every rank takes part
-        if self.rank != 0:
-            return None
-        with _swapped(self):
-            return super().generate(prompts, **kwargs)
+        from .parallel import split_generate
+
+        self._refresh()
+        with _swapped(self):   # every rank decodes its share of the rows on its copy
+            return split_generate(self, prompts, self.rank, self.world, **kwargs)
 
     def generate_chunks(self, prompts: list[str], **kwargs):
+        from .parallel import skip_draw
+
         self._refresh()
         if self.rank != 0:
+            skip_draw(self)
             return
         with _swapped(self):
             yield from super().generate_chunks(prompts, **kwargs)

@@ -16,9 +16,11 @@ How each stage runs on the group (the driver calls every rank; :mod:`rlhfc.runti
   trains on its share of every minibatch, its loss weighted by its share of the minibatch's
   tokens, and FSDP averages the gradients in backward — the whole minibatch's gradient
   (:func:`rlhfc.runtime.ppo.train_epochs`). Metrics are summed over the ranks the same way.
-- **generation**: the ranks gather the full weights into an unsharded copy and rank 0 samples
-  every row from the same random stream a single rank uses, so a dp group samples the tokens
-  a single rank samples. (Splitting generation over the ranks needs per-row random streams.)
+- **generation**: the ranks gather the full weights into an unsharded copy; each decodes its share of
+  the rows (every row samples from its own random stream, so the group samples the tokens one rank
+  samples) and rank 0 answers with the gathered rollout. Streamed generation (``generate_chunks``) is
+  still decoded by rank 0 alone: its chunks and the overcommit cut-off follow the finish order over
+  all rows.
 - **weights out** (``get_weights``, ``sync_export``, ``save``): gathered in full on every
   rank (a collective), answered or written by rank 0; **weights in** (``set_weights``,
   ``sync_import``, ``load``): every rank takes its shard of the full tensors. Checkpoints hold
@@ -180,15 +182,13 @@ class DataParallelWorker(ModelWorker):
         return self._replica
 
     def generate(self, prompts: list[str], **kwargs):
-        model = self._generation_model()   # a collective: every rank gathers
-        if self.rank != 0:
-            return None
-        with _swapped(self, model):
-            return super().generate(prompts, **kwargs)
+        with _swapped(self, self._generation_model()):   # a collective: every rank gathers the weights
+            return split_generate(self, prompts, self.rank, self.world, **kwargs)
 
     def generate_chunks(self, prompts: list[str], **kwargs):
         model = self._generation_model()
         if self.rank != 0:
+            skip_draw(self)
             return
         with _swapped(self, model):
             yield from super().generate_chunks(prompts, **kwargs)
@@ -246,6 +246,29 @@ def _swapped(worker: DataParallelWorker, model: nn.Module):
         yield
     finally:
         worker.model = sharded
+
+
+def split_generate(worker: ModelWorker, prompts: list[str], rank: int, world: int, *, max_new_tokens: int,
+                   temperature: float, top_p: float, n: int = 1, unpad: bool = False, logprobs: bool = False):
+    """Generation split over the ``world`` ranks of a group, each holding the full weights: rank ``rank``
+    decodes its contiguous share of the rows (each row's own random stream: the tokens one rank would
+    sample), the samples are gathered, and rank 0 answers with the rollout one rank would build."""
+    inputs = worker._inputs(prompts, n)
+    samples = list(worker._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                  logprobs=logprobs, share=row_share(len(inputs), rank, world)))
+    parts: list = [None] * world
+    dist.all_gather_object(parts, samples)
+    if rank != 0:
+        return None
+    width_p = max(len(c["prompt_ids"]) for c in inputs)
+    return worker._rollout([s for part in parts for s in part], inputs, width_p,
+                           None if unpad else max_new_tokens, logprobs)
+
+
+def skip_draw(worker: ModelWorker) -> None:
+    """Advance the sampling generator as a decode call does, on a rank that does not decode (rank 0 streams
+    every row), so every rank draws the same row keys in the next split generation."""
+    torch.randint(0, 2**62, (1,), generator=worker.sample_gen)
 
 
 def open_store(host: str = "127.0.0.1") -> tuple[str, int]:

@@ -113,32 +113,51 @@ class ModelWorker:
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
                                       logprobs=logprobs)
 
-    def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False):
+    def _inputs(self, prompts, n: int, carry=()) -> list[dict]:
+        """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt."""
         texts = [p for p in prompts for _ in range(n)]
-        inputs = [dict(c) for c in carry] + [
+        return [dict(c) for c in carry] + [
             {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
             for t, ids in zip(texts, encode_prompts(self.tokenizer, texts))]
-        prefixes = [list(c["prompt_ids"]) + list(c["partial"]) for c in inputs]
-        budgets = [max_new_tokens - len(c["partial"]) for c in inputs] if carry else None
+
+    def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
+                carry=False, share: tuple[int, int] | None = None):
+        """Decode ``inputs`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
+        ``index`` the row in ``inputs``, its response including a carried part) as each finishes, or, once
+        ``take`` samples are done, a carry dict for each unfinished one. Row ``i`` samples from the random
+        stream keyed ``base + i`` (``base`` one draw from this worker's sampling generator), so a share of the
+        rows decodes the tokens the whole batch would."""
+        base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
+        lo, hi = share or (0, len(inputs))
+        mine = inputs[lo:hi]
+        stream = generate_stream(self.model, [list(c["prompt_ids"]) + list(c["partial"]) for c in mine],
+                                 max_new_tokens, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                                 temperature=temperature, top_p=top_p,
+                                 budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
+                                 stop_after=take, logprob_temperature=temperature if logprobs else None,
+                                 resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)))
+        for item in stream:
+            c = inputs[lo + item.index]
+            response = tuple(c["partial"]) + tuple(item.response_ids)
+            if isinstance(item, PartialSample):
+                yield {**c, "partial": list(response)}
+                continue
+            yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs)
+
+    def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
+                  unpad=False, logprobs=False):
+        inputs = self._inputs(prompts, n, carry)
         width_p = max(len(c["prompt_ids"]) for c in inputs)
-        stream = generate_stream(self.model, prefixes, max_new_tokens, eos_id=self.tokenizer.eos_id,
-                                 pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
-                                 generator=self.sample_gen, budgets=budgets, stop_after=take,
-                                 logprob_temperature=temperature if logprobs else None,
-                                 resumed=[len(c["partial"]) for c in inputs])
         buf: list[FinishedSample] = []
         left: list[dict] = []
         size = chunk if chunk > 0 else len(inputs)
         width_r = None if unpad else max_new_tokens
-        for item in stream:
-            c = inputs[item.index]
-            response = tuple(c["partial"]) + tuple(item.response_ids)
-            if isinstance(item, PartialSample):
-                left.append({**c, "partial": list(response)})
+        for item in self._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                 take=take, logprobs=logprobs, carry=bool(carry)):
+            if isinstance(item, dict):
+                left.append(item)
                 continue
-            buf.append(FinishedSample(item.index, tuple(c["prompt_ids"]), response, item.eos, item.step,
-                                      item.logprobs))
+            buf.append(item)
             if len(buf) == size:
                 yield self._rollout(buf, inputs, width_p, width_r, logprobs)
                 buf = []
