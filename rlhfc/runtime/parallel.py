@@ -121,6 +121,8 @@ class DataParallelWorker(ModelWorker):
 
     ``store``: (host, port) of the group's rendezvous (rank 0 hosts it: :func:`open_store`)."""
 
+    _pack = False   # FSDP gathers weights in every forward: all ranks must run the same number of them
+
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
                  cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int],
                  backend: str = "gloo"):

@@ -37,7 +37,6 @@ __all__ = [
     "broadcast_to_tokens",
     "make_optimizer",
     "train_epochs",
-    "crop_padding",
     "actor_loss_fn",
     "critic_loss_fn",
 ]
@@ -330,34 +329,6 @@ def _take(batch: Mapping[str, Any], index: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def crop_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the trailing response columns that are padding in every row of a rollout-shaped batch.
-
-    ``batch`` holds ``prompt_len`` (P) and ``response_mask`` [B, R]; tensors R wide are cut to
-    the longest response r, tensors P + R wide to P + r. In real arithmetic nothing a loss reads
-    changes (the cut columns are masked out everywhere); in floating point the matrix products
-    are over fewer rows, so results can differ in the last bits.
-    """
-    mask = batch.get("response_mask")
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or "prompt_len" not in batch:
-        return dict(batch)
-    width = mask.shape[1]
-    p = int(batch["prompt_len"])
-    used = mask.any(0).nonzero()
-    r = int(used.max()) + 1 if used.numel() else 1
-    if r >= width:
-        return dict(batch)
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == p + width:
-            out[k] = v[:, : p + r]
-        elif isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == width:
-            out[k] = v[:, :r]
-        else:
-            out[k] = v
-    return out
-
-
 def train_epochs(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -372,6 +343,7 @@ def train_epochs(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     backward: Callable[..., tuple[torch.Tensor, Mapping[str, float]]] | None = None,
     clip: Callable[[list[torch.Tensor], float], torch.Tensor] | None = None,
+    pack: bool = True,
 ) -> dict[str, float]:
     """Run ``epochs`` passes over ``batch`` in ``minibatches`` optimizer steps each.
 
@@ -382,7 +354,9 @@ def train_epochs(
     ``zero_grad -> loss_fn(model, part) -> backward -> clip_grad_norm_ -> step``.
     Returns the mean of each metric over all steps, plus ``grad_norm`` (before
     clipping) and ``loss``. The model is put in train mode and left in eval mode.
-    ``unpad``: each minibatch goes through :func:`crop_padding` first.
+    ``unpad``: each minibatch runs as groups of rows of similar length, each cut to its own width
+    (:func:`rlhfc.runtime.packing.packed_backward`); with a ``backward`` hook or ``pack = False`` (FSDP ranks must all run the
+    same number of forwards), the minibatch is cut to its longest response instead.
 
     Data parallel (``shard = (rank, world)``, every rank calling with the same batch and generator
     state): each rank takes its contiguous share of every minibatch and weights its loss by its share
@@ -413,8 +387,15 @@ def train_epochs(
                     index = torch.tensor_split(index, world)[rank]
                     weight = float(batch["response_mask"][index].sum() / tokens.clamp(min=1))
                 part = _take(batch, index)
-                part = crop_padding(part) if unpad else part
-                if backward is not None:
+                if unpad and pack and backward is None:
+                    from .packing import packed_backward
+
+                    loss, metrics = packed_backward(model, part, loss_fn, weight * shard[1] if shard is not None
+                                                    else 1.0)
+                elif backward is not None:
+                    from .packing import crop_padding
+
+                    part = crop_padding(part) if unpad else part
                     loss, metrics = backward(model, part, loss_fn, weight * shard[1] if shard is not None else 1.0)
                 else:
                     loss, metrics = loss_fn(model, part)

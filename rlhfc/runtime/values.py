@@ -48,6 +48,9 @@ class Rollout:
     #: [B, R] log-prob of each response token under the generating weights, kept when the generate
     #: was asked for it (the ``reuse_logprobs`` pass); 0 past each response
     logprobs: torch.Tensor | None = None
+    #: generated under the ``unpad`` pass: forwards run the rows in groups of similar length, each cut to
+    #: its own width (:mod:`rlhfc.runtime.packing`)
+    unpad: bool = False
 
     @property
     def size(self) -> int:
@@ -138,7 +141,7 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
                    max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
                    [born[i] for i in order], max(c.decode_steps for c in chunks),
                    torch.cat([_pad_cols(c.logprobs, width) for c in chunks])[order]
-                   if all(c.logprobs is not None for c in chunks) else None)
+                   if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks))
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

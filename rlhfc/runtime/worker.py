@@ -22,6 +22,7 @@ from .generation import (FinishedSample, PartialSample, collate, decode_response
                          generate_stream, response_logprobs, response_values, sequence_scores)
 from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
+from .packing import bucketed
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
 
@@ -177,18 +178,28 @@ class ModelWorker:
                 logprobs[row, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
-                       max(s.step for s in samples) + 1, logprobs)
+                       max(s.step for s in samples) + 1, logprobs, unpad=width_r is None)
+
+    #: whether forwards and training of unpadded rollouts run in length groups (every rank of an FSDP group
+    #: must run the same number of forwards, so its ranks do not)
+    _pack = True
+
+    def _run_forward(self, fn, rollout: Rollout) -> torch.Tensor:
+        """``fn(batch)`` on the rollout; under ``unpad``, in groups of rows of similar length
+        (:func:`rlhfc.runtime.packing.bucketed`: computed tokens follow the real ones)."""
+        batch = rollout.batch.to(self.device)
+        return (bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)).cpu()
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
         self._check_tokens(rollout)
-        lp = response_logprobs(self.model, rollout.batch.to(self.device), temperature)
-        return TokenValues(lp.cpu(), rollout.mask)
+        lp = self._run_forward(lambda b: response_logprobs(self.model, b, temperature), rollout)
+        return TokenValues(lp, rollout.mask)
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> TokenValues:
         self._check_tokens(rollout)
-        values = response_values(self.model, rollout.batch.to(self.device)).cpu()
+        values = self._run_forward(lambda b: response_values(self.model, b), rollout)
         check_finite(values, f"the value estimate of '{self.name}'", mask=rollout.mask, prompts=rollout.prompts)
         return TokenValues(values, rollout.mask)
 
@@ -198,7 +209,7 @@ class ModelWorker:
 
     def _score(self, rollout: Rollout) -> torch.Tensor:
         if rollout.tokenizer == self.tok_id:
-            return sequence_scores(self.model, rollout.batch.to(self.device)).cpu()
+            return self._run_forward(lambda b: sequence_scores(self.model, b), rollout)
         # a reward model with its own tokenizer scores the text
         ids = encode_prompts(self.tokenizer, [p + r for p, r in zip(rollout.prompts, rollout.responses)])
         width = max(len(x) for x in ids)
@@ -243,7 +254,8 @@ class ModelWorker:
             return out, stats
 
         metrics = self._train_epochs(self.model, self.optimizer, batch, guarded, epochs=epochs, minibatches=minibatches,
-                                     max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad)
+                                     max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad,
+                                     pack=self._pack)
         self.version += 1
         metrics["version"] = float(self.version)
         return metrics

@@ -7,7 +7,7 @@ import torch
 
 from rlhfc.runtime.generation import FinishedSample, collate, response_logprobs
 from rlhfc.runtime.models import build_model
-from rlhfc.runtime.ppo import crop_padding
+from rlhfc.runtime.packing import crop_padding
 from rlhfc.runtime.values import Rollout, TokenValues, merge_parts, merge_rollouts
 
 SPEC = dict(arch="gpt2", layers=1, hidden=32, heads=2, vocab=16, max_seq=64, head="lm")
