@@ -1,0 +1,180 @@
+"""Throughput sweep: rlhfc -O0 / -O2 / -O3 against TRL 1.12's PPO on the same work, from tiny to compute-bound.
+
+Each point of the sweep is one PPO job — four GPT-2 models of the point's size (policy, value, reference,
+a neural reward model), random weights, a small vocabulary so response lengths are geometric with a long
+tail up to ``max_new_tokens`` — run by rlhfc at each level and by TRL's ``PPOTrainer``
+(``benchmarks/trl_peer.py``) on the same models, batch, lengths and minibatches. TRL runs at 1 and at 2
+torch threads and the faster counts. Levels and TRL alternate within each round, so slow and fast spells
+of a shared machine hit all of them; figures are medians over rounds.
+
+Printed per point: samples/s (only the samples a step trains on), generated tokens/s, -O2/TRL, -O3/TRL,
+-O0/TRL (the runtime's share of a gain) and -O2/-O0 (the passes' share).
+
+    .venv/bin/python benchmarks/throughput.py [--rounds 3] [--points tiny,mid,wide,20m] [--json out.json]
+
+Targets (docs/benchmarks.md): -O2 >= 2x TRL PPO at every point, -O3 >= 2.5x, -O2 >= 1.6x -O0 at the
+compute-bound points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from statistics import median
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+#: the sweep: model size, vocabulary (EOS probability 1/vocab per token for a random policy), lengths, batch
+POINTS = {
+    "tiny": dict(layers=2, hidden=64, heads=4, vocab=16, max_new_tokens=64, batch=16, minibatches=2, steps=8),
+    "mid": dict(layers=4, hidden=128, heads=4, vocab=24, max_new_tokens=128, batch=16, minibatches=2, steps=6),
+    "wide": dict(layers=6, hidden=256, heads=8, vocab=32, max_new_tokens=128, batch=32, minibatches=4, steps=4),
+    "20m": dict(layers=7, hidden=512, heads=8, vocab=32, max_new_tokens=96, batch=16, minibatches=2, steps=3),
+}
+PROMPT_MIN, PROMPT_MAX = 4, 12
+WARMUP = 1
+
+PROGRAM = """cluster local {{ devices = cpu:2 }}
+model actor  = gpt2(layers = {layers}, hidden = {hidden}, heads = {heads}, vocab = {vocab}, max_seq = {max_seq}) trainable
+model critic = like(actor) head = value trainable
+model ref    = copy(actor) frozen
+model reward = gpt2(layers = {layers}, hidden = {hidden}, heads = {heads}, vocab = {vocab}, max_seq = {max_seq}) head = score frozen
+data prompts = synthetic(count = 4096, min_len = {pmin}, max_len = {pmax})
+pipeline ppo(batch = {batch}) {{
+  roll     = actor.generate(prompts, max_new_tokens = {max_new_tokens}, temperature = 1.0)
+  logp     = actor.logprobs(roll)
+  ref_logp = ref.logprobs(roll)
+  values   = critic.values(roll)
+  scores   = reward.score(roll)
+  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.05)
+  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = 1e-4, epochs = 1, minibatches = {minibatches})
+  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = 1e-4, epochs = 1, minibatches = {minibatches})
+}}
+run {{ steps = {steps}; seed = 0; checkpoint_every = 0 }}
+"""
+
+
+def _max_seq(p: dict) -> int:
+    return 1 + PROMPT_MAX + p["max_new_tokens"] + 8
+
+
+def run_rlhfc(point: dict, level: str, work: str) -> dict:
+    from rlhfc.codegen import emit_job
+    from rlhfc.frontend import compile_source
+    from rlhfc.passes import PIPELINES, PassManager, pipeline_for
+    from rlhfc.runtime.job import Job
+
+    path = os.path.join(work, f"point_{level}.rlhf")
+    text = PROGRAM.format(max_seq=_max_seq(point), pmin=PROMPT_MIN, pmax=PROMPT_MAX, steps=point["steps"] + WARMUP,
+                          **{k: v for k, v in point.items() if k != "steps"})
+    module, _ = compile_source(text, path)
+    module = PassManager(pipeline_for(level)).run(module)
+    job_dir = os.path.join(work, f"job_{level}")
+    emit_job(module, job_dir, source_path=path, opt_level=level, passes=PIPELINES[level])
+    spec = importlib.util.spec_from_file_location(f"tp_{level}_{time.time_ns()}", os.path.join(job_dir, "main.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    marks: dict = {}
+
+    def step(job, w):
+        if marks.get("calls", 0) == WARMUP:
+            marks["t0"] = time.perf_counter()
+        marks["calls"] = marks.get("calls", 0) + 1
+        return mod.step(job, w)
+
+    job = Job(job_dir, out=os.path.join(work, f"run_{level}"), progress=False)
+    try:
+        rows = job.run(step)
+        wall = time.perf_counter() - marks["t0"]
+    finally:
+        job.shutdown()
+    measured = rows[WARMUP:]
+    samples = sum(r["samples"] for r in measured)
+    tokens = sum(r["samples"] * r["response_len_mean"] for r in measured)
+    return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "step_s": wall / len(measured),
+            "response_len_mean": tokens / max(samples, 1)}
+
+
+def run_trl(point: dict) -> dict:
+    from trl_peer import run_trl_ppo
+
+    best = None
+    for threads in (1, 2):
+        r = run_trl_ppo(layers=point["layers"], hidden=point["hidden"], heads=point["heads"], vocab=point["vocab"],
+                        max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],
+                        prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
+                        minibatches=point["minibatches"], epochs=1, lr=1e-4, seed=0, threads=threads)
+        sps = r.get("steady_samples_per_s") or r["samples_per_s"]
+        res = {"samples_per_s": sps, "tokens_per_s": sps * r.get("mean_response_len", float("nan")),
+               "threads": threads, "response_len_mean": r.get("mean_response_len")}
+        if best is None or sps > best["samples_per_s"]:
+            best = res
+    return best
+
+
+def _params(point: dict) -> float:
+    h, L, V = point["hidden"], point["layers"], point["vocab"]
+    return L * 12 * h * h + (V + _max_seq(point)) * h
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--points", default=",".join(POINTS))
+    ap.add_argument("--levels", default="O0,O2,O3")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from cores import core_scaling
+    from overlap import _cpu_name
+
+    levels = args.levels.split(",")
+    points = args.points.split(",")
+    results: dict = {p: {lv: [] for lv in levels + ["TRL"]} for p in points}
+    work = tempfile.mkdtemp(prefix="rlhfc-throughput-")
+    scaling = []
+    try:
+        for rnd in range(args.rounds):
+            scaling.append(core_scaling())
+            for name in points:
+                for lv in levels:
+                    results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}")))
+                results[name]["TRL"].append(run_trl(POINTS[name]))
+                print(f"round {rnd + 1}: {name} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores (two busy cores deliver {median(scaling):.2f}x one); "
+          f"{args.rounds} rounds, medians; {WARMUP} warm-up step per run")
+    head = f"{'point':<6} {'params':>7} {'T':>4} {'B':>3} | " + " ".join(f"{lv + ' s/s':>9}" for lv in levels + ["TRL"])
+    print(head + " | " + " ".join(f"{lv + '/TRL':>8}" for lv in levels) + f" | {'O2/O0':>6} | {'resp len':>8} {'tok/s O2':>9}")
+    summary = {}
+    for name in points:
+        p = POINTS[name]
+        med = {lv: median(r["samples_per_s"] for r in results[name][lv]) for lv in levels + ["TRL"]}
+        tok = median(r["tokens_per_s"] for r in results[name]["O2"]) if "O2" in levels else float("nan")
+        rl = median(r["response_len_mean"] for r in results[name][levels[0]])
+        ratios = {lv: med[lv] / med["TRL"] for lv in levels}
+        o2o0 = med["O2"] / med["O0"] if {"O2", "O0"} <= set(levels) else float("nan")
+        print(f"{name:<6} {_params(p) / 1e6:>6.1f}M {p['max_new_tokens']:>4} {p['batch']:>3} | "
+              + " ".join(f"{med[lv]:>9.2f}" for lv in levels + ["TRL"]) + " | "
+              + " ".join(f"{ratios[lv]:>7.2f}x" for lv in levels) + f" | {o2o0:>5.2f}x | {rl:>8.1f} {tok:>9.1f}")
+        summary[name] = {"median_samples_per_s": med, "ratios_to_trl": ratios, "O2_over_O0": o2o0,
+                         "trl_threads": [r["threads"] for r in results[name]["TRL"]]}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": _cpu_name(), "cores": os.cpu_count(), "core_scaling": scaling,
+                       "points": POINTS, "summary": summary, "runs": results}, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
