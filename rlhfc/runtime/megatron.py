@@ -64,6 +64,9 @@ class MegatronWorker(ModelWorker):
         from megatron.core import parallel_state as ps
 
         self.rank, self.world, self.tp, self.pp = int(rank), int(world), int(tp), int(pp)
+        if self.model.spec.get("source") or self.model.spec.get("dtype", "float32") not in ("float32", "fp32"):
+            raise ValueError(f"model '{name}': the megatron trainer builds float32 models from a config "
+                             "(hf(...) folders and other dtypes are not supported yet); use trainer = fsdp or torch")
         if self.world % (self.tp * self.pp):
             raise ValueError(f"a group of {world} ranks cannot hold tp = {tp} × pp = {pp}")
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
