@@ -44,6 +44,10 @@ def placement(module: Module) -> dict:
     add up to the node's bundle. On CPU clusters the worker is pinned to its cores (``cores``) and
     runs one torch thread per whole core of its share: idle OpenMP threads of co-located workers
     spin and slow the busy one down (5x measured on 2 cores with 2 threads each).
+
+    Each worker also says how it runs (:func:`rlhfc.ir.plan.worker_layout`, the runtime's contract):
+    ``trainer`` (``"torch"`` | ``"fsdp"`` | ``"megatron"``, ``auto`` resolved), its layout ``dp``, ``tp``,
+    ``pp`` and ``ranks`` = dp·tp·pp processes (1, with dp = tp = pp = 1, under torch).
     """
     c = module.cluster
     gpu = c.device != "cpu"
@@ -51,7 +55,8 @@ def placement(module: Module) -> dict:
                for _ in range(c.nodes)]
     workers = {w.name: {"model": w.model, "mesh": list(w.mesh.pair()), "bundle": w.node,
                         "num_cpus": 0 if gpu else w.share, "num_gpus": w.share if gpu else 0,
-                        "threads": 1 if gpu else w.threads, "cores": list(w.cores), "ranks": w.ranks}
+                        "threads": 1 if gpu else w.threads, "cores": list(w.cores), "ranks": w.ranks,
+                        "dp": w.dp, "tp": w.tp, "pp": w.pp, "trainer": w.trainer}
                for w in plan.workers(module).values()}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 

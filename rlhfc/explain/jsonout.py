@@ -7,7 +7,9 @@ Top level: ``module``, ``opt_level``, ``passes``, ``cluster``, ``device``,
 ``start_s``/``end_s`` within the steady-state step, ``duration_s``, ``parts``,
 ``bound``, ``source``, ``memory_bytes_per_device``, ``work``), ``devices``
 (per device ``index``, ``node``, ``peak_memory_bytes``, ``capacity_bytes``,
-``busy_s``, ``utilisation``, ``resident``), ``timeline`` (every simulated task),
+``busy_s``, ``utilisation``, ``resident``), ``workers`` (what the job runs, as ``plan.json``
+says: per worker ``worker``, ``model``, ``mesh``, ``trainer``, ``dp``, ``tp``, ``pp``, ``ranks``),
+``timeline`` (every simulated task),
 ``critical_path``, ``bottleneck``, ``diagnostics`` and ``notes``.
 """
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from rlhfc.ir.plan import overlap_group, stream_chunk
 
-from .report import Report
+from .report import Report, worker_rows
 
 
 def _clean(x):
@@ -76,7 +78,7 @@ def report_dict(report: Report) -> dict:
         "profile": report.cost_model.profile.path if report.cost_model.profile else None,
         "changes_training": list(report.module.annotations.get("changes_training") or []),
         "predicted_step_time_s": sim.step_time_s, "steps_simulated": sim.steps, "makespan_s": sim.makespan_s,
-        "stages": stages, "devices": devices,
+        "stages": stages, "devices": devices, "workers": worker_rows(m),
         "timeline": [{"stage": t.stage, "step": t.step, "start_s": t.start, "end_s": t.end,
                       "devices": list(t.devices) if t.devices else None} for t in sim.tasks],
         "critical_path": [f"{t.stage}@{t.step}" for t in sim.critical_path],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
 from rlhfc.ir import Module, print_module
-from rlhfc.ir.plan import overcommit_delta, overlap_group, stream_chunk
+from rlhfc.ir.plan import overcommit_delta, overlap_group, stream_chunk, workers
 
 
 @dataclass
@@ -75,6 +75,22 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
             notes.append(f"%{s.name} streams chunks of {stream_chunk(s)} finished samples to its forwards")
     return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
                   notes, source)
+
+
+def worker_rows(module: Module) -> list[dict]:
+    """What the job runs, per worker (:func:`rlhfc.ir.plan.workers`, as ``plan.json`` says it): its name,
+    model, devices, the resolved trainer, the layout and the processes (``ranks``)."""
+    return [{"worker": w.name, "model": w.model, "mesh": {"first": w.mesh.first, "count": w.mesh.count},
+             "trainer": w.trainer, "dp": w.dp, "tp": w.tp, "pp": w.pp, "ranks": w.ranks}
+            for w in workers(module).values()]
+
+
+def worker_text(row: dict) -> str:
+    """``actor: dp2 tp1 pp1 · fsdp · 2 processes (devices 0-1)``"""
+    m = row["mesh"]
+    devices = f"device {m['first']}" if m["count"] == 1 else f"devices {m['first']}-{m['first'] + m['count'] - 1}"
+    procs = f"{row['ranks']} process{'es' if row['ranks'] != 1 else ''}"
+    return f"{row['worker']}: dp{row['dp']} tp{row['tp']} pp{row['pp']} · {row['trainer']} · {procs} ({devices})"
 
 
 def fmt_seconds(x: float) -> str:

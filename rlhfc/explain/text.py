@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text
+from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text, worker_rows, worker_text
 
 WIDTH = 64
 
@@ -53,6 +53,13 @@ def _placement(report: Report) -> list[str]:
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     return out
+
+
+def _workers(report: Report) -> list[str]:
+    """What the job runs per model (plan.json's workers): layout, trainer and processes."""
+    trainer = report.module.run.trainer
+    return [f"== Workers (what the job runs, per model and mesh: layout · trainer · processes; "
+            f"run trainer = {trainer})"] + ["  " + worker_text(row) for row in worker_rows(report.module)]
 
 
 def _gantt(report: Report) -> list[str]:
@@ -124,8 +131,8 @@ def render_text(report: Report) -> str:
     if changed:
         head.append(f"note: {', '.join(changed)} changes what the job trains on (not an exact optimisation: "
                     "-O2 and below never do this)")
-    lines = head + [""] + _pass_section(report) + [""] + _placement(report) + [""] + _gantt(report) + [""] + \
-        _devices(report) + [""]
+    lines = head + [""] + _pass_section(report) + [""] + _placement(report) + [""] + _workers(report) + [""] + \
+        _gantt(report) + [""] + _devices(report) + [""]
     b = sim.bottleneck
     lines.append("== Bottleneck")
     if b:

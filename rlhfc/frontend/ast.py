@@ -65,12 +65,16 @@ class RunDecl:
 
 @dataclass
 class ModelDecl:
+    """``model NAME = ctor(...) [head = ...] [clause(...)] [trainable|frozen]``; ``clauses`` are the
+    call-shaped options (``layout(dp = 2)``), receiver-less Calls."""
+
     name: str
     ctor: Call
     options: list[Setting]
     flag: str | None
     loc: Loc
     name_loc: Loc
+    clauses: list[Call] = field(default_factory=list)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from rlhfc.ir import arch as archs
 from rlhfc.ir.core import RUN_KEYS, Cluster, DataSource, Model, Module, RunConfig, Symbol
 from rlhfc.ir.devices import GPU_KINDS
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
+from rlhfc.ir.plan import LAYOUT_FACTORS
 from rlhfc.ir.verify_fields import EXAMPLES, check_cluster, check_data, check_model, check_run, is_positive_int
 
 from . import ast
@@ -348,6 +349,7 @@ class Declarations:
                 continue
             seen.add(opt.name)
             _set(m, "head", opt.value)
+        ok = self.clauses(d, m) and ok
         m.trainable = d.flag == "trainable"
         ok = check_model(m, self.module.models, self.sink) and ok
         if ok and d.ctor.name == "hf":   # a well-formed model: does its folder's tokenizer fit it?
@@ -360,6 +362,44 @@ class Declarations:
             self.scope.failed_decls.add(d.name)
             return
         self.module.models[m.name] = m
+
+    def clauses(self, d: ast.ModelDecl, m: Model) -> bool:
+        """Apply the call-shaped options: ``layout(dp = D, tp = T, pp = P)`` fixes the model's layout (a
+        factor left out is 1); the verifier checks the values, the plan what the trainer can run."""
+        ok = True
+        for clause in d.clauses:
+            if clause.name != "layout":
+                self.sink.error(f"unknown model clause '{clause.name}(...)'", clause.name_loc,
+                                did_you_mean(clause.name, ["layout"]) or "clauses: layout(dp = D, tp = T, pp = P)")
+                ok = False
+                continue
+            if m.layout is not None:
+                self.sink.error("'layout' given twice", clause.name_loc, "a model has one layout; remove one")
+                ok = False
+                continue
+            if clause.args:
+                self.sink.error("layout() takes keyword settings", getattr(clause.args[0], "loc", clause.loc),
+                                "e.g. layout(dp = 2, tp = 2, pp = 1); a factor left out is 1")
+                ok = False
+                continue
+            layout = {k: 1 for k in LAYOUT_FACTORS}
+            m.field_locs["layout"] = clause.name_loc
+            given: set[str] = set()
+            for kw in clause.kwargs:
+                if kw.name not in LAYOUT_FACTORS:
+                    self.sink.error(f"unknown layout factor '{kw.name}'", kw.loc,
+                                    did_you_mean(kw.name, LAYOUT_FACTORS) or
+                                    "factors: dp (data), tp (tensor), pp (pipeline parallel)")
+                    ok = False
+                elif kw.name in given:
+                    self.sink.error(f"'{kw.name}' given twice", kw.loc, "remove one")
+                    ok = False
+                else:
+                    given.add(kw.name)
+                    layout[kw.name] = value_of(kw.value)
+                    m.field_locs[f"layout.{kw.name}"] = kw.value.loc
+            m.layout = layout
+        return ok
 
     # -- data --------------------------------------------------------------------------------
     def data(self) -> None:

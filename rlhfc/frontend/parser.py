@@ -320,6 +320,10 @@ class _ToAst(Transformer):
     def model_opt(self, meta, items):
         return ast.Setting(str(items[0]), items[1], self._tok(items[0]))
 
+    def model_clause(self, meta, items):
+        name, args = items
+        return self._call(meta, name, None, args)
+
     def flag(self, meta, items):
         return str(items[0])
 
@@ -331,9 +335,10 @@ class _ToAst(Transformer):
 
     def model_decl(self, meta, items):
         name, ctor, *rest = items
-        flag = rest[-1] if rest and isinstance(rest[-1], str) else None
+        flag = next((r for r in rest if isinstance(r, str)), None)
         opts = [r for r in rest if isinstance(r, ast.Setting)]
-        return ast.ModelDecl(str(name), ctor, opts, flag, self._loc(meta), self._tok(name))
+        clauses = [r for r in rest if isinstance(r, ast.Call)]
+        return ast.ModelDecl(str(name), ctor, opts, flag, self._loc(meta), self._tok(name), clauses)
 
     def data_decl(self, meta, items):
         return ast.DataDecl(str(items[0]), items[1], self._loc(meta), self._tok(items[0]))

@@ -70,6 +70,11 @@ class Model:
     ``init`` is ``"random"`` (seeded random weights), ``"pretrained"`` (from
     ``source``, a local Hugging Face folder) or a :class:`Symbol` naming the model
     whose weights it starts from (``copy(actor)``).
+
+    ``layout`` is the program's fixed parallel layout of the model, ``{"dp": D, "tp": T, "pp": P}``
+    (the ``layout(...)`` clause; every factor present), or None when the placement pass chooses it.
+    It is not part of :meth:`config`: ``copy``/``like`` do not inherit it. Read it through
+    :func:`rlhfc.ir.plan.fixed_layout`.
     """
 
     name: str
@@ -85,6 +90,7 @@ class Model:
     trainable: bool = False
     init: object = "random"
     source: str = ""
+    layout: dict | None = None
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
@@ -97,6 +103,8 @@ class Model:
     def attrs(self) -> dict:
         out = self.config()
         out.update(head=self.head, trainable=self.trainable, init=self.init, source=self.source)
+        if self.layout is not None:   # printed only when the program fixes it
+            out["layout"] = self.layout
         return out
 
     @property
@@ -137,9 +145,10 @@ class RunConfig:
     """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level, the
     placement strategy (``auto``: search on multi-device clusters, else flatten), and the installed
     modules that ``rule("module:function", ...)`` may name besides the program's folder and rlhfc's
-    built-in rewards (``reward_modules``; printed only when not empty), and the trainer of models whose
-    layout is data parallel (``trainer``: ``torch`` runs each model on one process per mesh, ``fsdp``
-    runs dp ranks sharded with FSDP2; printed only when not ``torch``)."""
+    built-in rewards (``reward_modules``; printed only when not empty), and the trainer that runs the
+    models' layouts (``trainer``: ``torch`` runs each model on one process per mesh, ``fsdp`` runs dp
+    ranks sharded with FSDP2, ``megatron`` runs dp × tp × pp megatron-core ranks, ``auto`` picks one per
+    model from its layout — :func:`rlhfc.ir.plan.resolve_trainer`; printed only when not ``torch``)."""
 
     steps: int = 10
     seed: int = 0

@@ -21,7 +21,7 @@ from .core import DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunCo
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
 from .ops import OpSpec
-from .plan import OPT_LEVELS, PLACEMENTS, TRAINERS
+from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, TRAINERS
 from .plan import describe as _describe
 
 #: the example value a hint suggests for each integer setting
@@ -168,7 +168,28 @@ def check_model(m: Model, models: dict[str, Model], sink: DiagnosticSink) -> boo
     if m.init == "pretrained" and not m.source:
         f.error(("source", "init"), 'init "pretrained" needs a source folder',
                 'set source = "path/to/hf_folder", or use init = "random"')
+    if m.layout is not None:
+        _check_layout(m, f)
     return f.ok
+
+
+def _check_layout(m: Model, f: _Fields) -> None:
+    """A fixed layout is ``{dp, tp, pp}`` of positive integers (what the trainer can run is checked with
+    the plan, :mod:`rlhfc.ir.plan.check`)."""
+    if not isinstance(m.layout, dict):
+        f.error("layout", f"layout must be {{dp = D, tp = T, pp = P}}, got {_describe(m.layout)}",
+                "e.g. layout = {dp = 2, pp = 1, tp = 1} (in a program: layout(dp = 2))")
+        return
+    for key in m.layout:
+        if key not in LAYOUT_FACTORS:
+            f.error(f"layout.{key}", f"unknown layout factor '{key}'",
+                    did_you_mean(key, LAYOUT_FACTORS) or "factors: dp (data), tp (tensor), pp (pipeline parallel)")
+    for key in LAYOUT_FACTORS:
+        if key not in m.layout:
+            f.error("layout", f"layout lacks '{key}'", f"give every factor, e.g. {key} = 1")
+        elif not is_positive_int(m.layout[key]):
+            f.error((f"layout.{key}", "layout"), f"{key} must be a positive integer, got {show(m.layout[key])}",
+                    f"e.g. layout({key} = 2); a factor left out is 1")
 
 
 def _check_shape(m: Model, f: _Fields) -> None:
@@ -250,8 +271,10 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
         f.error("placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {_name(r.placement)}",
                 "auto searches on multi-device clusters; e.g. placement = interleave")
     if r.trainer not in TRAINERS:
-        hint = ("megatron-core tensor/pipeline parallelism is not implemented yet" if r.trainer in ("megatron", "auto")
-                else "torch runs one process per model and mesh; fsdp runs a data-parallel layout as FSDP2 ranks")
+        hint = " ".join(filter(None, [did_you_mean(str(r.trainer), TRAINERS),
+                                      "torch runs one process per model and mesh; fsdp runs a data-parallel layout "
+                                      "as FSDP2 ranks; megatron runs dp x tp x pp megatron-core ranks; auto picks "
+                                      "per model"]))
         f.error("trainer", f"trainer must be one of {', '.join(TRAINERS)}, got {_name(r.trainer)}", hint)
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):

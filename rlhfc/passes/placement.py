@@ -19,7 +19,11 @@ or ``--placement``):
 
 Each model stage gets ``mesh = {first, count}`` and ``parallel = {dp, tp, pp}``:
 the fastest split of its mesh (cost model) whose memory fits beside the other
-models there. A plan that cannot fit is a compile error naming the stage, the
+models there, among the splits the run's trainer can run (``fsdp``: dp only;
+``megatron``/``auto``: tp dividing heads, kv_heads, ffn and vocab, pp dividing
+layers). A model whose layout the program fixes (``layout(...)``) keeps it:
+every strategy gives all its stages one mesh of exactly dp·tp·pp devices (its
+generation is not split off), and search only moves that mesh. A plan that cannot fit is a compile error naming the stage, the
 device, bytes needed vs available, and what would make it fit.
 
 Exact: placement decides where and how stages run, not what they compute (on
@@ -62,7 +66,7 @@ class Placement(Pass):
             strategy = "search" if module.cluster.num_devices > 1 else "flatten"
         assign_fn = {"flatten": flatten, "interleave": interleave, "separate": separate}.get(strategy)
         if assign_fn is not None:
-            assign = assign_fn(module)
+            assign = respect_fixed(module, assign_fn(module))
         else:
             assign = search(module, self.seconds, self.seed)
         from rlhfc.cost import check_memory, memory_issues
@@ -86,6 +90,33 @@ def _model_stages(module: Module) -> dict[str, list]:
     for s in module.graph.stages:
         if s.target in module.models:
             out.setdefault(s.target, []).append(s)
+    return out
+
+
+def _fixed_sizes(module: Module) -> dict[str, int]:
+    """Devices of each model whose layout the program fixes (dp·tp·pp), when the cluster has them."""
+    n = module.cluster.num_devices
+    out = {}
+    for name, m in module.models.items():
+        fixed = plan.fixed_layout(m)
+        if fixed is not None and fixed.size <= n:
+            out[name] = fixed.size
+    return out
+
+
+def respect_fixed(module: Module, assign: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``assign`` with every stage of a fixed-layout model on one mesh of exactly its dp·tp·pp devices:
+    starting where its train stage (else its first stage) was put, moved back to fit the cluster."""
+    n = module.cluster.num_devices
+    out = dict(assign)
+    for model, size in _fixed_sizes(module).items():
+        stages = [s for s in module.graph.stages_on(model) if s.name in out]
+        if not stages:
+            continue
+        anchor = next((s for s in stages if s.op == "train"), stages[0])
+        first = min(out[anchor.name][0], n - size)
+        for s in stages:
+            out[s.name] = (first, size)
     return out
 
 
@@ -213,12 +244,18 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
     seeds = [flatten(module), interleave(module)]
     if SPLIT_GENERATION and module.cluster.num_devices > 1:
         seeds.append(separate(module))
+    seeds = [respect_fixed(module, a) for a in seeds]
     best = min(seeds, key=price)
     best_t = price(best)
-    meshes = _meshes(module.cluster.num_devices, module.cluster.per_node)
+    n = module.cluster.num_devices
+    fixed = _fixed_sizes(module)
+    free = _meshes(n, module.cluster.per_node)
+    # a fixed-layout model moves only between meshes of its size (aligned to it)
+    meshes_of = {m: [(f, fixed[m]) for f in range(0, n - fixed[m] + 1, fixed[m])] if m in fixed else free
+                 for m in by_model}
     models = sorted(by_model)
-    if len(meshes) ** len(models) <= EXHAUSTIVE:
-        for combo in itertools.product(meshes, repeat=len(models)):
+    if math.prod(len(meshes_of[m]) for m in models) <= EXHAUSTIVE:
+        for combo in itertools.product(*(meshes_of[m] for m in models)):
             if time.perf_counter() - start > seconds:
                 break
             cand = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
@@ -227,13 +264,13 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
         return result(best)
     keys = [(m, False) for m in models]
     if SPLIT_GENERATION:
-        keys += [(m, True) for m in models if any(s.op == "generate" for s in by_model[m])]
+        keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
     rng = random.Random(seed)
     temp = max(best_t, 1e-9) * 0.05
     cur, cur_t, idle = best, best_t, 0
     while time.perf_counter() - start < seconds and idle < PATIENCE:
         model, gen_only = rng.choice(keys)
-        mesh = rng.choice(meshes)
+        mesh = rng.choice(meshes_of[model])
         prop = dict(cur)
         for s in by_model[model]:
             if (s.op == "generate") == gen_only or not gen_only:
@@ -249,13 +286,34 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
 
 # -- applying a plan ----------------------------------------------------------------------------------------
 
+def _runnable(module: Module, model, lay: Layout) -> bool:
+    """Whether the run's trainer can run ``model`` in ``lay``'s split: a fixed layout only as fixed; under
+    fsdp dp only; under megatron (or auto picking it) tp dividing heads, kv_heads, ffn and vocab, pp dividing
+    layers. ``torch`` runs one process whatever the split (the split only prices the plan)."""
+    fixed = plan.fixed_layout(model)
+    if fixed is not None:
+        return (lay.dp, lay.tp, lay.pp) == (fixed.dp, fixed.tp, fixed.pp)
+    trainer = plan.resolve_trainer(module.run.trainer, plan.Parallel(lay.dp, lay.tp, lay.pp))
+    if trainer == "fsdp":
+        return lay.tp == 1 and lay.pp == 1
+    if trainer == "megatron":
+        return all(v % lay.tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab)) \
+            and model.layers % lay.pp == 0
+    return True
+
+
 def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
-    """Annotate every model stage with its mesh and the fastest parallel split that fits."""
+    """Annotate every model stage with its mesh and the fastest parallel split that fits (a fixed-layout
+    model's stages: its layout, on a mesh of its size)."""
     for s in module.graph.stages:
         if s.name not in assign:
             continue
         first, count = assign[s.name]
-        plan.set_layout(s, Layout(first, count, dp=count))
+        fixed = plan.fixed_layout(module.models.get(s.target or ""))
+        if fixed is not None and fixed.size == count:
+            plan.set_layout(s, Layout(first, count, fixed.dp, fixed.tp, fixed.pp))
+        else:
+            plan.set_layout(s, Layout(first, count, dp=count))
     if not layouts or module.cluster.device == "cpu":
         return
     from rlhfc.cost import CostModel, candidate_layouts, evaluate, have_jax
@@ -277,6 +335,7 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
                                   layers=model.layers, microbatches=(1, 2, 4, 8),
                                   recompute=plan.RECOMPUTE_POLICIES if train else ("none",))
+        cands = [c for c in cands if _runnable(module, model, c)]
         if not cands:
             continue
         res = evaluate(module, s.name, cands, cost_model=cm, backend="jax" if have_jax() else "numpy")

@@ -48,7 +48,7 @@ from .cluster import import_ray as _ray
 from .data import PromptSource, prompt_source_from_spec
 from .errors import JobError
 from .group import WorkerGroup
-from .metrics import MetricsLog, Progress, step_metrics, summarize
+from .metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
 
 __all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
 
@@ -383,6 +383,7 @@ class Job:
                     values = self.resolve(step_fn(self, self.handles))
                     m = self.step_metrics(step, values, time.perf_counter() - t0)
                     m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
+                    m["ranks"] = model_ranks(self.plan["placement"]["workers"])   # processes per model
                     log.write(m)
                     history.append(m)
                     bar.update(m)

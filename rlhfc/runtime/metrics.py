@@ -68,6 +68,17 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
     return m
 
 
+def model_ranks(workers: dict) -> dict[str, int]:
+    """Processes per model: the ``ranks`` of each of its workers in the plan's ``placement.workers``,
+    summed over the workers that host it (a model with a generation copy on other devices counts both
+    groups). Written into every metrics row as ``ranks``."""
+    out: dict[str, int] = {}
+    for name, w in workers.items():
+        model = w.get("model", name)
+        out[model] = out.get(model, 0) + int(w.get("ranks", 1))
+    return out
+
+
 class MetricsLog:
     """``OUT/metrics.jsonl`` (NaN written as null, fsynced per row) and, when installed, TensorBoard.
 

@@ -21,6 +21,10 @@ the functions here, so no two of them can disagree about a default.
 | ``logprobs``          | generate           | bool                          |
 | ``strategy`` (module) | module             | one of :data:`STRATEGIES`     |
 
+A model's fixed layout (the program's ``layout(...)`` clause, ``Model.layout``) is read as a
+:class:`Parallel` by :func:`fixed_layout`; the trainer and layout each worker runs come from
+:func:`worker_layout` (``run { trainer = ... }`` resolved per model by :func:`resolve_trainer`).
+
 A ``sync`` stage's destination is an op attribute (``to_first``/``to_count``),
 read as a :class:`Sync`. Absent annotations take the defaults the runtime uses
 (see :func:`stage_mesh`, :func:`stage_layout`).
@@ -33,16 +37,18 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 
 from __future__ import annotations
 
-from .attrs import (OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRAINERS, TRANSPORTS, WORKER_FAMILIES, Layout,
-                    Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Sync, describe, opt_level)
+from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, RUN_TRAINERS, STRATEGIES, TRAINERS,
+                    TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream,
+                    Sync, describe, opt_level)
 from .check import verify_plan
-from .rules import (Worker, device_shares, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
+from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
                     overcommit_delta, overlap_group, policy_temperature, recompute, set_flag, set_layout, set_overlap,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
                     stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
-                    worker_ranks, workers)
+                    worker_ranks, workers, planned_layout, resolve_trainer, worker_layout)
 
 __all__ = [
+    "LAYOUT_FACTORS", "RUN_TRAINERS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",

@@ -19,8 +19,14 @@ PLACEMENTS = ("auto",) + STRATEGIES
 #: activation recomputation policies of a training stage, cheapest in memory last
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 #: trainers a run can choose (``run { trainer = ... }``): ``torch`` — one process per model and mesh;
-#: ``fsdp`` — a model whose layout has dp > 1 runs as dp ranks sharded with FSDP2
-TRAINERS = ("torch", "fsdp")
+#: ``fsdp`` — a model whose layout has dp > 1 runs as dp ranks sharded with FSDP2; ``megatron`` — every
+#: model runs as dp × tp × pp megatron-core ranks; ``auto`` — per model, megatron when tp or pp > 1, fsdp
+#: when dp > 1, torch otherwise (:func:`rlhfc.ir.plan.resolve_trainer`)
+TRAINERS = ("torch", "fsdp", "megatron", "auto")
+#: what a worker entry of the plan may run as (a trainer once ``auto`` is resolved)
+RUN_TRAINERS = ("torch", "fsdp", "megatron")
+#: the factors of a model's ``layout(...)`` clause, in the order a program writes them
+LAYOUT_FACTORS = ("dp", "tp", "pp")
 #: how a ``sync`` stage moves weights
 TRANSPORTS = ("object_store", "collective")
 #: op families whose stages run on a model's worker
@@ -155,6 +161,19 @@ class Parallel:
 
     def print(self) -> dict:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    @classmethod
+    def parse_fixed(cls, value) -> "Parallel":
+        """Read a model's fixed layout (``Model.layout``): exactly ``{dp, tp, pp}``, integers >= 1."""
+        if not isinstance(value, dict) or set(value) != set(LAYOUT_FACTORS) \
+                or not all(_is_int(v) and v >= 1 for v in value.values()):
+            raise PlanError(f"layout must be {{dp = D, tp = T, pp = P}} with integers >= 1, got {describe(value)}",
+                            "e.g. layout(dp = 2, tp = 2, pp = 1) in the program (a factor left out is 1)")
+        return cls(value["dp"], value["tp"], value["pp"])
+
+    def text(self) -> str:
+        """``dp2 tp1 pp1``"""
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from ..core import Module, Stage
+import importlib.util
+
+from ..core import Model, Module, Stage
 from ..diagnostics import DiagnosticSink, where
 from .attrs import STRATEGIES, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, _is_int, describe
-from .rules import stream_source, streams
+from .rules import fixed_layout, on_worker, stage_mesh, stream_source, streams, workers
+
+#: how to install megatron-core (the ``megatron`` trainer's extra)
+MEGATRON_INSTALL = "pip install -c constraints.txt -e '.[megatron]'"
 
 # -- verifying a plan ------------------------------------------------------------------------------------
 
@@ -20,6 +25,100 @@ def verify_plan(module: Module, sink: DiagnosticSink) -> None:
     for stage in module.graph.stages:
         if stage.outputs and stage.annotations:
             _verify_stage(module, stage, total, sink)
+    if total is not None and all(s.outputs for s in module.graph.stages):
+        _verify_layouts(module, total, sink)
+
+
+# -- fixed layouts and trainers -------------------------------------------------------------------------
+
+
+def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
+    """Each model's fixed layout (``layout(...)``) fits the cluster, its stages' meshes and the run's
+    trainer; every worker the megatron trainer runs is a layout megatron-core can run."""
+    trainer = module.run.trainer
+    wrong: set[str] = set()   # models already reported (one diagnostic per model and problem)
+    for m in module.models.values():
+        fixed = fixed_layout(m)
+        if fixed is None:
+            continue
+        at, text = where(m, "layout"), f"layout({', '.join(f'{k} = {v}' for k, v in fixed.print().items())})"
+        if fixed.size > total:
+            wrong.add(m.name)
+            sink.error(f"model @{m.name}: {text} needs {fixed.size} devices, but cluster @{module.cluster.name} "
+                       f"has {total}", at, f"add devices (a cluster of at least {fixed.size}), or choose a layout "
+                       f"whose dp * tp * pp is at most {total}")
+            continue
+        if trainer == "torch" and fixed.size > 1:
+            sink.error(f"model @{m.name}: {text} runs as {fixed.size} processes, but trainer = torch runs every "
+                       "model as one process", at, "set run { trainer = auto } (or fsdp for a dp-only layout, "
+                       "megatron for tp or pp > 1), or remove the layout clause")
+        elif trainer == "fsdp" and (fixed.tp > 1 or fixed.pp > 1):
+            sink.error(f"model @{m.name}: trainer fsdp runs data-parallel ranks only, but {text} has tp = "
+                       f"{fixed.tp}, pp = {fixed.pp}", where(m, "layout.tp" if fixed.tp > 1 else "layout.pp",
+                                                             "layout"),
+                       "set run { trainer = auto } or megatron (megatron-core tensor/pipeline parallelism), or use "
+                       f"layout(dp = {fixed.size})")
+        for s in module.graph.stages_on(m.name):
+            if not on_worker(module, s) or s.op == "sync":
+                continue
+            count = stage_mesh(module, s).count
+            par = None
+            if Parallel.key in s.annotations:
+                try:
+                    par = Parallel.parse(s.annotations[Parallel.key], count)
+                except PlanError:
+                    continue   # reported with the stage
+            if count != fixed.size:
+                wrong.add(m.name)
+                sink.error(f"stage %{s.name} runs on {count} devices, but @{m.name} fixes {text}: "
+                           f"{fixed.size} devices", where(s), f"give it mesh = {{first = F, count = {fixed.size}}}, "
+                           f"or change the layout of @{m.name}")
+            elif par is not None and par != fixed:
+                wrong.add(m.name)
+                sink.error(f"stage %{s.name} has parallel = {{dp = {par.dp}, tp = {par.tp}, pp = {par.pp}}}, but "
+                           f"@{m.name} fixes {text}", where(s),
+                           f"write parallel = {{dp = {fixed.dp}, tp = {fixed.tp}, pp = {fixed.pp}}} or leave it out")
+    missing_reported = False
+    for w in workers(module).values():
+        m = module.models.get(w.model)
+        if w.trainer != "megatron" or m is None or m.name in wrong:
+            continue
+        wrong.add(m.name)
+        if not missing_reported and importlib.util.find_spec("megatron.core") is None:
+            missing_reported = True
+            sink.error(f"model @{m.name} runs under trainer = megatron, but megatron-core is not installed",
+                       where(module.run, "trainer") if trainer == "megatron" else where(m, "layout"),
+                       f"install the extra: {MEGATRON_INSTALL}")
+        _verify_megatron(module, m, Parallel(w.dp, w.tp, w.pp), w.mesh.count, sink)
+
+
+def _verify_megatron(module: Module, m: Model, par: Parallel, count: int, sink: DiagnosticSink) -> None:
+    """What megatron-core cannot run of ``m`` in layout ``par`` on a mesh of ``count`` devices."""
+    fixed = fixed_layout(m) is not None
+    auto = "; or trainer = auto runs it as fsdp/torch with tp = pp = 1" if module.run.trainer == "megatron" else ""
+    if m.source:
+        sink.error(f"model @{m.name} is loaded from a Hugging Face folder, which the megatron trainer cannot run "
+                   "yet", where(m, "layout") if fixed else where(m, "source", "init"),
+                   "the megatron trainer builds llama(...)/gpt2(...) models from their config: declare the model "
+                   f"by its shape{auto}")
+    shape = {"heads": m.heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab}
+    if par.tp > 1 and all(_is_int(v) and v >= 1 for v in shape.values()):
+        bad = [f"{k} ({v})" for k, v in shape.items() if v % par.tp]
+        if bad:
+            ok = [t for t in range(1, m.heads + 1) if all(v % t == 0 for v in shape.values())]
+            sink.error(f"model @{m.name}: tp = {par.tp} does not divide its {' and '.join(bad)}",
+                       where(m, "layout.tp", "layout") if fixed else where(m),
+                       "megatron splits the attention heads, key/value heads, MLP width and vocabulary over "
+                       f"tensor-parallel ranks: use tp = {' or '.join(map(str, ok))}")
+    if par.pp > 1 and _is_int(m.layers) and m.layers >= 1 and m.layers % par.pp:
+        ok = [p for p in range(1, m.layers + 1) if m.layers % p == 0]
+        sink.error(f"model @{m.name}: pp = {par.pp} does not divide its {m.layers} layers",
+                   where(m, "layout.pp", "layout") if fixed else where(m),
+                   f"megatron gives each pipeline stage layers / pp layers: use pp = {' or '.join(map(str, ok))}")
+    if par.size != count:
+        sink.error(f"model @{m.name} runs dp * tp * pp = {par.size} megatron ranks on a mesh of {count} devices",
+                   where(m, "layout") if fixed else where(m),
+                   f"dp * tp * pp must equal the mesh size {count}")
 
 
 def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> None:
@@ -44,8 +143,8 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
                 report(exc)
             if module.run.trainer == "fsdp" and (par.tp > 1 or par.pp > 1):
                 sink.error(f"{label}: trainer fsdp runs data-parallel ranks only, but the layout has tp = {par.tp}, "
-                           f"pp = {par.pp}", at, "use parallel = {dp = N} for this stage, or trainer = torch "
-                           "(tensor and pipeline parallel trainers are not implemented yet)")
+                           f"pp = {par.pp}", at, "use parallel = {dp = N} for this stage, trainer = megatron or auto "
+                           "(megatron-core tensor/pipeline parallel ranks), or trainer = torch (one process)")
         except PlanError as exc:
             report(exc)
     if "microbatches" in ann and not (_is_int(ann["microbatches"]) and ann["microbatches"] >= 1):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import Graph, Module, Stage
+from ..core import Graph, Model, Module, Stage
 from .attrs import (STRATEGIES, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError,
                     Recompute, Stream, Sync, _is_int)
 
@@ -74,15 +74,32 @@ def on_worker(module: Module, stage: Stage) -> bool:
     return stage.target in module.models and stage.op.split(".", 1)[0] in WORKER_FAMILIES
 
 
+def fixed_layout(model: Model | None) -> Parallel | None:
+    """The layout a model's ``layout(...)`` clause fixes (None when it has none, or a malformed one: the
+    verifier reports that)."""
+    value = getattr(model, "layout", None)
+    if value is None:
+        return None
+    try:
+        return Parallel.parse_fixed(value)
+    except PlanError:
+        return None
+
+
 def home_mesh(module: Module, model: str) -> Mesh:
     """Where a model's weights are authoritative: its train stage's mesh, else its first stage's with a
-    mesh, else the whole cluster (the flattened default)."""
+    mesh, else the first dp·tp·pp devices for a model with a fixed layout that fits the cluster, else the
+    whole cluster (the flattened default)."""
     stages = module.graph.stages_on(model)
     for s in [s for s in stages if s.op == "train"] + [s for s in stages if s.op != "train"]:
         m = mesh(s)
         if m is not None:
             return m
-    return Mesh(0, module.cluster.num_devices)
+    total = module.cluster.num_devices
+    fixed = fixed_layout(module.models.get(model))
+    if fixed is not None and _is_int(total) and fixed.size <= total:
+        return Mesh(0, fixed.size)
+    return Mesh(0, total)
 
 
 def stage_mesh(module: Module, stage: Stage) -> Mesh:
@@ -96,10 +113,13 @@ def stage_mesh(module: Module, stage: Stage) -> Mesh:
     return Mesh(0, module.cluster.num_devices)
 
 def stage_layout(module: Module, stage: Stage) -> Layout:
-    """The layout a stage runs with: :func:`stage_mesh`, its ``parallel`` split (pure data parallelism when
-    absent), ``microbatches`` and ``recompute``."""
+    """The layout a stage runs with: :func:`stage_mesh`, its ``parallel`` split (when absent: its model's
+    fixed layout if that fills the mesh, else pure data parallelism), ``microbatches`` and ``recompute``."""
     m = stage_mesh(module, stage)
-    par = _read(stage, Parallel, m.count) or Parallel(max(1, m.count), 1, 1)
+    fixed = fixed_layout(module.models.get(stage.target or ""))
+    if fixed is not None and fixed.size != m.count:
+        fixed = None
+    par = _read(stage, Parallel, m.count) or fixed or Parallel(max(1, m.count), 1, 1)
     return Layout(m.first, m.count, par.dp, par.tp, par.pp, microbatches(stage), recompute(stage))
 
 
@@ -200,9 +220,10 @@ def stage_worker(module: Module, stage: Stage) -> str:
 
 @dataclass(frozen=True)
 class Worker:
-    """A worker process the runtime starts: ``model`` on ``mesh``, pinned to ``cores`` of ``node`` (the
-    mesh's devices on its first node; ``devices`` are their global indices), with its ``share`` of them
-    and its torch ``threads``."""
+    """A worker the runtime starts: ``model`` on ``mesh``, pinned to ``cores`` of ``node`` (the mesh's
+    devices on its first node; ``devices`` are their global indices), with its ``share`` of them and its
+    torch ``threads``. It runs as ``ranks`` = dp·tp·pp processes of ``trainer`` (``torch``: one process,
+    dp = tp = pp = 1; see :func:`worker_layout`)."""
 
     name: str
     model: str
@@ -213,14 +234,17 @@ class Worker:
     share: float
     threads: int
     ranks: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    trainer: str = "torch"
 
 
 def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
     """Every worker the runtime starts, keyed by (model, mesh): one per mesh a model's stages run on, plus
     the destination of each ``sync``. A worker occupies its mesh's devices on the mesh's first node (one
-    Ray bundle per node); a device used by k workers gives each 1/k (:func:`device_shares`). Under
-    ``trainer = fsdp`` a worker runs as ``ranks`` data-parallel processes: the dp of its train stage's
-    layout (else the largest dp of its stages); otherwise as one."""
+    Ray bundle per node); a device used by k workers gives each 1/k (:func:`device_shares`). It runs the
+    trainer and layout :func:`worker_layout` says, as dp·tp·pp processes."""
     c = module.cluster
     found: dict[tuple[str, Mesh], tuple[int, tuple[int, ...]]] = {}
     for s in module.graph.stages:
@@ -237,21 +261,48 @@ def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
     out = {}
     for (model, m), (node, cores) in found.items():
         sh = shares[(model, m)]
+        trainer, par = worker_layout(module, model, m)
         out[(model, m)] = Worker(worker_name(module, model, m), model, m, node, cores,
                                  tuple(node * c.per_node + core for core in cores), sh["share"], sh["threads"],
-                                 worker_ranks(module, model, m))
+                                 par.size, par.dp, par.tp, par.pp, trainer)
     return out
 
 
-def worker_ranks(module: Module, model: str, where: Mesh) -> int:
-    """How many processes run ``model`` on ``where``: its data-parallel degree under ``trainer = fsdp``
-    (the train stage's, else the largest of its stages there), else 1."""
-    if module.run.trainer != "fsdp":
-        return 1
+def resolve_trainer(trainer: str, layout: Parallel) -> str:
+    """The trainer that runs a model of ``layout`` under ``run { trainer = ... }``: ``auto`` — megatron when
+    tp or pp > 1, fsdp when dp > 1, torch otherwise; ``fsdp`` — fsdp when dp > 1, else torch (one rank
+    needs no sharding); ``torch`` and ``megatron`` as named."""
+    if trainer == "auto":
+        return "megatron" if layout.tp > 1 or layout.pp > 1 else "fsdp" if layout.dp > 1 else "torch"
+    if trainer == "fsdp":
+        return "fsdp" if layout.dp > 1 or layout.tp > 1 or layout.pp > 1 else "torch"
+    return trainer
+
+
+def planned_layout(module: Module, model: str, where: Mesh) -> Parallel:
+    """The layout the plan gives ``model`` on ``where``: its fixed layout (``layout(...)``), else its train
+    stage's split there, else the largest split of its stages there (1 x 1 x 1 with none)."""
+    fixed = fixed_layout(module.models.get(model))
+    if fixed is not None:
+        return fixed
     on = [s for s in module.graph.stages_on(model) if on_worker(module, s) and s.op != "sync"
           and stage_mesh(module, s) == where]
     train = [s for s in on if s.op == "train"]
-    return max((stage_layout(module, s).dp for s in (train or on)), default=1)
+    splits = [Parallel(lay.dp, lay.tp, lay.pp) for lay in (stage_layout(module, s) for s in (train or on))]
+    return max(splits, key=lambda p: (p.size, p.dp), default=Parallel(1, 1, 1))
+
+
+def worker_layout(module: Module, model: str, where: Mesh) -> tuple[str, Parallel]:
+    """(trainer, layout) that runs ``model`` on ``where``: :func:`resolve_trainer` of the run's trainer and
+    :func:`planned_layout`; under the ``torch`` trainer the layout that runs is one process (1 x 1 x 1)."""
+    par = planned_layout(module, model, where)
+    trainer = resolve_trainer(module.run.trainer, par)
+    return trainer, (Parallel(1, 1, 1) if trainer == "torch" else par)
+
+
+def worker_ranks(module: Module, model: str, where: Mesh) -> int:
+    """How many processes run ``model`` on ``where``: dp·tp·pp of :func:`worker_layout` (1 under torch)."""
+    return worker_layout(module, model, where)[1].size
 
 
 def device_shares(devices_by_worker: dict) -> dict:
