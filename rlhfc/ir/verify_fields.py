@@ -182,7 +182,7 @@ def _check_layout(m: Model, f: _Fields) -> None:
         return
     for key in m.layout:
         if key not in LAYOUT_FACTORS:
-            f.error(f"layout.{key}", f"unknown layout factor '{key}'",
+            f.error((f"layout.{key}", "layout"), f"unknown layout factor '{key}'",
                     did_you_mean(key, LAYOUT_FACTORS) or "factors: dp (data), tp (tensor), pp (pipeline parallel)")
     for key in LAYOUT_FACTORS:
         if key not in m.layout:

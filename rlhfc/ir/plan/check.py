@@ -86,7 +86,7 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
         wrong.add(m.name)
         if not missing_reported and importlib.util.find_spec("megatron.core") is None:
             missing_reported = True
-            sink.error(f"model @{m.name} runs under trainer = megatron, but megatron-core is not installed",
+            sink.error(f"model @{m.name} runs on the megatron trainer, but megatron-core is not installed",
                        where(module.run, "trainer") if trainer == "megatron" else where(m, "layout"),
                        f"install the extra: {MEGATRON_INSTALL}")
         _verify_megatron(module, m, Parallel(w.dp, w.tp, w.pp), w.mesh.count, sink)
