@@ -230,8 +230,10 @@ def value_loss(
     clip: float | None = 0.2,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over the mask,
-    ``V_clip = old_values + clamp(V - old_values, -clip, clip)``; ``clip=None``
-    gives the plain ``0.5 * mean((V - R)^2)``.
+    ``V_clip = clamp(V, old_values - clip, old_values + clip)``; ``clip=None``
+    gives the plain ``0.5 * mean((V - R)^2)``. ``V_clip`` is ``V`` itself (the same bits) wherever
+    ``V`` is within the clip range, so ``vf_clipfrac`` counts only tokens really clipped (written as
+    ``old + clamp(V - old, ±clip)`` it would also count tokens where that sum rounds away from ``V``).
 
     Returns ``(loss, metrics)`` with ``vf_loss``, ``vf_clipfrac`` (share of tokens
     where the clipped error is the larger one), ``value_mean``.
@@ -241,7 +243,7 @@ def value_loss(
         per_token = err
         clipfrac = torch.zeros(())
     else:
-        clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+        clipped_values = torch.clamp(values, old_values - clip, old_values + clip)
         err_clipped = (clipped_values - returns) ** 2
         per_token = torch.maximum(err, err_clipped)
         clipfrac = masked_mean((err_clipped > err).to(values.dtype), mask)

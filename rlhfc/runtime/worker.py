@@ -153,11 +153,19 @@ class ModelWorker:
         left: list[dict] = []
         size = chunk if chunk > 0 else len(inputs)
         width_r = None if unpad else max_new_tokens
+        done = 0
         for item in self._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  take=take, logprobs=logprobs, carry=bool(carry)):
             if isinstance(item, dict):
                 left.append(item)
                 continue
+            if take is not None and done == take:
+                # more rows finished in the decoding step that brought the take-th: the step trains on
+                # exactly `take`, so these (the later rows) are carried, cut before their last token,
+                # which they sample again under the next step's weights
+                left.append({**inputs[item.index], "partial": list(item.response_ids[:-1])})
+                continue
+            done += 1
             buf.append(item)
             if len(buf) == size:
                 yield self._rollout(buf, inputs, width_p, width_r, logprobs)
