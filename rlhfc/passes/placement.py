@@ -142,9 +142,13 @@ def _work(module: Module) -> dict[str, float]:
 
 
 def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]]:
-    """Exclusive device ranges sized by work; packed by longest-processing-time when devices are few."""
+    """Exclusive device ranges sized by work (a fixed-layout model's: its dp·tp·pp, when all fit side by
+    side); packed by longest-processing-time when devices are few."""
     n = module.cluster.num_devices
     names = sorted(work, key=lambda m: (-work[m], m))
+    fixed = {m: k for m, k in _fixed_sizes(module).items() if m in work}
+    if fixed and sum(fixed.values()) + len(names) - len(fixed) <= n:
+        return _fixed_shares(names, work, fixed, n)
     if n < len(names):
         bins = [[] for _ in range(n)]
         load = [0.0] * n
@@ -164,6 +168,29 @@ def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]
             break
         counts[m] += 1
         spare -= 1
+    out, first = {}, 0
+    for m in names:
+        out[m] = (first, counts[m])
+        first += counts[m]
+    return out
+
+
+def _fixed_shares(names: list[str], work: dict[str, float], fixed: dict[str, int], n: int) -> dict:
+    """Side-by-side ranges: fixed-layout models get their size, the others the rest sized by work."""
+    rest = [m for m in names if m not in fixed]
+    left = n - sum(fixed.values())
+    total = sum(work[m] for m in rest) or 1.0
+    counts = {m: max(1, int(left * work[m] / total)) for m in rest}
+    while sum(counts.values()) > left:                    # trim the largest shares
+        big = max(counts, key=lambda m: counts[m])
+        counts[big] -= 1
+    spare = left - sum(counts.values())
+    for m in rest:                                        # hand spare devices to the heaviest
+        if spare <= 0:
+            break
+        counts[m] += 1
+        spare -= 1
+    counts.update(fixed)
     out, first = {}, 0
     for m in names:
         out[m] = (first, counts[m])
