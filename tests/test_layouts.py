@@ -205,3 +205,22 @@ def test_job_writes_ranks_from_the_plan_into_every_row():
 
     # the driver's loop adds the plan's processes per model to each row (the e2e runs check the rest)
     assert 'm["ranks"] = model_ranks(self.plan["placement"]["workers"])' in inspect.getsource(job.Job.run)
+
+
+def test_on_gpus_a_group_runs_one_split_the_trainer_can_run():
+    """Beyond torch, a model's stages on one mesh share one split (its train stage's), and the
+    placement weighs only splits the trainer runs: under fsdp no tp/pp, under auto megatron-valid ones."""
+    from rlhfc.frontend import load_file
+    from rlhfc.passes.placement import _runnable
+
+    m, _, _ = load_file(os.path.join(os.path.dirname(__file__), "..", "examples", "ppo_7b.rlhf"))
+    m.run.trainer = "auto"
+    m = _passes(m, "dce,placement{strategy=flatten}")
+    for w in plan.workers(m).values():
+        splits = {(lay.dp, lay.tp, lay.pp) for lay in (plan.stage_layout(m, s) for s in m.graph.stages_on(w.model)
+                                                         if plan.on_worker(m, s))}
+        assert splits == {(w.dp, w.tp, w.pp)}, (w, splits)
+    actor = m.models["actor"]
+    assert _runnable(m, actor, plan.Layout(0, 8, 1, 8, 1)) and not _runnable(m, actor, plan.Layout(0, 6, 1, 6, 1))
+    m.run.trainer = "fsdp"
+    assert _runnable(m, actor, plan.Layout(0, 8, 8, 1, 1)) and not _runnable(m, actor, plan.Layout(0, 8, 1, 8, 1))

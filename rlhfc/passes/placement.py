@@ -349,7 +349,12 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
     meshes: dict[str, set] = {}
     for name, (first, count) in assign.items():
         meshes.setdefault(module.graph.stage(name).target, set()).update(range(first, first + count))
-    for s in module.graph.stages:
+    # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
+    # the split its train stage (else its first stage there) gets
+    one_split = module.run.trainer != "torch"
+    stages = sorted(module.graph.stages, key=lambda s: s.op != "train") if one_split else module.graph.stages
+    chosen: dict[tuple, tuple[int, int, int]] = {}
+    for s in stages:
         if s.name not in assign or s.op.split(".")[0] not in ("generate", "forward", "train"):
             continue
         model = module.models[s.target]
@@ -363,6 +368,9 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
                                   layers=model.layers, microbatches=(1, 2, 4, 8),
                                   recompute=plan.RECOMPUTE_POLICIES if train else ("none",))
         cands = [c for c in cands if _runnable(module, model, c)]
+        key = (s.target, first, count)
+        if one_split and key in chosen:
+            cands = [c for c in cands if (c.dp, c.tp, c.pp) == chosen[key]]
         if not cands:
             continue
         res = evaluate(module, s.name, cands, cost_model=cm, backend="jax" if have_jax() else "numpy")
@@ -371,3 +379,4 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         fits = [i for i in order if mem[i] <= capacity]
         pick = cands[(fits or sorted(range(len(cands)), key=lambda i: mem[i]))[0]]
         plan.set_layout(s, pick)
+        chosen.setdefault(key, (pick.dp, pick.tp, pick.pp))
