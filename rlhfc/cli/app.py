@@ -79,8 +79,9 @@ def _usage_hint(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI and return its exit status: 0, 2 for compile and usage errors, 3 for internal errors,
-    130 when interrupted (a command's own ``SystemExit`` status passes through)."""
+    """Run the CLI and return its exit status: 0, 1 for a run that failed or a file that cannot be read or
+    written, 2 for compile and usage errors, 3 for internal errors, 130 when interrupted (a command's own
+    ``SystemExit`` status passes through)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         # non-standalone: typer returns a command's typer.Exit code (130 for a Ctrl-C it caught)
@@ -106,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         if hint:
             typer.echo(f"  hint: {hint}", err=True)
         return int(getattr(exc, "exit_code", 2) or 2)
+    except OSError as exc:   # the file system refused: an output path that is a folder, a full disk, ...
+        if os.environ.get("RLHFC_DEBUG"):
+            raise
+        what = f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc)
+        typer.echo(f"rlhfc: error: {what}\n"
+                   "  hint: check the path (an output file's folder must exist), its permissions and free space",
+                   err=True)
+        return 1
     except Exception as exc:  # internal bugs
         if os.environ.get("RLHFC_DEBUG"):
             raise

@@ -41,6 +41,9 @@ def read_prompts(path: str, shown: str, field: str) -> tuple[tuple[int, str] | N
         except json.JSONDecodeError as exc:
             return None, (f"{at}: not valid JSON ({exc.msg}: column {exc.colno})",
                           'each line must be one JSON object, e.g. {"' + field + '": "..."}')
+        except RecursionError:   # json's decoder recurses per nesting level
+            return None, (f"{at}: JSON nested too deeply to read",
+                          'each line must be one JSON object, e.g. {"' + field + '": "..."}')
         if not isinstance(obj, dict) or field not in obj:
             return None, (f"{at}: no field {json.dumps(field)}",
                           f'each line must be a JSON object with the prompt in "{field}" (or set field = "...")')

@@ -39,6 +39,8 @@ from .parser import end_of_code
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
 _DATA_CTORS = ("synthetic", "jsonl")
 _DEFAULT_MAX_SEQ = {"llama": 2048, "gpt2": 1024}
+#: the most devices (cores or GPUs) one node may have
+MAX_DEVICES_PER_NODE = 1024
 
 
 class Scope:
@@ -144,7 +146,11 @@ class Declarations:
             return c
         if "nodes" in got:
             _set(c, "nodes", got["nodes"].value)
-        check_cluster(c, self.sink)
+        if check_cluster(c, self.sink) and c.per_node > MAX_DEVICES_PER_NODE:
+            # the plan lists every device: billions of them would exhaust memory in the placement pass
+            self.sink.error(f"{c.per_node} devices per node is more than rlhfc plans for ({MAX_DEVICES_PER_NODE})",
+                            c.field_locs.get("per_node") or decl.loc,
+                            "give the devices of one machine, e.g. devices = cpu:8 or gpus_per_node = 8")
         return c
 
     # -- models ------------------------------------------------------------------------------
@@ -368,34 +374,30 @@ class Declarations:
         factor left out is 1); the verifier checks the values, the plan what the trainer can run."""
         ok = True
         for clause in d.clauses:
-            if clause.name != "layout":
-                self.sink.error(f"unknown model clause '{clause.name}(...)'", clause.name_loc,
-                                did_you_mean(clause.name, ["layout"]) or "clauses: layout(dp = D, tp = T, pp = P)")
-                ok = False
-                continue
-            if m.layout is not None:
-                self.sink.error("'layout' given twice", clause.name_loc, "a model has one layout; remove one")
-                ok = False
-                continue
-            if clause.args:
-                self.sink.error("layout() takes keyword settings", getattr(clause.args[0], "loc", clause.loc),
-                                "e.g. layout(dp = 2, tp = 2, pp = 1); a factor left out is 1")
+            problem = None if clause.name == "layout" else (
+                f"unknown model clause '{clause.name}(...)'", clause.name_loc,
+                did_you_mean(clause.name, ["layout"]) or "clauses: layout(dp = D, tp = T, pp = P)")
+            if problem is None and m.layout is not None:
+                problem = ("'layout' given twice", clause.name_loc, "a model has one layout; remove one")
+            if problem is None and clause.args:
+                problem = ("layout() takes keyword settings", getattr(clause.args[0], "loc", clause.loc),
+                           "e.g. layout(dp = 2, tp = 2, pp = 1); a factor left out is 1")
+            if problem is not None:
+                self.sink.error(*problem)
                 ok = False
                 continue
             layout = {k: 1 for k in LAYOUT_FACTORS}
             m.field_locs["layout"] = clause.name_loc
-            given: set[str] = set()
             for kw in clause.kwargs:
                 if kw.name not in LAYOUT_FACTORS:
                     self.sink.error(f"unknown layout factor '{kw.name}'", kw.loc,
                                     did_you_mean(kw.name, LAYOUT_FACTORS) or
                                     "factors: dp (data), tp (tensor), pp (pipeline parallel)")
                     ok = False
-                elif kw.name in given:
+                elif f"layout.{kw.name}" in m.field_locs:
                     self.sink.error(f"'{kw.name}' given twice", kw.loc, "remove one")
                     ok = False
                 else:
-                    given.add(kw.name)
                     layout[kw.name] = value_of(kw.value)
                     m.field_locs[f"layout.{kw.name}"] = kw.value.loc
             m.layout = layout

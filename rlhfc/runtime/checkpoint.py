@@ -157,6 +157,9 @@ def run_folder_contents(out: str, job_dir: str | None = None) -> list[str]:
 def check_fresh_run_folder(out: str, job_dir: str | None, resume_hint: str) -> None:
     """Refuse (:class:`RunFolderError`) to start a new run in a folder holding an earlier run;
     ``resume_hint`` is how to continue that run instead (a command)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RunFolderError(f"run folder {out} is a file, not a folder; nothing was overwritten",
+                             "choose a folder with --out (a new one, or an earlier run's with --resume)")
     found = run_folder_contents(out, job_dir)
     if not found:
         return

@@ -180,6 +180,9 @@ class JsonlPrompts(PromptSource):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}: column {e.colno})",
                                 'each line must be one JSON object, e.g. {"prompt": "..."}') from None
+            except RecursionError:   # json's decoder recurses per nesting level
+                raise DataError(f"{path}:{lineno}: JSON nested too deeply to read",
+                                'each line must be one JSON object, e.g. {"prompt": "..."}') from None
             if not isinstance(obj, dict) or field not in obj:
                 raise DataError(f"{path}:{lineno}: no field {field!r} in this line",
                                 f'each line must be a JSON object with the prompt in "{field}"')
