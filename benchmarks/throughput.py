@@ -7,8 +7,11 @@ tail up to ``max_new_tokens`` — run by rlhfc at each level and by TRL's ``PPOT
 torch threads and the faster counts. Levels and TRL alternate within each round, so slow and fast spells
 of a shared machine hit all of them; figures are medians over rounds.
 
-Printed per point: samples/s (only the samples a step trains on), generated tokens/s, -O2/TRL, -O3/TRL,
--O0/TRL (the runtime's share of a gain) and -O2/-O0 (the passes' share).
+Printed per point: samples/s (only the samples a step trains on), -O2/TRL, -O3/TRL, -O0/TRL (the
+runtime's share of a gain) and -O2/-O0 (the passes' share); then each side's mean generated response
+length and generated tokens/s. Both sides train (lr 1e-4) against their own random reward model, so
+their length distributions drift apart over the steps: where the lengths differ, samples/s compares
+different work and tokens/s is the fairer figure.
 
     .venv/bin/python benchmarks/throughput.py [--rounds 3] [--points tiny,mid,wide,20m] [--json out.json]
 
@@ -113,8 +116,11 @@ def run_trl(point: dict) -> dict:
                         prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
                         minibatches=point["minibatches"], epochs=1, lr=1e-4, seed=0, threads=threads)
         sps = r.get("steady_samples_per_s") or r["samples_per_s"]
-        res = {"samples_per_s": sps, "tokens_per_s": sps * r.get("mean_response_len", float("nan")),
-               "threads": threads, "response_len_mean": r.get("mean_response_len")}
+        # TRL's own mean_response_len stops at the first <pad> a row samples; the tokens it generated run to
+        # <eos> or the cap (mean_generated_len): that is the work, and what rlhfc's response length counts
+        generated = r.get("mean_generated_len") or float("nan")
+        res = {"samples_per_s": sps, "tokens_per_s": sps * generated, "threads": threads,
+               "response_len_mean": generated}
         if best is None or sps > best["samples_per_s"]:
             best = res
     return best
@@ -149,24 +155,31 @@ def main(argv=None) -> int:
                     results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}")))
                 results[name]["TRL"].append(run_trl(POINTS[name]))
                 print(f"round {rnd + 1}: {name} done", file=sys.stderr, flush=True)
+                if args.json:   # what is measured so far survives an interrupted sweep
+                    with open(args.json + ".partial", "w") as fh:
+                        json.dump(results, fh, default=str)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"machine: {_cpu_name()}, {os.cpu_count()} cores (two busy cores deliver {median(scaling):.2f}x one); "
           f"{args.rounds} rounds, medians; {WARMUP} warm-up step per run")
     head = f"{'point':<6} {'params':>7} {'T':>4} {'B':>3} | " + " ".join(f"{lv + ' s/s':>9}" for lv in levels + ["TRL"])
-    print(head + " | " + " ".join(f"{lv + '/TRL':>8}" for lv in levels) + f" | {'O2/O0':>6} | {'resp len':>8} {'tok/s O2':>9}")
+    print(head + " | " + " ".join(f"{lv + '/TRL':>8}" for lv in levels)
+          + f" | {'O2/O0':>6} | {'len O2':>6} {'len TRL':>7} | {'tok/s O2':>8} {'tok/s TRL':>9} {'ratio':>6}")
     summary = {}
     for name in points:
         p = POINTS[name]
         med = {lv: median(r["samples_per_s"] for r in results[name][lv]) for lv in levels + ["TRL"]}
         tok = median(r["tokens_per_s"] for r in results[name]["O2"]) if "O2" in levels else float("nan")
-        rl = median(r["response_len_mean"] for r in results[name][levels[0]])
+        tok_trl = median(r["tokens_per_s"] for r in results[name]["TRL"])
+        rl = median(r["response_len_mean"] for r in results[name]["O2" if "O2" in levels else levels[0]])
+        rl_trl = median(r["response_len_mean"] for r in results[name]["TRL"])
         ratios = {lv: med[lv] / med["TRL"] for lv in levels}
         o2o0 = med["O2"] / med["O0"] if {"O2", "O0"} <= set(levels) else float("nan")
         print(f"{name:<6} {_params(p) / 1e6:>6.1f}M {p['max_new_tokens']:>4} {p['batch']:>3} | "
               + " ".join(f"{med[lv]:>9.2f}" for lv in levels + ["TRL"]) + " | "
-              + " ".join(f"{ratios[lv]:>7.2f}x" for lv in levels) + f" | {o2o0:>5.2f}x | {rl:>8.1f} {tok:>9.1f}")
+              + " ".join(f"{ratios[lv]:>7.2f}x" for lv in levels)
+              + f" | {o2o0:>5.2f}x | {rl:>6.1f} {rl_trl:>7.1f} | {tok:>8.1f} {tok_trl:>9.1f} {tok / tok_trl:>5.2f}x")
         summary[name] = {"median_samples_per_s": med, "ratios_to_trl": ratios, "O2_over_O0": o2o0,
                          "trl_threads": [r["threads"] for r in results[name]["TRL"]]}
     if args.json:
