@@ -1,17 +1,18 @@
-"""Mixed trainers in one job: the actor as two FSDP2 ranks, the critic as two tensor-parallel and the
-reference as two pipeline-parallel megatron-core ranks, the reward model as one process — seven
-processes on ``cpu:4`` — train like the job with every model in one process: the same sampled tokens
-and every metric of the first two steps within 1e-3 relative."""
+"""Mixed trainers in one job (``trainer = auto`` and a ``layout(...)`` per model): the actor as two FSDP2
+ranks, the critic as two tensor-parallel and the reference as two pipeline-parallel megatron-core ranks,
+the reward model as one process — seven processes on ``cpu:4`` — train like the same job with every model
+in one process: the same sampled tokens and every metric of the first two steps within 1e-3 relative."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
+from rlhfc.frontend import compile_source
 from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
 from rlhfc.runtime.job import run_job
 
@@ -21,22 +22,23 @@ HERE = os.path.dirname(__file__)
 TIMING = {"step_time_s", "samples_per_s", "wait_s"}
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-#: the layouts the plan runs: (trainer, dp, tp, pp) per model
+#: what the plan must run: (trainer, dp, tp, pp) per model
 LAYOUTS = {"actor": ("fsdp", 2, 1, 1), "critic": ("megatron", 1, 2, 1), "ref": ("megatron", 1, 1, 2),
            "reward": ("torch", 1, 1, 1)}
 
 
-def _job(tmp_path, name: str, layouts: dict | None) -> str:
-    module, _, _ = load_file(os.path.join(HERE, "mixed_layouts.rlhf"))
+def _job(tmp_path, name: str, layouts: bool) -> str:
+    text = open(os.path.join(HERE, "mixed_layouts.rlhf")).read()
+    if not layouts:   # the same job, every model in one process
+        text = re.sub(r" layout\([^)]*\)", "", text).replace("; trainer = auto", "")
+    module, _ = compile_source(text, os.path.join(HERE, f"mixed_{name}.rlhf"))
     module = PassManager(parse_pipeline(",".join(PIPELINES["O1"]))).run(module)
     job = str(tmp_path / name)
     emit_job(module, job, source_path="mixed_layouts.rlhf", opt_level="O1", passes=PIPELINES["O1"])
-    path = os.path.join(job, "plan.json")
-    plan = json.load(open(path))
-    for w in plan["placement"]["workers"].values():
-        trainer, dp, tp, pp = (layouts or {}).get(w["model"], ("torch", 1, 1, 1))
-        w.update(trainer=trainer, dp=dp, tp=tp, pp=pp, ranks=dp * tp * pp)
-    json.dump(plan, open(path, "w"), indent=1)
+    workers = json.load(open(os.path.join(job, "plan.json")))["placement"]["workers"]
+    for w in workers.values():
+        want = LAYOUTS[w["model"]] if layouts else ("torch", 1, 1, 1)
+        assert (w["trainer"], w["dp"], w["tp"], w["pp"], w["ranks"]) == (*want, want[1] * want[2] * want[3]), w
     return job
 
 
@@ -57,10 +59,12 @@ def _rows(job: str, out: str, sizes: dict) -> list[dict]:
 
 def test_mixed_trainers_train_like_one_process_each(tmp_path):
     sizes_one, sizes = {}, {}
-    one = _rows(_job(tmp_path, "one", None), str(tmp_path / "run_one"), sizes_one)
-    mixed = _rows(_job(tmp_path, "mixed", LAYOUTS), str(tmp_path / "run_mixed"), sizes)
+    one = _rows(_job(tmp_path, "one", False), str(tmp_path / "run_one"), sizes_one)
+    mixed = _rows(_job(tmp_path, "mixed", True), str(tmp_path / "run_mixed"), sizes)
     assert set(sizes_one.values()) == {1}
     assert sizes == {"actor": 2, "critic": 2, "ref": 2, "reward": 1}
+    with open(tmp_path / "run_mixed" / "metrics.jsonl") as fh:
+        assert json.loads(fh.readline())["ranks"] == sizes   # each metrics row says what ran
     assert [r["step"] for r in mixed] == [0, 1]
     for a, b in zip(one, mixed):
         assert a.keys() == b.keys()
