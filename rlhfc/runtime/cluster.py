@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import JobError
 from .group import WorkerGroup
+from .hygiene import check_worker_code, remove_ray_temp
 
 
 def import_ray():
@@ -58,6 +59,8 @@ class Cluster:
         return self.workers
 
     def _connect(self, ray) -> None:
+        """Connect to ``ray_address``, or start a local Ray in a temporary folder of its own (removed at
+        :meth:`shutdown`); then check that Ray's workers import the driver's rlhfc (:mod:`.hygiene`)."""
         if ray.is_initialized():
             return
         if self.ray_address:
@@ -68,9 +71,11 @@ class Cluster:
             tmp = os.path.join(self.out, "ray")
             if len(tmp) > 40:  # Ray adds ~62 bytes to it for its sockets; unix socket paths hold 107
                 tmp = tempfile.mkdtemp(prefix="rlhfc-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            self.ray_temp = tmp   # set first: a Ray that fails to start may leave files there
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need_cpu)), include_dashboard=False,
                      log_to_driver=False, logging_level="ERROR", _temp_dir=tmp)
         self.started_ray = True
+        check_worker_code(ray, same_machine=not self.ray_address)
 
     def check_resources(self, ray) -> None:
         have = ray.cluster_resources()
@@ -137,9 +142,14 @@ class Cluster:
         return refs
 
     def shutdown(self) -> None:
-        """Stop Ray if this job started it (a connected cluster keeps running)."""
-        if self.started_ray:
-            import_ray().shutdown()
+        """Stop Ray if this job started it (a connected cluster keeps running) and remove its temporary
+        folder (also after a Ray that failed to start)."""
+        try:
+            if self.started_ray:
+                import_ray().shutdown()
+        finally:
+            if getattr(self, "ray_temp", None):
+                remove_ray_temp(self.ray_temp)
 
 
 def _group_class(trainer: str, w: dict) -> tuple[type, dict]:
