@@ -1,0 +1,89 @@
+"""docs/claims.md: every claim row names tests, and every test it names exists.
+
+A row of a claims table (under a heading other than "Measurements") must name at least one test as
+``tests/PATH.py::test_name``; the file must exist and define ``test_name`` (a ``def`` at any indentation,
+so test classes count). Also checked here: the README quotes the learning-curve figures that
+``tests/e2e/test_claims_readme.py`` asserts, and ``explain`` says that -O3 changes training.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+from rlhfc.cli import main as cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLAIMS = os.path.join(ROOT, "docs", "claims.md")
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
+
+
+def _claim_rows() -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(section, claim, [(file, test)]) for every row of every claims table."""
+    rows, section = [], ""
+    with open(CLAIMS, encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("## "):
+                section = line[3:].strip()
+            if not line.startswith("|") or section.startswith(("Measurements", "What the optimisation")):
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells[0] in ("claim", "") or set(cells[0]) <= {"-", " ", ":"}:
+                continue
+            rows.append((section, cells[0], TEST_REF.findall(cells[-1])))
+    return rows
+
+
+def _test_names(path: str) -> set[str]:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+        tree = ast.parse(fh.read())
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_claims_page_lists_claims_of_the_readme_and_the_docs():
+    sections = {s for s, _, _ in _claim_rows()}
+    assert {"README.md", "docs/runtime.md"} <= sections
+    assert len(_claim_rows()) >= 40
+
+
+def test_every_claim_names_a_test_that_exists():
+    missing, unnamed = [], []
+    for section, claim, refs in _claim_rows():
+        if not refs:
+            unnamed.append(f"{section}: {claim}")
+        for path, name in refs:
+            if not os.path.isfile(os.path.join(ROOT, path)) or name not in _test_names(path):
+                missing.append(f"{section}: {claim} -> {path}::{name}")
+    assert not unnamed, "claims without a test:\n" + "\n".join(unnamed)
+    assert not missing, "claims naming a test that does not exist:\n" + "\n".join(missing)
+
+
+def test_readme_points_at_the_claims_page():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        assert "docs/claims.md" in fh.read()
+
+
+def test_readme_quotes_the_figures_the_curve_tests_check():
+    """The README's learning-curve figures are the ones tests/e2e/test_claims_readme.py asserts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("claims_readme", os.path.join(ROOT, "tests", "e2e",
+                                                                               "test_claims_readme.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        text = " ".join(fh.read().split())
+    first, last = mod.README_CURVES["ppo_tiny"]
+    assert f"first 5 steps +{first:.2f} -> last 5 steps +{last:.2f}" in text
+    first, last = mod.README_CURVES["grpo_tiny"]
+    assert f"from ≈{first:.2f} to ≈{last:.2f} in 40 steps" in text
+
+
+def test_explain_says_O3_changes_what_the_job_trains_on(capsys):
+    program = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
+    assert cli(["explain", program, "-O3", "--no-profile"]) == 0
+    assert "note: overcommit changes what the job trains on" in capsys.readouterr().out
+    assert cli(["explain", program, "-O2", "--no-profile"]) == 0
+    assert "changes what the job trains on" not in capsys.readouterr().out
+
