@@ -29,7 +29,8 @@ How each stage runs:
   tensor-parallel generation layout is not built); every rank decodes its share of the rows, each row
   from its own random stream, so the group samples the tokens one rank samples; rank 0 answers.
   Streamed generation is decoded by rank 0 alone (as under FSDP).
-- **weights out** and **checkpoints**: gathered in Hugging Face layout; rank 0 answers ``get_weights``
+- **weights out** and **checkpoints**: gathered in Hugging Face layout (tensor all-gathers within each
+  replica's model-parallel group, in buckets; every rank knows the others' shapes from the spec); rank 0 answers ``get_weights``
   and writes checkpoints — full tensors, so a run saved under one layout resumes under any other.
   **Weights in**: every rank takes its piece.
 
@@ -38,6 +39,7 @@ The model itself, and the shims megatron-core needs on a machine without CUDA: :
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -50,6 +52,10 @@ from .models import normalize_spec
 from .parallel import row_share, rows_of
 from .values import Rollout, TokenValues
 from .worker import GROUP_TIMEOUT_S, ModelWorker
+
+
+#: the most a rank sends in one all-gather when the pieces are put together (MiB)
+GATHER_BUCKET_MB = 64
 
 
 class MegatronWorker(ModelWorker):
@@ -98,12 +104,56 @@ class MegatronWorker(ModelWorker):
         return self.tp_rank == 0 and self.pp_rank == self.pp - 1
 
     def _pieces(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every rank's local tensors gathered and put together in the Hugging Face layout (a collective)."""
-        box: list[Any] = [None] * self.world
-        dist.all_gather_object(box, (self.dp_rank, self.tp_rank, self.pp_rank,
-                                     {k: v.detach().cpu() for k, v in local.items()}))
-        pieces = {(t, p): state for d, t, p, state in box if d == 0}
+        """Every model-parallel rank's local tensors gathered and put together in the Hugging Face layout (a
+        collective of the whole group; each data-parallel replica gathers its own, identical, pieces).
+
+        Each rank flattens its tensors (by name) and the ranks all-gather them in buckets of at most
+        ``GATHER_BUCKET_MB``; a rank knows every other rank's names and shapes from the spec (the
+        converter run on shapes only), so nothing but the numbers travels."""
+        group = self.ps.get_model_parallel_group()
+        dtype = next(iter(local.values())).dtype
+        mine = torch.cat([local[k].detach().reshape(-1).to(dtype) for k in sorted(local)]) if local else \
+            torch.zeros(0, dtype=dtype)
+        layouts = self._rank_shapes()
+        longest = max(sum(math.prod(sh) for sh in shapes.values()) for shapes in layouts.values())
+        step = max(1, GATHER_BUCKET_MB * 2**20 // max(1, mine.element_size()))
+        mp_world = self.tp * self.pp
+        flats = [torch.empty(longest, dtype=dtype, device=mine.device) for _ in range(mp_world)]
+        padded = torch.zeros(longest, dtype=dtype, device=mine.device)
+        padded[:mine.numel()] = mine
+        for lo in range(0, longest, step):
+            hi = min(longest, lo + step)
+            parts = [torch.empty(hi - lo, dtype=dtype, device=mine.device) for _ in range(mp_world)]
+            dist.all_gather(parts, padded[lo:hi].contiguous(), group=group)
+            for flat, part in zip(flats, parts):
+                flat[lo:hi] = part
+        pieces = {}
+        ranks = dist.get_process_group_ranks(group)
+        for i, global_rank in enumerate(ranks):
+            coords = self._coords(global_rank)
+            at, state = 0, {}
+            for name in sorted(layouts[coords]):
+                shape = layouts[coords][name]
+                n = math.prod(shape)
+                state[name] = flats[i][at:at + n].view(shape).cpu()
+                at += n
+            pieces[coords] = state
         return conv.from_megatron(conv.unshard(pieces, self.spec, self.tp, self.pp), self.spec, self.tp)
+
+    def _coords(self, global_rank: int) -> tuple[int, int]:
+        """(tp_rank, pp_rank) of a rank of this group (megatron's order: tensor-parallel ranks fastest, then
+        data-parallel, then stages)."""
+        return global_rank % self.tp, global_rank // (self.tp * self.dp)
+
+    def _rank_shapes(self) -> dict[tuple[int, int], dict[str, tuple]]:
+        """Every (tp_rank, pp_rank)'s local tensor names and shapes, from the spec alone (cached)."""
+        if getattr(self, "_shapes", None) is None:
+            meta = {k: torch.empty(v.shape, device="meta") for k, v in self.replica.state_dict().items()}
+            full = conv.to_megatron(meta, self.spec, self.tp)
+            self._shapes = {(t, p): {k: tuple(v.shape) for k, v in conv.shard(full, self.spec, self.tp, t, self.pp,
+                                                                                 p).items()}
+                            for t in range(self.tp) for p in range(self.pp)}
+        return self._shapes
 
     def _piece_of(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's local tensors of a full Hugging Face-layout state."""
