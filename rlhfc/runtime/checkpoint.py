@@ -94,8 +94,7 @@ def save_checkpoint(root: str, step: int, workers: dict[str, WorkerGroup], meta:
                 failed = failed or (name, exc)
         if failed is not None:
             raise CheckpointWriteError(step, failed[0], failed[1])
-        with open(os.path.join(tmp, "job.json"), "w") as fh:
-            json.dump(meta, fh)
+        write_atomic(os.path.join(tmp, "job.json"), json.dumps(meta))   # one writer for the driver's files
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
