@@ -409,6 +409,13 @@ def train_epochs(
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, limit)
                 if hasattr(grad_norm, "full_tensor"):   # a DTensor (sharded parameters): the global norm
                     grad_norm = grad_norm.full_tensor()
+                if not math.isfinite(float(grad_norm)):
+                    # every entry may be finite while their norm overflows: clipping would then zero the
+                    # gradient and the step would go on silently (Adam still moving on its momentum)
+                    from .guards import NonFiniteError
+
+                    raise NonFiniteError(f"the gradient norm is {float(grad_norm)} on a minibatch; the run stops "
+                                         "before the optimizer step (nothing of this step is checkpointed)")
                 optimizer.step()
                 step_metrics = {k: float(v) * weight for k, v in metrics.items()}
                 step_metrics["loss"] = float(loss.detach()) * weight
