@@ -29,8 +29,9 @@ class Rollout:
     ``rows``: each sample's row in the step's batch (a streamed chunk holds some rows);
     ``born``: the weights version each sample started with (older than ``version`` for
     samples carried over from an earlier step by overcommitment).
-    The response width is the stage's ``max_new_tokens``, so a chunk and the whole
-    batch have the same shape and per-row forwards agree bitwise; under the ``unpad``
+    The response width is the stage's ``max_new_tokens``, so a chunk's rows have the shape they
+    have in the whole batch (per-row forwards agree up to the rounding of batched kernels over
+    fewer rows; docs/claims.md); under the ``unpad``
     pass (``unpad=True``) it is the longest response in the chunk instead, and merging
     pads chunks to the widest.
     """
