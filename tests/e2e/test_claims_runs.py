@@ -106,10 +106,10 @@ def _tokens(job_dir: str, samples: list):
 @pytest.mark.parametrize("program,chunk,rounding", [(PROGRAM, 1, False), (TAIL, 2, True)],
                          ids=["4_chunks_of_1", "4_chunks_of_2_unpad"])
 def test_streaming_in_several_chunks_trains_like_O0_within_rounding(tmp_path, program, chunk, rounding):
-    """Batch 4 in chunks of 1 (the -O2 passes but the two rounding ones), and the long-tailed batch 8 in
-    chunks of 2 with all of -O2 (each chunk cut to its own longest response): four chunks per step, each
-    handed to ref, critic and reward on its own. 3 steps: -O0's token ids every step, metrics within
-    a relative 1e-4."""
+    """Batch 4 in chunks of 1 (the -O2 passes but ``unpad`` and ``reuse_logprobs``), and the long-tailed
+    batch 8 in chunks of 2 with all of -O2 (each chunk cut to its own longest response): four chunks per
+    step, each handed to ref, critic and reward on its own. 3 steps: -O0's token ids every step, metrics
+    within a relative 1e-4."""
     stream = _job(tmp_path, program, _stream_passes(chunk, rounding), "stream")
     code = open(os.path.join(stream, "main.py")).read()
     assert f"generate_chunks.remote(prompts, carry=carry, chunk={chunk}," in code and f"batch = {4 * chunk}" in code
