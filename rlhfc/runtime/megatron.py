@@ -420,11 +420,6 @@ class MegatronWorker(ModelWorker):
         return out
 
     def save(self, folder: str) -> None:
-        import json
-        import os
-
-        from safetensors.torch import save_file
-
         weights = self.get_weights()
         tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
                    "rng.torch": torch.get_rng_state()}
@@ -438,28 +433,11 @@ class MegatronWorker(ModelWorker):
                       for g in self.optimizer.state_dict()["param_groups"][:1]]
             meta["optimizer"] = {"param_groups": groups, "state_keys": {
                 str(i): sorted(state) for i in range(len(self.hf_params))}}
-        if self._writes:
-            os.makedirs(folder, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(folder, "weights.safetensors"))
-            save_file(tensors, os.path.join(folder, "state.safetensors"))
-            with open(os.path.join(folder, "state.json"), "w") as fh:
-                json.dump(meta, fh)
+        self._write_files(folder, {k: v.contiguous() for k, v in weights.items()}, tensors, meta)
         dist.barrier()   # the checkpoint is complete on disk when any rank returns
 
     def load(self, folder: str) -> int:
-        import json
-        import os
-
-        from safetensors.torch import load_file
-
-        self.set_weights(load_file(os.path.join(folder, "weights.safetensors")))
-        tensors = load_file(os.path.join(folder, "state.safetensors"))
-        with open(os.path.join(folder, "state.json")) as fh:
-            meta = json.load(fh)
-        self.sample_gen.set_state(tensors["rng.sample"])
-        self.train_gen.set_state(tensors["rng.train"])
-        torch.set_rng_state(tensors["rng.torch"])
-        self.version = int(meta["version"])
+        tensors, meta = self._read_files(folder)
         opt = meta.get("optimizer")
         if opt is not None:
             groups = opt["param_groups"]

@@ -437,6 +437,10 @@ class ModelWorker:
                     tensors[f"opt.{idx}.{key}"] = self._full(torch.as_tensor(t)).detach().cpu().contiguous()
             meta["optimizer"] = {"param_groups": sd["param_groups"], "state_keys": {
                 str(i): sorted(s.keys()) for i, s in sd["state"].items()}}
+        self._write_files(folder, weights, tensors, meta)
+
+    def _write_files(self, folder: str, weights: dict, tensors: dict, meta: dict) -> None:
+        """The checkpoint's three files (on the rank that writes them)."""
         if not self._writes:
             return
         os.makedirs(folder, exist_ok=True)
@@ -445,7 +449,9 @@ class ModelWorker:
         with open(os.path.join(folder, "state.json"), "w") as fh:
             json.dump(meta, fh)
 
-    def load(self, folder: str) -> int:
+    def _read_files(self, folder: str) -> tuple[dict, dict]:
+        """Load a checkpoint's weights, random states and version; return its (tensors, meta) for the
+        optimizer state."""
         self.set_weights(load_file(os.path.join(folder, "weights.safetensors")))
         tensors = load_file(os.path.join(folder, "state.safetensors"))
         with open(os.path.join(folder, "state.json")) as fh:
@@ -454,6 +460,10 @@ class ModelWorker:
         self.train_gen.set_state(tensors["rng.train"])
         torch.set_rng_state(tensors["rng.torch"])
         self.version = int(meta["version"])
+        return tensors, meta
+
+    def load(self, folder: str) -> int:
+        tensors, meta = self._read_files(folder)
         opt = meta.get("optimizer")
         if opt is not None:
             groups = opt["param_groups"]
