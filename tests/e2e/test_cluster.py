@@ -69,7 +69,8 @@ def test_interleaved_plan_lands_on_the_named_nodes_and_trains_like_flatten(tmp_p
 
 @pytest.mark.slow
 def test_group_ranks_land_on_the_node_the_plan_names(tmp_path):
-    """A multi-rank group (trainer = fsdp, dp = the node's 2 cores) starts every rank on its mesh's node."""
+    """Multi-rank groups (the actor and the critic fixed at dp = 2, trainer = auto: FSDP2 ranks) start every
+    rank on the node of their mesh."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -78,14 +79,16 @@ def test_group_ranks_land_on_the_node_the_plan_names(tmp_path):
     text = open(os.path.join(HERE, "two_nodes.rlhf")).read()
     text = text.replace("devices = cpu:1; nodes = 2", "devices = cpu:2; nodes = 2").replace(
         "steps = 3; seed = 3; checkpoint_every = 0; placement = interleave",
-        "steps = 1; seed = 3; checkpoint_every = 0; placement = interleave; trainer = fsdp")
+        "steps = 1; seed = 3; checkpoint_every = 0; placement = interleave; trainer = auto").replace(
+        "max_seq = 32) trainable", "max_seq = 32) layout(dp = 2) trainable").replace(
+        "head = value trainable", "head = value layout(dp = 2) trainable")
     module, _ = compile_source(text, os.path.join(HERE, "two_nodes_fsdp.rlhf"))
     module = PassManager(parse_pipeline("placement{strategy=interleave}")).run(module)
     job_dir = str(tmp_path / "job")
     emit_job(module, job_dir, source_path="two_nodes_fsdp.rlhf", opt_level="custom", passes=["placement"])
     placement = json.load(open(os.path.join(job_dir, "plan.json")))["placement"]
     ranks = {name: w["ranks"] for name, w in placement["workers"].items()}
-    assert ranks["actor"] == 2, placement["workers"]
+    assert ranks["actor"] == ranks["critic"] == 2, placement["workers"]
 
     import importlib.util
 
