@@ -157,7 +157,19 @@ def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]
             bins[i].append(m)
             load[i] += work[m]
         return {m: (i, 1) for i, ms in enumerate(bins) for m in ms}
-    total = sum(work.values()) or 1.0
+    return _side_by_side(names, _sized(names, work, n))
+
+
+def _fixed_shares(names: list[str], work: dict[str, float], fixed: dict[str, int], n: int) -> dict:
+    """Side-by-side ranges: fixed-layout models get their size, the others the rest sized by work."""
+    rest = [m for m in names if m not in fixed]
+    return _side_by_side(names, {**_sized(rest, work, n - sum(fixed.values())), **fixed})
+
+
+def _sized(names: list[str], work: dict[str, float], n: int) -> dict[str, int]:
+    """Device counts for ``names`` out of ``n``, in proportion to their work (at least one each; the
+    largest shares trimmed, spare devices handed to the heaviest first)."""
+    total = sum(work[m] for m in names) or 1.0
     counts = {m: max(1, int(n * work[m] / total)) for m in names}
     while sum(counts.values()) > n:                       # trim the largest shares
         big = max(counts, key=lambda m: counts[m])
@@ -168,29 +180,11 @@ def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]
             break
         counts[m] += 1
         spare -= 1
-    out, first = {}, 0
-    for m in names:
-        out[m] = (first, counts[m])
-        first += counts[m]
-    return out
+    return counts
 
 
-def _fixed_shares(names: list[str], work: dict[str, float], fixed: dict[str, int], n: int) -> dict:
-    """Side-by-side ranges: fixed-layout models get their size, the others the rest sized by work."""
-    rest = [m for m in names if m not in fixed]
-    left = n - sum(fixed.values())
-    total = sum(work[m] for m in rest) or 1.0
-    counts = {m: max(1, int(left * work[m] / total)) for m in rest}
-    while sum(counts.values()) > left:                    # trim the largest shares
-        big = max(counts, key=lambda m: counts[m])
-        counts[big] -= 1
-    spare = left - sum(counts.values())
-    for m in rest:                                        # hand spare devices to the heaviest
-        if spare <= 0:
-            break
-        counts[m] += 1
-        spare -= 1
-    counts.update(fixed)
+def _side_by_side(names: list[str], counts: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Consecutive device ranges of the given sizes, in ``names`` order."""
     out, first = {}, 0
     for m in names:
         out[m] = (first, counts[m])
