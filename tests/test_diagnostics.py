@@ -96,7 +96,9 @@ def test_enough_programs():
 
 
 @pytest.fixture(autouse=True)
-def _in_repo_root(monkeypatch):
+def _in_repo_root(monkeypatch, megatron_installed):
+    """Programs are checked from the repository root, as with megatron-core installed (the megatron
+    layout checks hold either way; the missing-install diagnostic is tested in test_layouts.py)."""
     monkeypatch.chdir(ROOT)
 
 

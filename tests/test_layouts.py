@@ -57,6 +57,12 @@ def _passes(module, pipeline: str):
     return PassManager(parse_pipeline(pipeline)).run(module)
 
 
+
+@pytest.fixture(autouse=True)
+def _megatron_core(megatron_installed):
+    """The layouts here are checked as with megatron-core installed (the missing case patches it back)."""
+
+
 def test_layout_clause_prints_only_when_given_and_round_trips():
     m = _module(**MIXED)
     assert m.models["actor"].layout == {"dp": 2, "tp": 1, "pp": 1}
