@@ -15,7 +15,7 @@ import keyword
 
 from rlhfc.ir import Module, Stage, get_op, plan
 from rlhfc.ir.ops import COMPUTE_MODULE
-from rlhfc.ir.schedule import Entry, build_schedule
+from rlhfc.ir.schedule import Entry, build_schedule, stage_threads
 
 _RESERVED = {"job", "w", "compute", "step", "main", "sys", "ray", "torch"}
 
@@ -57,6 +57,9 @@ class PythonEmitter:
         self.opt_level = opt_level
         self.passes = passes
         self.schedule = build_schedule(module)
+        self.stage_threads = stage_threads(module, self.schedule)
+        self.worker_threads = {(w.model, w.mesh): w.threads for w in plan.workers(module).values()} \
+            if self.stage_threads else {}
 
     def emit(self) -> str:
         g = self.m.graph
@@ -113,6 +116,13 @@ class PythonEmitter:
     def worker(self, s: Stage) -> str:
         return f"w.{plan.stage_worker(self.m, s)}"
 
+    def threads(self, s: Stage) -> list[str]:
+        """``threads=N`` when the stage runs with fewer torch threads than its worker has (other workers share
+        its cores at the same time; :func:`rlhfc.ir.schedule.stage_threads`)."""
+        n = self.stage_threads.get(s.name)
+        own = self.worker_threads.get(plan.worker_key(self.m, s)) if n is not None else None
+        return [f"threads={n}"] if own is not None and n < own else []
+
     def stage_line(self, s: Stage) -> str:
         """The line(s) that run stage ``s``, by its schedule entry and its op's emit rule."""
         e = self.schedule[s.name]
@@ -134,7 +144,7 @@ class PythonEmitter:
             return (f"{outs} = job.sync({name!r}, {self.worker(s)}, w.{dst}, "
                     f"bucket_mb={sync.bucket_mb}, after={py_name(s.inputs[0].name)}{how})")
         if e.kind == "remote":
-            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s))
+            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s) + self.threads(s))
             remote = f"{self.worker(s)}.{rule.target}.remote({call})"
             return f"{outs} = {remote}" if e.future else f"{outs} = job.get({name!r}, {remote})"
         if e.kind == "compute":
@@ -153,7 +163,8 @@ class PythonEmitter:
         consumers = [g.stage(c) for c in self.schedule[s.name].consumers]
         chunk = plan.stream_chunk(s) or 0
         oc = plan.overcommit(s)
-        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _flags(s)
+        gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _flags(s) \
+            + self.threads(s)
         launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",
@@ -167,7 +178,7 @@ class PythonEmitter:
         if consumers:
             lines.append("        consumers={")
             for c in consumers:
-                call = ", ".join(["chunk"] + _kwargs(c.attrs))
+                call = ", ".join(["chunk"] + _kwargs(c.attrs) + self.threads(c))
                 method = get_op(c.op).emit_rule.target
                 lines.append(f"            {c.outputs[0].name!r}: lambda chunk: {self.worker(c)}.{method}.remote({call}),")
             lines.append("        },")

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Stage, plan
+from rlhfc.ir.schedule import stage_threads
 
 from .model import CostModel, StageCost
 
@@ -206,16 +207,18 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     model: one thread per core) runs on ``a`` cores' worth of CPU in
     ``T * (sigma / min(a, 1) + (1 - sigma) * s(cores) / s(a))``: the serial part (per-call and per-layer
     overhead, fraction ``sigma``) needs one core, the rest scales with the measured thread speed-up ``s``.
-    A worker runs one torch thread per whole core of its share of its mesh (as the runtime starts it)."""
+    A call runs with the torch threads the runtime gives it (:func:`rlhfc.ir.schedule.stage_threads`: its
+    mesh's cores, divided among the workers that may share them at the same time)."""
     cm = ctx.cm
     module, spec = cm.module, cm.spec
     workers = plan.workers(module)
+    threads = stage_threads(module)
     jobs: list[_Job] = []
     pos: dict[tuple[str, int], int] = {}
     for k in range(ctx.steps):
         for s in ctx.stages:
             pos[(s.name, k)] = len(jobs)
-            jobs.append(_cpu_job(ctx, s, k, workers, jobs, pos))
+            jobs.append(_cpu_job(ctx, s, k, workers, threads, jobs, pos))
     for n, j in enumerate(jobs):
         deps = [pos[key] for key in _dependencies(ctx, j.stage, j.step) if key in pos and pos[key] < n]
         if ctx.step_barrier and j.step > 0:
@@ -337,7 +340,7 @@ def _finish_unit(j: _Job, t: float, jobs: list, queues: dict, head: dict) -> Non
             queues[w].append(-1)   # the worker's queue is done: a sentinel no job index matches
 
 
-def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, jobs: list, pos: dict) -> _Job:
+def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, jobs: list, pos: dict) -> _Job:
     cm = ctx.cm
     cost = ctx.costs[s.name]
     extra = ctx.extra.get(s.name, 0.0)
@@ -350,7 +353,7 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, jobs: list, pos: di
         dest = plan.sync_destination(cm.module, s)
         if dest is not None:
             wkeys.append((s.target, dest))
-        cores, threads = frozenset(workers[key].devices), workers[key].threads
+        cores, threads = frozenset(workers[key].devices), threads_of.get(s.name, workers[key].threads)
         if s.op == "sync":
             cores = frozenset()   # a weight transfer waits on memory copies and the object store, not a core
 

@@ -138,4 +138,28 @@ def build_schedule(module: Module) -> Schedule:
     return Schedule(entries, tuple(pending))
 
 
-__all__ = ["Entry", "Schedule", "build_schedule"]
+def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str, int]:
+    """Torch threads each worker stage runs with on a CPU cluster — cores follow the work.
+
+    A stage gets its worker's threads (one per core of its mesh) divided among the workers that may run on
+    some of the same cores at the same time: those of the stages neither side of the schedule has awaited
+    before launching the other (an overlap group's members, a stream's generate and its consumers, a
+    future still in flight). A stage the driver runs alone — every stage at -O0 — gets all its cores.
+    Multi-rank groups keep one thread per rank. The runtime applies it per call (``threads=`` on the
+    call, when fewer than the worker's own) and the simulator prices the same numbers. Empty on GPUs."""
+    if module.cluster.device != "cpu":
+        return {}
+    schedule = schedule or build_schedule(module)
+    ws = plan.workers(module)
+    on = [(e, ws[plan.worker_key(module, e.stage)]) for e in schedule.launch_order()
+          if e.kind in ("remote", "stream", "in_stream") and plan.on_worker(module, e.stage)]
+    out = {}
+    for e, w in on:
+        mine = set(w.devices)
+        beside = {v.name for f, v in on if v.name != w.name and mine & set(v.devices)
+                  and f.name not in e.after and e.name not in f.after}
+        out[e.name] = w.threads if w.ranks > 1 else max(1, w.threads // (1 + len(beside)))
+    return out
+
+
+__all__ = ["Entry", "Schedule", "build_schedule", "stage_threads"]

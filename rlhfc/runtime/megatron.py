@@ -52,6 +52,7 @@ from .models import normalize_spec
 from .parallel import row_share, rows_of
 from .values import Rollout, TokenValues
 from .worker import GROUP_TIMEOUT_S, ModelWorker
+from .threads import stage_call
 
 
 #: the most a rank sends in one all-gather when the pieces are put together (MiB)
@@ -233,6 +234,7 @@ class MegatronWorker(ModelWorker):
                                   forward_only=True)
         return (torch.cat(outs).cpu(), mine) if self._answers else (None, mine)
 
+    @stage_call
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues | None:
         from .generation import response_logprobs
 
@@ -240,6 +242,7 @@ class MegatronWorker(ModelWorker):
         lp, mine = self._forward(rollout, lambda m, b: response_logprobs(m, b, temperature))
         return TokenValues(lp, mine.mask) if lp is not None else None
 
+    @stage_call
     def values(self, rollout: Rollout) -> TokenValues | None:
         from .generation import response_values
         from .guards import check_finite
@@ -260,6 +263,7 @@ class MegatronWorker(ModelWorker):
         s, _ = self._forward(rollout, lambda m, b: sequence_scores(m, b))
         return s
 
+    @stage_call
     def score(self, rollout: Rollout) -> torch.Tensor | None:
         from .guards import check_finite
 
@@ -352,6 +356,7 @@ class MegatronWorker(ModelWorker):
             self.replica.load_state_dict(self._pieces(local_state(self.model)))
             self._fresh = True
 
+    @stage_call
     def generate(self, prompts: list[str], **kwargs):
         from .parallel import split_generate
 
@@ -359,6 +364,7 @@ class MegatronWorker(ModelWorker):
         with _swapped(self):   # every rank decodes its share of the rows on its copy
             return split_generate(self, prompts, self.rank, self.world, **kwargs)
 
+    @stage_call
     def generate_chunks(self, prompts: list[str], **kwargs):
         from .parallel import skip_draw
 

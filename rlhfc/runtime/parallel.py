@@ -39,6 +39,7 @@ from torch import nn
 from . import ppo
 from .values import Rollout, TokenValues
 from .worker import GROUP_TIMEOUT_S, ModelWorker
+from .threads import stage_call
 
 #: the methods of the model wrappers (rlhfc.runtime.models) that run a forward besides ``forward``
 FORWARD_METHODS = ("forward_logits", "decode_step", "values", "score", "token_outputs")
@@ -143,18 +144,21 @@ class DataParallelWorker(ModelWorker):
     # FSDP2 keeps the root module's parameters gathered after a forward (backward would gather them
     # again); a forward-only stage reshards them, so memory is freed and model.parameters() are the
     # sharded ones again (an optimizer built on gathered copies would update throwaway tensors)
+    @stage_call
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
         try:
             return super().logprobs(self._mine(rollout), temperature=temperature)
         finally:
             self.model.reshard()
 
+    @stage_call
     def values(self, rollout: Rollout) -> TokenValues:
         try:
             return super().values(self._mine(rollout))
         finally:
             self.model.reshard()
 
+    @stage_call
     def score(self, rollout: Rollout) -> torch.Tensor:
         try:
             return super().score(self._mine(rollout))
@@ -183,10 +187,12 @@ class DataParallelWorker(ModelWorker):
         self._replica.load_state_dict(state)
         return self._replica
 
+    @stage_call
     def generate(self, prompts: list[str], **kwargs):
         with _swapped(self, self._generation_model()):   # a collective: every rank gathers the weights
             return split_generate(self, prompts, self.rank, self.world, **kwargs)
 
+    @stage_call
     def generate_chunks(self, prompts: list[str], **kwargs):
         model = self._generation_model()
         if self.rank != 0:

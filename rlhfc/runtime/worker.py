@@ -25,6 +25,7 @@ from .models import build_model, copy_weights, get_weights, set_weights
 from .packing import bucketed
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
+from .threads import stage_call
 
 
 #: how long a collective rendezvous or transfer may wait for the other rank (seconds)
@@ -54,6 +55,7 @@ class ModelWorker:
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         torch.set_num_threads(max(1, int(threads)))
+        self.threads = max(1, int(threads))   # a call may ask for fewer (threads=N): cores follow the work
         torch.manual_seed(derive_seed(seed, name, "global"))
         self.name = name
         self.device = device
@@ -92,6 +94,7 @@ class ModelWorker:
                              f"{rollout.tokenizer}; per-token stages need models that share a tokenizer")
 
     # -- stages --------------------------------------------------------------------------------
+    @stage_call
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
                  n: int = 1, unpad: bool = False, logprobs: bool = False) -> Rollout:
@@ -101,6 +104,7 @@ class ModelWorker:
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                         top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs)))
 
+    @stage_call
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
                         unpad: bool = False, logprobs: bool = False):
@@ -198,12 +202,14 @@ class ModelWorker:
         batch = rollout.batch.to(self.device)
         return (bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)).cpu()
 
+    @stage_call
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
         self._check_tokens(rollout)
         lp = self._run_forward(lambda b: response_logprobs(self.model, b, temperature), rollout)
         return TokenValues(lp, rollout.mask)
 
+    @stage_call
     @torch.no_grad()
     def values(self, rollout: Rollout) -> TokenValues:
         self._check_tokens(rollout)
@@ -211,6 +217,7 @@ class ModelWorker:
         check_finite(values, f"the value estimate of '{self.name}'", mask=rollout.mask, prompts=rollout.prompts)
         return TokenValues(values, rollout.mask)
 
+    @stage_call
     @torch.no_grad()
     def score(self, rollout: Rollout) -> torch.Tensor:
         return check_finite(self._score(rollout), f"the score of reward model '{self.name}'", prompts=rollout.prompts)
@@ -228,6 +235,7 @@ class ModelWorker:
             mask[i, width - len(x):] = 1
         return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
 
+    @stage_call
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
               max_grad_norm: float, weight_decay: float, unpad: bool = False) -> dict[str, float]:
         """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are

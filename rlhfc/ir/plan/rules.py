@@ -222,7 +222,9 @@ def stage_worker(module: Module, stage: Stage) -> str:
 class Worker:
     """A worker the runtime starts: ``model`` on ``mesh``, pinned to ``cores`` of ``node`` (the mesh's
     devices on its first node; ``devices`` are their global indices), with its ``share`` of them and its
-    torch ``threads``. It runs as ``ranks`` = dp·tp·pp processes of ``trainer`` (``torch``: one process,
+    torch ``threads``: one per core of its mesh on that node, what a stage that runs alone uses (a stage that
+    may overlap stages of other workers on the same cores gets fewer: :func:`rlhfc.ir.schedule.stage_threads`);
+    a multi-rank group's ranks run one thread each, pinned to one core each. It runs as ``ranks`` = dp·tp·pp processes of ``trainer`` (``torch``: one process,
     dp = tp = pp = 1; see :func:`worker_layout`)."""
 
     name: str
@@ -263,7 +265,8 @@ def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
         sh = shares[(model, m)]
         trainer, par = worker_layout(module, model, m)
         out[(model, m)] = Worker(worker_name(module, model, m), model, m, node, cores,
-                                 tuple(node * c.per_node + core for core in cores), sh["share"], sh["threads"],
+                                 tuple(node * c.per_node + core for core in cores), sh["share"],
+                                 len(cores) if par.size == 1 else 1,   # a group's ranks: one pinned core each
                                  par.size, par.dp, par.tp, par.pp, trainer)
     return out
 
@@ -306,8 +309,8 @@ def worker_ranks(module: Module, model: str, where: Mesh) -> int:
 
 
 def device_shares(devices_by_worker: dict) -> dict:
-    """Each worker's ``share`` of its devices (a device used by k workers gives each 1/k) and the torch
-    ``threads`` it runs on CPU (one per whole core of its share). Devices are any hashable ids."""
+    """Each worker's ``share`` of its devices (a device used by k workers gives each 1/k; Ray's resource
+    accounting) and the whole cores of that share (``threads``). Devices are any hashable ids."""
     load: dict = {}
     for devices in devices_by_worker.values():
         for d in devices:

@@ -22,10 +22,10 @@ def step(job, w):
     prompts = job.next_prompts('prompts', 8)
     # stream: finished samples flow in chunks of 16 to ref_logp while generation goes on
     roll, ref_logp = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=16, take=None, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4, unpad=True, logprobs=True),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=16, take=None, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4, unpad=True, logprobs=True, threads=1),
         prompts=prompts,
         consumers={
-            'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
+            'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0, threads=1),
         },
     )
     logp = job.compute('logp', compute.sample_logprobs, roll, temperature=1.0)

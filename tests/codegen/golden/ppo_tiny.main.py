@@ -22,12 +22,12 @@ def step(job, w):
     prompts = job.next_prompts('prompts', 16)
     # stream: finished samples flow in chunks of 8 to ref_logp, values, scores while generation goes on
     roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=8, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1, unpad=True, logprobs=True),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=8, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1, unpad=True, logprobs=True, threads=1),
         prompts=prompts,
         consumers={
-            'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),
-            'values': lambda chunk: w.critic.values.remote(chunk),
-            'scores': lambda chunk: w.reward.score.remote(chunk),
+            'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0, threads=1),
+            'values': lambda chunk: w.critic.values.remote(chunk, threads=1),
+            'scores': lambda chunk: w.reward.score.remote(chunk, threads=1),
         },
     )
     logp = job.compute('logp', compute.sample_logprobs, roll, temperature=1.0)
@@ -39,8 +39,8 @@ def step(job, w):
     ppo_clip = job.compute('ppo_clip', compute.ppo_clip, roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator='k3', temperature=1.0)
     value_loss = job.compute('value_loss', compute.value_loss, roll, values, ret, clip=0.2)
     # overlap group 2: launched together, awaited where the driver needs them
-    actor_train = w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, unpad=True)
-    critic_train = w.critic.train.remote(value_loss, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, unpad=True)
+    actor_train = w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, unpad=True, threads=1)
+    critic_train = w.critic.train.remote(value_loss, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, unpad=True, threads=1)
     return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'values': values, 'scores': scores, 'adv': adv, 'ret': ret, 'ppo_clip': ppo_clip, 'value_loss': value_loss, 'actor_train': actor_train, 'critic_train': critic_train}
 
 
