@@ -72,9 +72,10 @@ def forward_time(xp, hw, arch, work, lay, fit=None, grid=None):
         a, b1, b2 = fit
         k = lay["thread_factor"]
         per = B / mb
-        total = mb * (a + k * (b1 * per * S + b2 * per * S * S)) * grid_ratio(xp, grid, per, S)
-        return {"total": total, "compute": total - mb * a, "memory": 0.0 * total, "comm": 0.0 * total,
-                "overhead": mb * a + 0.0 * total}
+        calls = work.get("calls", 1.0)    # length groups of an unpadded rollout: one call each
+        total = mb * (calls * a + k * (b1 * per * S + b2 * per * S * S)) * grid_ratio(xp, grid, per, S)
+        return {"total": total, "compute": total - mb * calls * a, "memory": 0.0 * total, "comm": 0.0 * total,
+                "overhead": mb * calls * a + 0.0 * total}
     b = B / (dp * mb)
     flops = 2.0 * arch["mm"] * b * S + 2.0 * arch["L"] * arch["h"] * b * S * S
     compute = flops / (pp * tp * hw["F_inf"] * lay["f_scale"])
@@ -102,9 +103,10 @@ def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None, grid=None):
         rcf = _rc_factor(xp, lay["rc"]) / 3.0
         micro = per_step / mb
         ratio = grid_ratio(xp, grid, micro, S)
-        fwd_bwd = ((a - opt) + k * rcf * (b1 * micro * S + b2 * micro * S * S)) * ratio
+        calls = work.get("calls", 1.0)    # length groups of an unpadded minibatch: one forward+backward each
+        fwd_bwd = (calls * (a - opt) + k * rcf * (b1 * micro * S + b2 * micro * S * S)) * ratio
         total = steps * (mb * fwd_bwd + opt * ratio)
-        overhead = steps * (mb * (a - opt) + opt) * ratio + 0.0 * total
+        overhead = steps * (mb * calls * (a - opt) + opt) * ratio + 0.0 * total
         return {"total": total, "compute": total - overhead, "memory": 0.0 * total, "comm": 0.0 * total,
                 "overhead": overhead}
     b = per_step / (dp * mb)
@@ -142,7 +144,8 @@ def generate_time(xp, hw, arch, work, lay, fit=None):
         k = lay["thread_factor"]
         steps = xp.sum(w) + 0.0 * k
         mean_ctx = P + steps / 2.0
-        work_terms = k * (c_pf * B * P + steps * (c_step_b * B + c_step_ctx * B * mean_ctx))
+        rows = xp.minimum(work.get("decode_rows", B), B)   # rows in the decode batch per step (finished rows leave)
+        work_terms = k * (c_pf * B * P + steps * (c_step_b * rows + c_step_ctx * rows * mean_ctx))
         fixed = a + steps * c_step
         m = lay["mb"]   # waves of `rows` prompts, one after another
         total = m * (fixed + work_terms)

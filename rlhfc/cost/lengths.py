@@ -161,6 +161,48 @@ class PromptLengths:
         return float(self.hi - below)
 
 
+#: what one more length group costs the torch trainer, in computed tokens (a call's fixed overhead); the
+#: runtime's grouping uses the same figure (``rlhfc.runtime.packing.GROUP_COST_TOKENS``)
+GROUP_COST_TOKENS = 128
+
+
+def packed_tokens(dist: LengthDist, prompts: PromptLengths, rows: int,
+                  group_cost: float = GROUP_COST_TOKENS) -> tuple[float, int]:
+    """Expected (computed tokens, groups) when ``rows`` samples run in length groups, as the torch trainer
+    runs an unpadded rollout: rows sorted by length, cut into contiguous groups that minimise the computed
+    tokens (rows x the group's longest row) plus ``group_cost`` per group. Modelled on the expected order
+    statistics of the response lengths, each group's prompt width the expected longest of its rows. Over
+    :data:`PACK_MODEL_ROWS` rows, the model runs on that many and scales (the groups' shares stay)."""
+    rows = max(1, int(rows))
+    if rows > PACK_MODEL_ROWS:
+        tokens, groups = _packed(dist, prompts, PACK_MODEL_ROWS, float(group_cost) * PACK_MODEL_ROWS / rows)
+        return tokens * rows / PACK_MODEL_ROWS, groups
+    return _packed(dist, prompts, rows, float(group_cost))
+
+
+#: the most rows :func:`packed_tokens` groups one by one (O(rows^2) dynamic programming)
+PACK_MODEL_ROWS = 256
+
+
+@lru_cache(maxsize=1024)
+def _packed(dist: LengthDist, prompts: PromptLengths, rows: int, group_cost: float) -> tuple[float, int]:
+    resp = dist.order_stats(rows)              # ascending: E[k-th shortest response]
+    pmax = [0.0] + [prompts.expected_max(k) for k in range(1, rows + 1)]
+    best = [0.0] + [math.inf] * rows
+    cut = [0] * (rows + 1)
+    tokens = [0.0] * (rows + 1)
+    for end in range(1, rows + 1):
+        for start in range(end):
+            width = resp[end - 1] + pmax[end - start]
+            cost = best[start] + (end - start) * width + group_cost
+            if cost < best[end]:
+                best[end], cut[end], tokens[end] = cost, start, tokens[start] + (end - start) * width
+    groups, end = 0, rows
+    while end > 0:
+        groups, end = groups + 1, cut[end]
+    return float(tokens[rows]), groups
+
+
 def prompt_lengths(source, pretrained: bool) -> PromptLengths:
     """Prompt token lengths of a data source: the char tokenizer gives one token per character plus BOS;
     a pretrained tokenizer roughly one per four characters."""

@@ -10,10 +10,14 @@ analytical roofline ("source" says which).
 
 Backends: on ``cpu`` clusters the torch backend runs each model in one process
 with as many threads as the mesh has cores (``dp``/``tp``/``pp`` do not split
-work there), batches are static (a finished sample keeps its row until the
-longest one ends) and padded to the longest prompt and to ``max_new_tokens``
-(to the longest response — of the batch, or of a training minibatch — after
-the ``unpad`` pass).
+work there). Generation decodes a static batch padded to its longest prompt,
+from which finished rows leave once a quarter of it has finished (so a decode
+step costs the live rows plus up to a quarter more: :data:`COMPACT_OVERHANG`).
+Forwards and training compute rows padded to ``max_new_tokens``; after the
+``unpad`` pass, in length groups each cut to its own longest row (the torch
+trainer: :func:`rlhfc.cost.lengths.packed_tokens`, one call per group) or cut
+to the longest response of the batch or minibatch (FSDP ranks, which must run
+the same calls).
 On GPU clusters generation is priced as an inference engine (vLLM): continuous
 batching (the active batch shrinks as samples finish) on packed sequences.
 """
@@ -30,8 +34,12 @@ from . import formulas as F
 from .hardware import DeviceSpec, device_spec
 from rlhfc.ir import plan
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
-from .lengths import LengthDist, PromptLengths, prompt_lengths, response_dist
+from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
+
+#: the torch engine drops finished rows from the decode batch once a quarter of it has finished, so a decode
+#: step carries, on average, about an eighth more rows than are live (between none and a quarter)
+COMPACT_OVERHANG = 1.125
 
 #: fixed per-call cost of a remote stage (Ray call + moving its arguments), by cluster kind
 DISPATCH_S = {"cpu": 0.002, "gpu": 0.01}
@@ -279,13 +287,19 @@ class CostModel:
             active = np.clip(dist.expected_active(wave) / np.maximum(steps_w, 1e-12), 1.0, wave)
             prompt = prompts.mean()
             kv_tokens = float(np.max(dist.expected_active(wave) * (prompt + t + 1))) if T else 0.0
-        else:
-            active = np.full(T, float(wave))
+        else:   # one padded batch; finished rows leave it (COMPACT_OVERHANG)
+            live = dist.expected_active(wave) / np.maximum(steps_w, 1e-12)
+            active = np.clip(live * COMPACT_OVERHANG, 1.0, wave)
             prompt = prompts.expected_max(wave)
             kv_tokens = float(wave * (prompt + steps_w.sum()))
         order = dist.order_stats(wave)
+        row_steps = float(np.sum(steps_w * active))
+        useful = float(wave * (prompts.mean() + dist.mean()))
+        computed = float(wave * prompt + row_steps)
         work = {"dist": dist, "rows": float(wave), "batch": B, "delta": delta, "waves": micro, "prompt": float(prompt), "T": T,
                 "t": t, "steps_w": steps_w, "active": active, "kv_tokens": kv_tokens,
+                "decode_rows": row_steps / max(float(steps_w.sum()), 1e-12),
+                "useful_tokens": useful, "computed_tokens": computed,
                 "expected_steps": float(steps_w.sum()), "mean_response": dist.mean(),
                 "order": order, "prompt_mean": prompts.mean(), "prompt_max": prompts.expected_max(n)}
         self._cache[key] = work
@@ -299,16 +313,31 @@ class CostModel:
         if gen is None:
             return {"rows": rows, "seq": 64.0, "prompt": 32.0, "response": 32.0}
         gw = self.generation_work(gen)
+        useful = rows * (gw["prompt_mean"] + gw["mean_response"])
+        calls = 1.0
         if self.continuous:
             prompt, response = gw["prompt_mean"], gw["mean_response"]
-        elif plan.flag(gen, "unpad"):  # cut to the longest response (of a minibatch when training)
+        elif plan.flag(gen, "unpad"):  # rows of a batch (or minibatch, when training) in length groups
             group = gw["batch"]
             if stage.op == "train" and plan.flag(stage, "unpad"):
                 group = -(-group // max(1, int(stage.attrs.get("minibatches", 1))))
-            prompt, response = gw["prompt_max"], gw["dist"].expected_max(max(1, int(group)))
+            group = max(1, int(group))
+            prompt = gw["prompt_max"]
+            if self._packs(stage):
+                tokens, groups = packed_tokens(gw["dist"], self.prompt_lengths(gen), group)
+                response, calls = tokens / group - prompt, float(groups)
+            else:   # one rectangle cut to the longest response
+                response = gw["dist"].expected_max(group)
         else:  # the torch backend pads prompts to the batch's longest and responses to max_new_tokens
             prompt, response = gw["prompt_max"], float(gw["T"])
-        return {"rows": rows, "seq": float(prompt + response), "prompt": float(prompt), "response": float(response)}
+        return {"rows": rows, "seq": float(prompt + response), "prompt": float(prompt), "response": float(response),
+                "calls": calls, "useful_tokens": float(useful), "computed_tokens": float(rows * (prompt + response))}
+
+    def _packs(self, stage: Stage) -> bool:
+        """Whether the stage's worker runs unpadded rollouts in length groups (the torch trainer does; FSDP
+        and megatron ranks run one cropped rectangle, since every rank must make the same calls)."""
+        trainer, _ = plan.worker_layout(self.module, stage.target, plan.stage_mesh(self.module, stage))
+        return trainer == "torch"
 
     # -- pricing -----------------------------------------------------------------------------------
     def layout(self, stage: Stage) -> Layout:
@@ -390,7 +419,9 @@ class CostModel:
             summary = {"rows": work["rows"] * work["waves"], "batch": work["batch"], "overcommit": work["delta"],
                        "waves": work["waves"],
                        "prompt": work["prompt"], "max_new_tokens": work["T"],
-                       "expected_steps": work["expected_steps"], "mean_response": work["mean_response"]}
+                       "expected_steps": work["expected_steps"], "mean_response": work["mean_response"],
+                       "decode_rows": work["decode_rows"], "useful_tokens": work["useful_tokens"],
+                       "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
         else:
             factor = 1.0 if inp.family == "forward" else \
@@ -403,6 +434,16 @@ class CostModel:
         return StageCost(stage.name, stage.op, model.name, layout, first["total"], parts, _bound(parts),
                          "profile" if inp.fit is not None else "analytic", float(flops), first["weights_bytes"],
                          first["state_bytes"], first["transient_bytes"], summary, finish)
+
+    @staticmethod
+    def padding_efficiency(cost: StageCost) -> float | None:
+        """Useful tokens / computed tokens of a model stage (prompt and response tokens the samples have,
+        against what the stage computes: padding, finished rows still in the decode batch); None for stages
+        that do not compute on a rollout's tokens."""
+        useful, computed = cost.work.get("useful_tokens"), cost.work.get("computed_tokens")
+        if not useful or not computed:
+            return None
+        return float(min(1.0, useful / computed))
 
     def _finish_offsets(self, res: dict, work: dict) -> tuple:
         """Seconds into the stage at which the k-th sample (k = 1..batch) finishes: waves run one after

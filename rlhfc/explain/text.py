@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 
+from rlhfc.cost.model import CostModel
+
 from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text, worker_rows, worker_text
 
 WIDTH = 64
@@ -35,7 +37,7 @@ def _pass_section(report: Report) -> list[str]:
 
 def _placement(report: Report) -> list[str]:
     per_node = report.module.cluster.per_node
-    rows = [("stage", "op", "model", "devices", "parallel", "time", "mem/device", "bound", "source")]
+    rows = [("stage", "op", "model", "devices", "parallel", "time", "mem/device", "pad eff", "bound", "source")]
     for s in report.module.graph.stages:
         c = report.costs[s.name]
         if c.layout is None:
@@ -44,10 +46,12 @@ def _placement(report: Report) -> list[str]:
             devices = c.layout.describe(per_node)
             parallel = c.layout.parallel_text(report.module.cluster.device == "cpu")
             mem = fmt_bytes(c.total_bytes)
+        eff = CostModel.padding_efficiency(c)
         rows.append((f"%{s.name}", s.op, f"@{c.model}" if c.model else "-", devices, parallel,
-                     fmt_seconds(c.time_s), mem, c.bound or "-", c.source))
+                     fmt_seconds(c.time_s), mem, f"{eff:.0%}" if eff is not None else "-", c.bound or "-", c.source))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["== Placement (per stage: devices, parallel layout, time, memory per device while it runs)"]
+    out = ["== Placement (per stage: devices, parallel layout, time, memory per device while it runs, padding "
+           "efficiency = the samples' tokens / tokens computed)"]
     for i, r in enumerate(rows):
         out.append("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
         if i == 0:
