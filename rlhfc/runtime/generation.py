@@ -151,6 +151,9 @@ class FinishedSample:
     #: with ``logprob_temperature``: the log-prob of each response token under the generating weights
     #: (the resumed part's from the prefill, the rest as it was sampled); else empty
     logprobs: tuple[float, ...] = ()
+    #: tokens the engine computed for it: the padded prompt, and its share of each decode step's batch
+    #: (finished rows not yet dropped included) while it was decoding
+    computed: float = 0.0
 
 
 def collate(
@@ -317,6 +320,7 @@ def generate_stream(
                           device=device)
     rows = torch.arange(b, device=device)   # the original row in each batch slot
     n_finished = 0
+    charged = [float(p)] * b                # computed tokens per row (FinishedSample.computed)
     for step in range(max_new_tokens):
         token = sample_next_token(next_logits, temperature, top_p, top_k, generator, keys=keys, steps=offset + step)
         active = ~finished
@@ -337,7 +341,8 @@ def generate_stream(
         for slot in torch.nonzero(done_now).flatten().tolist():
             row = slot_rows[slot]
             ids = responses[row, : lengths[row]].tolist()
-            yield FinishedSample(row, prompt_tuples[row], tuple(ids), ids[-1] == eos_id, step, tuple(token_lps[row]))
+            yield FinishedSample(row, prompt_tuples[row], tuple(ids), ids[-1] == eos_id, step, tuple(token_lps[row]),
+                                 charged[row])
             n_finished += 1
 
         if stop_after is not None and n_finished >= stop_after and not bool(finished.all()):
@@ -356,6 +361,9 @@ def generate_stream(
         # finished rows stay put: a row that resumed from a long prefix with a small budget would
         # otherwise walk past the model's max positions while the others still decode
         last_pos = last_pos + active.long()
+        live = [r for r, f in zip(rows.tolist(), finished.tolist()) if not f]
+        for r in live:   # this step computes one token per batch slot, for the rows still decoding
+            charged[r] += len(rows) / len(live)
         logits, cache = model.decode_step(token.unsqueeze(1), mask, last_pos.unsqueeze(1), cache)
         next_logits = logits[:, -1]
 

@@ -53,6 +53,7 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
         m["response_len_mean"] = float(lengths.mean())
         m["response_len_max"] = float(lengths.max())
         m["decode_steps"] = roll.decode_steps
+        m.update(padding_efficiency(roll))
         m["gen_version"] = roll.version
         m["samples"] = roll.size
         if roll.born:
@@ -66,6 +67,22 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
     m["step_time_s"] = seconds
     m["samples_per_s"] = (m.get("samples", 0) / seconds) if seconds > 0 else 0.0
     return m
+
+
+def padding_efficiency(roll: Rollout) -> dict[str, float]:
+    """The samples' tokens over the tokens computed for them: ``pad_eff_generate`` (prompt tokens and the
+    response tokens fed back, against the padded prompts and the decode batch's slots) and
+    ``pad_eff_forward`` (prompt and response tokens against what a forward of the whole rollout computes:
+    one rectangle, or length groups under ``unpad``; a streamed stage's forwards ran per chunk)."""
+    from .packing import computed_tokens
+
+    b = roll.batch
+    prompts, responses = float(b.prompt_lengths.sum()), float(b.response_lengths.sum())
+    out = {"pad_eff_forward": (prompts + responses) / max(computed_tokens(b, roll.unpad), 1)}
+    if roll.computed_tokens:
+        fed = prompts + float((b.response_lengths - 1).clamp(min=0).sum())
+        out["pad_eff_generate"] = min(1.0, fed / roll.computed_tokens)
+    return out
 
 
 def model_ranks(workers: dict) -> dict[str, int]:

@@ -50,6 +50,15 @@ def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> li
     return groups[::-1]
 
 
+def computed_tokens(batch: RolloutBatch, grouped: bool) -> int:
+    """Tokens a forward over ``batch`` computes: in length groups (:func:`length_groups`, each cut to its
+    longest prompt and longest response) or as one rectangle (prompt width + response width, every row)."""
+    if not grouped:
+        return batch.batch_size * (batch.prompt_len + batch.response_width)
+    p, r = batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
+    return sum(len(g) * (max(p[i] for i in g) + max(r[i] for i in g)) for g in length_groups(row_lengths(batch)))
+
+
 def row_lengths(batch: RolloutBatch) -> list[int]:
     """Each row's real tokens: its prompt and its response."""
     return (batch.prompt_lengths + batch.response_lengths).tolist()

@@ -52,6 +52,9 @@ class Rollout:
     #: generated under the ``unpad`` pass: forwards run the rows in groups of similar length, each cut to
     #: its own width (:mod:`rlhfc.runtime.packing`)
     unpad: bool = False
+    #: tokens generation computed for these samples (padded prompts, decode batch slots; see
+    #: ``FinishedSample.computed``): against their prompt and response tokens, generation's padding efficiency
+    computed_tokens: float = 0.0
 
     @property
     def size(self) -> int:
@@ -142,7 +145,8 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
                    max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
                    [born[i] for i in order], max(c.decode_steps for c in chunks),
                    torch.cat([_pad_cols(c.logprobs, width) for c in chunks])[order]
-                   if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks))
+                   if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks),
+                   sum(c.computed_tokens for c in chunks))
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

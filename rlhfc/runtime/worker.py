@@ -147,7 +147,8 @@ class ModelWorker:
             if isinstance(item, PartialSample):
                 yield {**c, "partial": list(response)}
                 continue
-            yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs)
+            yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs,
+                                 item.computed)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
                   unpad=False, logprobs=False):
@@ -190,7 +191,8 @@ class ModelWorker:
                 logprobs[row, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
-                       max(s.step for s in samples) + 1, logprobs, unpad=width_r is None)
+                       max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
+                       computed_tokens=sum(s.computed for s in samples))
 
     #: whether forwards and training of unpadded rollouts run in length groups (every rank of an FSDP group
     #: must run the same number of forwards, so its ranks do not)
