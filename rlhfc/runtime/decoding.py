@@ -77,6 +77,7 @@ def generate_stream(
     resumed: Sequence[int] | None = None,
     row_keys: Sequence[int] | None = None,
     compact: bool = True,
+    slots: int | None = None,
 ) -> Iterator[FinishedSample | PartialSample]:
     """Decode all prompts together with a KV cache; yield each sample when it finishes.
 
@@ -98,6 +99,13 @@ def generate_stream(
     ``pad_id`` with attention mask 0. Either way the live rows are unaffected (up to the float rounding
     of batched products over a different number of rows).
 
+    ``slots = K``: at most K rows decode at once (continuous batching). Rows start in prompt order; once a
+    quarter of the slots are free (or none are live) the next waiting prompts are prefilled and join the
+    batch. A row's tokens are the same as without the limit (its own random stream; its own token count
+    for budgets and positions). ``FinishedSample.step`` counts the engine's decoding steps, so finish
+    order stays meaningful; with ``stop_after``, prompts that never started are yielded as
+    :class:`PartialSample` with no tokens.
+
     With ``logprob_temperature = T`` each finished sample also carries the log-prob of its response
     tokens under these weights at temperature T — what ``response_logprobs`` computes, here taken from
     the logits decoding produces anyway (equal up to float rounding: the same math with a KV cache). A
@@ -110,7 +118,6 @@ def generate_stream(
         raise ValueError("every prompt needs at least one token (encode with add_bos=True)")
     device = _model_device(model)
     b = len(prompts)
-    p = max(len(x) for x in prompts)
     max_positions = getattr(model.hf.config, "max_position_embeddings", None)
     rows_need = [len(x) + (int(budgets[i]) if budgets is not None else max(max_new_tokens, 0))
                  for i, x in enumerate(prompts)]
@@ -119,63 +126,75 @@ def generate_stream(
             f"prompt length + max_new_tokens ({max(rows_need)}) exceeds the model's max_seq {max_positions}; "
             "raise max_seq in the model spec or shorten prompts/responses"
         )
-    input_ids = torch.full((b, p), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, p), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids[row, p - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
-        mask[row, p - len(ids) :] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
     prompt_tuples = [tuple(int(t) for t in x) for x in prompts]
-
     if max_new_tokens <= 0:
         for row in range(b):
             yield FinishedSample(row, prompt_tuples[row], (), False, -1)
         return
 
-    positions = position_ids_from_mask(mask)
-    logits, cache = model.decode_step(input_ids, mask, positions, None)
-    next_logits = logits[:, -1]
     T = logprob_temperature
     want_lp = T is not None and T > 0
     token_lps: list[list[float]] = [[] for _ in range(b)]
-    if want_lp and resumed is not None and any(resumed):
-        scaled = logits if T == 1.0 else logits / T
-        pre = scaled[:, :-1].gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - \
-            torch.logsumexp(scaled[:, :-1], dim=-1)        # column c predicts token c + 1
-        pre = pre.tolist()
-        for row, r in enumerate(resumed):
-            if r:
-                token_lps[row] = pre[row][p - 1 - r:p - 1]
-    last_pos = positions[:, -1]
-    finished = torch.zeros(b, dtype=torch.bool, device=device)
-    responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    lengths = [0] * b
-
-    limit = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
+    budget = [max_new_tokens] * b
     if budgets is not None:
         if len(budgets) != b or any(not 1 <= int(x) <= max_new_tokens for x in budgets):
             raise ValueError(f"budgets must give each of the {b} rows 1..{max_new_tokens} tokens")
-        limit = torch.tensor([int(x) for x in budgets], dtype=torch.long, device=device)
+        budget = [int(x) for x in budgets]
     if row_keys is None:
         base = int(torch.randint(0, 2**62, (1,), generator=generator))
         row_keys = [base + row for row in range(b)]
     if len(row_keys) != b:
         raise ValueError(f"row_keys must give each of the {b} rows a key")
-    keys = torch.tensor([int(k) for k in row_keys], dtype=torch.long, device=device)
-    offset = torch.tensor([int(r) for r in resumed] if resumed is not None else [0] * b, dtype=torch.long,
-                          device=device)
-    rows = torch.arange(b, device=device)   # the original row in each batch slot
+    start = [int(r) for r in resumed] if resumed is not None else [0] * b
+    charged = [0.0] * b                     # computed tokens per row (FinishedSample.computed)
+
+    def prefill(index: list[int]):
+        """The rows ``index`` through the model, left-padded to their longest prompt: their next-token logits,
+        KV cache, attention mask and last positions (and the log-probs of resumed rows' carried tokens)."""
+        width = max(len(prompts[i]) for i in index)
+        ids = torch.full((len(index), width), pad_id, dtype=torch.long)
+        m = torch.zeros((len(index), width), dtype=torch.long)
+        for k, i in enumerate(index):
+            ids[k, width - len(prompts[i]):] = torch.tensor(list(prompts[i]), dtype=torch.long)
+            m[k, width - len(prompts[i]):] = 1
+            charged[i] += width
+        ids, m = ids.to(device), m.to(device)
+        positions = position_ids_from_mask(m)
+        logits, kv = model.decode_step(ids, m, positions, None)
+        if want_lp and any(start[i] for i in index):
+            scaled = logits if T == 1.0 else logits / T
+            pre = (scaled[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                   - torch.logsumexp(scaled[:, :-1], dim=-1)).tolist()       # column c predicts token c + 1
+            for k, i in enumerate(index):
+                if start[i]:
+                    token_lps[i] = pre[k][width - 1 - start[i]:width - 1]
+        return logits[:, -1], kv, m, positions[:, -1]
+
+    def state(index: list[int]):
+        t = lambda xs: torch.tensor([xs[i] for i in index], dtype=torch.long, device=device)  # noqa: E731
+        return (torch.tensor(index, dtype=torch.long, device=device), t(row_keys), t(start), t(budget),
+                torch.zeros(len(index), dtype=torch.long, device=device),
+                torch.zeros(len(index), dtype=torch.bool, device=device))
+
+    slots = b if slots is None else max(1, min(int(slots), b))
+    waiting = list(range(slots, b))
+    # per batch slot: its row, random-stream key, resumed offset, token budget, tokens so far, finished
+    rows, keys, offset, limit, count, finished = state(list(range(slots)))
+    next_logits, cache, mask, last_pos = prefill(list(range(slots)))
+    responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = [0] * b
     n_finished = 0
-    charged = [float(p)] * b                # computed tokens per row (FinishedSample.computed)
-    for step in range(max_new_tokens):
-        token = sample_next_token(next_logits, temperature, top_p, top_k, generator, keys=keys, steps=offset + step)
+    step = 0
+    while True:
+        token = sample_next_token(next_logits, temperature, top_p, top_k, generator, keys=keys, steps=offset + count)
         active = ~finished
         token = torch.where(active, token, torch.full_like(token, pad_id))
-        responses[rows[active], step] = token[active]
+        responses[rows[active], count[active]] = token[active]
         if want_lp:
             scaled = next_logits if T == 1.0 else next_logits / T
             lp = (scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)).tolist()
-        done_now = active & ((token == eos_id) | (limit == step + 1))
+        count = count + active.long()
+        done_now = active & ((token == eos_id) | (limit == count))
         finished = finished | done_now
 
         slot_rows = rows.tolist()
@@ -191,26 +210,54 @@ def generate_stream(
                                  charged[row])
             n_finished += 1
 
-        if stop_after is not None and n_finished >= stop_after and not bool(finished.all()):
+        if stop_after is not None and n_finished >= stop_after and (waiting or not bool(finished.all())):
             for slot in torch.nonzero(~finished).flatten().tolist():
                 row = slot_rows[slot]
                 yield PartialSample(row, prompt_tuples[row], tuple(responses[row, : lengths[row]].tolist()))
+            for row in waiting:      # never started: carried with no tokens
+                yield PartialSample(row, prompt_tuples[row], ())
             return
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        if bool(finished.all()) and not waiting:
             return
-        if compact and int(finished.sum()) >= max(1, len(slot_rows) // 4):
+        live = int((~finished).sum())
+        join = waiting[: slots - live] if waiting and (slots - live >= max(1, slots // 4) or live == 0) else []
+        if (compact and int(finished.sum()) >= max(1, len(slot_rows) // 4)) or (join and bool(finished.any())):
             keep = torch.nonzero(~finished).flatten()
             cache.batch_select_indices(keep)
-            rows, keys, offset, limit, mask, last_pos, token, active, finished = (
-                x[keep] for x in (rows, keys, offset, limit, mask, last_pos, token, active, finished))
-        mask = torch.cat([mask, active.long().unsqueeze(1)], dim=1)
-        # finished rows stay put: a row that resumed from a long prefix with a small budget would
-        # otherwise walk past the model's max positions while the others still decode
-        last_pos = last_pos + active.long()
-        live = [r for r, f in zip(rows.tolist(), finished.tolist()) if not f]
-        for r in live:   # this step computes one token per batch slot, for the rows still decoding
-            charged[r] += len(rows) / len(live)
-        logits, cache = model.decode_step(token.unsqueeze(1), mask, last_pos.unsqueeze(1), cache)
-        next_logits = logits[:, -1]
+            rows, keys, offset, limit, count, mask, last_pos, token, active, finished = (
+                x[keep] for x in (rows, keys, offset, limit, count, mask, last_pos, token, active, finished))
+        if len(rows):
+            mask = torch.cat([mask, active.long().unsqueeze(1)], dim=1)
+            # finished rows stay put: a row that resumed from a long prefix with a small budget would
+            # otherwise walk past the model's max positions while the others still decode
+            last_pos = last_pos + active.long()
+            going = [r for r, f in zip(rows.tolist(), finished.tolist()) if not f]
+            for r in going:   # this step computes one token per batch slot, for the rows still decoding
+                charged[r] += len(rows) / len(going)
+            logits, cache = model.decode_step(token.unsqueeze(1), mask, last_pos.unsqueeze(1), cache)
+            next_logits = logits[:, -1]
+        if join:   # continuous batching: waiting prompts take the free slots
+            waiting = waiting[len(join):]
+            new_logits, new_cache, new_mask, new_pos = prefill(join)
+            more = state(join)
+            if len(rows):
+                cache, mask = _join_caches(cache, mask, new_cache, new_mask)
+                next_logits, last_pos = torch.cat([next_logits, new_logits]), torch.cat([last_pos, new_pos])
+                rows, keys, offset, limit, count, finished = (torch.cat([a, c]) for a, c in zip(
+                    (rows, keys, offset, limit, count, finished), more))
+            else:
+                cache, mask, next_logits, last_pos = new_cache, new_mask, new_logits, new_pos
+                rows, keys, offset, limit, count, finished = more
+        step += 1
 
 
+def _join_caches(cache, mask: torch.Tensor, other, other_mask: torch.Tensor):
+    """One KV cache (and attention mask) for the rows of two: both left-padded to the wider, stacked."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    pad = lambda x, n: torch.nn.functional.pad(x, (0, 0, n, 0)) if n else x  # noqa: E731 - [B, H, S, D] on S
+    da, db = width - mask.shape[1], width - other_mask.shape[1]
+    for la, lb in zip(cache.layers, other.layers):
+        la.keys = torch.cat([pad(la.keys, da), pad(lb.keys, db)])
+        la.values = torch.cat([pad(la.values, da), pad(lb.values, db)])
+    mask = torch.cat([torch.nn.functional.pad(mask, (da, 0)), torch.nn.functional.pad(other_mask, (db, 0))])
+    return cache, mask

@@ -1,0 +1,77 @@
+"""Continuous batching in the decoding engine: with ``slots = K`` at most K rows decode at once and waiting
+prompts join as rows finish; every row samples the tokens it samples without the limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhfc.runtime.decoding import FinishedSample, PartialSample, generate_stream
+from rlhfc.runtime.models import build_model
+
+PROMPTS = [[1] + [3 + (i * 7) % 9] * (1 + i % 5) for i in range(14)]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def long_tail_policy(request, make_spec):
+    return build_model(make_spec(request.param, vocab=12), seed=0)   # EOS often: long-tailed lengths
+
+
+def _run(model, **kw):
+    out = list(generate_stream(model, PROMPTS, 30, eos_id=2, pad_id=0, row_keys=list(range(100, 114)),
+                               logprob_temperature=1.0, **kw))
+    return out
+
+
+@pytest.mark.parametrize("slots", [1, 4, 9])
+def test_rows_sample_the_same_tokens_with_a_slot_limit(long_tail_policy, slots):
+    free = {s.index: s for s in _run(long_tail_policy)}
+    limited = {s.index: s for s in _run(long_tail_policy, slots=slots)}
+    assert sorted(limited) == list(range(len(PROMPTS)))
+    lengths = [len(s.response_ids) for s in free.values()]
+    assert max(lengths) > 3 * min(lengths)                          # a long tail, or the test proves little
+    for i, s in free.items():
+        assert limited[i].response_ids == s.response_ids and limited[i].eos == s.eos
+        assert limited[i].logprobs == pytest.approx(s.logprobs, abs=1e-4)
+
+
+def test_a_slot_limit_bounds_the_decode_batch_and_later_prompts_join(long_tail_policy):
+    sizes = []
+    step = long_tail_policy.decode_step
+
+    def counting(ids, mask, pos, cache):
+        sizes.append(tuple(ids.shape))      # prefills [rows, prompt width], decode steps [rows, 1]
+        return step(ids, mask, pos, cache)
+
+    long_tail_policy.decode_step = counting
+    try:
+        out = _run(long_tail_policy, slots=4)
+    finally:
+        long_tail_policy.decode_step = step
+    assert max(r for r, _ in sizes) <= 4 and len(out) == len(PROMPTS)
+    assert sum(1 for _, w in sizes if w > 1) > 1                    # prompts were prefilled as slots freed
+    # every token the engine computed is charged to a sample
+    assert sum(s.computed for s in out) == pytest.approx(sum(r * w for r, w in sizes))
+    first = {s.index: s.step for s in out}
+    assert min(first[i] for i in range(4, len(PROMPTS))) > 0       # later prompts started after decoding began
+
+
+def test_stop_after_carries_started_and_waiting_rows(long_tail_policy):
+    out = list(generate_stream(long_tail_policy, PROMPTS, 30, eos_id=2, pad_id=0, row_keys=list(range(100, 114)),
+                               slots=4, stop_after=3))
+    done = [s for s in out if isinstance(s, FinishedSample)]
+    partial = [s for s in out if isinstance(s, PartialSample)]
+    assert len(done) >= 3 and len(done) + len(partial) == len(PROMPTS)
+    assert any(s.response_ids == () for s in partial)               # prompts that never started
+    assert sorted(s.index for s in out) == list(range(len(PROMPTS)))
+
+
+def test_budgets_and_resumed_rows_count_their_own_tokens(long_tail_policy):
+    budgets = [1 + i % 6 for i in range(len(PROMPTS))]
+    free = {s.index: s for s in _run(long_tail_policy, budgets=budgets, resumed=[i % 2 for i in range(14)])}
+    limited = {s.index: s for s in _run(long_tail_policy, budgets=budgets, resumed=[i % 2 for i in range(14)],
+                                        slots=3)}
+    for i, s in free.items():
+        assert len(s.response_ids) <= budgets[i]
+        assert limited[i].response_ids == s.response_ids
+        assert limited[i].logprobs == pytest.approx(s.logprobs, abs=1e-4)
