@@ -123,6 +123,17 @@ class PythonEmitter:
         own = self.worker_threads.get(plan.worker_key(self.m, s)) if n is not None else None
         return [f"threads={n}"] if own is not None and n < own else []
 
+    def slots(self, s: Stage) -> list[str]:
+        """``slots=K`` for a generate the plan runs in M micro-batches: at most K = ⌈rows / M⌉ rows decode at
+        once, and waiting prompts join as rows finish (continuous batching) instead of waves one after
+        another."""
+        m = plan.microbatches(s)
+        if s.op != "generate" or m <= 1:
+            return []
+        oc = plan.overcommit(s)
+        rows = (s.outputs[0].type.batch or 1) + (oc.delta if oc else 0)
+        return [f"slots={-(-rows // m)}"]
+
     def stage_line(self, s: Stage) -> str:
         """The line(s) that run stage ``s``, by its schedule entry and its op's emit rule."""
         e = self.schedule[s.name]
@@ -144,7 +155,7 @@ class PythonEmitter:
             return (f"{outs} = job.sync({name!r}, {self.worker(s)}, w.{dst}, "
                     f"bucket_mb={sync.bucket_mb}, after={py_name(s.inputs[0].name)}{how})")
         if e.kind == "remote":
-            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s) + self.threads(s))
+            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s) + self.slots(s) + self.threads(s))
             remote = f"{self.worker(s)}.{rule.target}.remote({call})"
             return f"{outs} = {remote}" if e.future else f"{outs} = job.get({name!r}, {remote})"
         if e.kind == "compute":
@@ -164,7 +175,7 @@ class PythonEmitter:
         chunk = plan.stream_chunk(s) or 0
         oc = plan.overcommit(s)
         gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _flags(s) \
-            + self.threads(s)
+            + self.slots(s) + self.threads(s)
         launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",

@@ -97,17 +97,18 @@ class ModelWorker:
     @stage_call
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 n: int = 1, unpad: bool = False, logprobs: bool = False) -> Rollout:
+                 n: int = 1, unpad: bool = False, logprobs: bool = False, slots: int | None = None) -> Rollout:
         """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
-        pass)."""
+        pass); ``slots``: at most that many rows decode at once, waiting prompts joining as rows finish
+        (continuous batching; the plan's micro-batches of generation)."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs)))
+                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs, slots=slots)))
 
     @stage_call
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
-                        unpad: bool = False, logprobs: bool = False):
+                        unpad: bool = False, logprobs: bool = False, slots: int | None = None):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
@@ -116,7 +117,7 @@ class ModelWorker:
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, slots=slots)
 
     def _inputs(self, prompts, n: int, carry=()) -> list[dict]:
         """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt."""
@@ -126,7 +127,7 @@ class ModelWorker:
             for t, ids in zip(texts, encode_prompts(self.tokenizer, texts))]
 
     def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
-                carry=False, share: tuple[int, int] | None = None):
+                carry=False, share: tuple[int, int] | None = None, slots: int | None = None):
         """Decode ``inputs`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
         ``index`` the row in ``inputs``, its response including a carried part) as each finishes, or, once
         ``take`` samples are done, a carry dict for each unfinished one. Row ``i`` samples from the random
@@ -140,7 +141,8 @@ class ModelWorker:
                                  temperature=temperature, top_p=top_p,
                                  budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
                                  stop_after=take, logprob_temperature=temperature if logprobs else None,
-                                 resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)))
+                                 resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)),
+                                 slots=slots)
         for item in stream:
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
@@ -151,7 +153,7 @@ class ModelWorker:
                                  item.computed)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False):
+                  unpad=False, logprobs=False, slots=None):
         inputs = self._inputs(prompts, n, carry)
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         buf: list[FinishedSample] = []
@@ -160,7 +162,7 @@ class ModelWorker:
         width_r = None if unpad else max_new_tokens
         done = 0
         for item in self._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 take=take, logprobs=logprobs, carry=bool(carry)):
+                                 take=take, logprobs=logprobs, carry=bool(carry), slots=slots):
             if isinstance(item, dict):
                 left.append(item)
                 continue

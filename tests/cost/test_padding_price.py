@@ -102,3 +102,26 @@ def test_explain_shows_padding_efficiency_and_unpad_raises_it(tmp_path):
 
     out = CliRunner().invoke(app, ["explain", str(path), "-O2"]).output
     assert "pad eff" in out and "padding efficiency" in out
+
+
+def test_generation_in_micro_batches_is_priced_as_continuous_batching():
+    """On CPU the runtime runs a generate planned in M micro-batches as one continuous batch of ⌈n/M⌉ slots
+    (prompts join as rows finish): the same decode row-steps as M waves, in fewer steps."""
+    from rlhfc.cost.model import CostModel
+    from rlhfc.frontend import compile_source
+
+    from .helpers import EXAMPLES
+
+    text = (EXAMPLES / "ppo_tiny.rlhf").read_text().replace("vocab = 96", "vocab = 32") \
+        .replace("max_new_tokens = 24", "max_new_tokens = 96").replace("max_seq = 64", "max_seq = 128")
+    m, _ = compile_source(text, "<test>")
+    gen = m.graph.stage("roll")
+    cm = CostModel(m)
+    one = cm.generation_work(gen, 1)
+    cont = cm.generation_work(gen, 4)
+    dist = one["dist"]
+    waves_steps = 4 * dist.expected_max(4)
+    assert dist.expected_max(16) < 4 * cont["expected_steps"] < waves_steps   # steps per wave x 4 waves
+    assert cont["rows"] == 4 and max(cont["active"]) <= 4
+    assert cont["computed_tokens"] == pytest.approx(
+        4 * cont["prompt"] + float(np.sum(cont["steps_w"] * cont["active"])))

@@ -75,3 +75,27 @@ def test_budgets_and_resumed_rows_count_their_own_tokens(long_tail_policy):
         assert len(s.response_ids) <= budgets[i]
         assert limited[i].response_ids == s.response_ids
         assert limited[i].logprobs == pytest.approx(s.logprobs, abs=1e-4)
+
+
+def test_a_generation_planned_in_micro_batches_runs_with_slots(make_spec, tmp_path):
+    """The plan's micro-batches of a generate stage reach the job as ``slots`` (continuous batching instead of
+    waves), and a worker generating with slots samples the tokens it samples without them."""
+    import pathlib
+
+    from rlhfc.codegen.emitter import PythonEmitter
+    from rlhfc.frontend import load_file
+    from rlhfc.runtime.worker import ModelWorker
+
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    m, _, _ = load_file(str(examples / "ppo_tiny.rlhf"))
+    m.graph.stage("roll").annotations["microbatches"] = 3
+    line = next(x for x in PythonEmitter(m, source=None, opt_level="O0", passes=[]).emit().splitlines()
+                if "generate.remote" in x)
+    assert "slots=6" in line                                        # ⌈16 / 3⌉
+
+    worker = ModelWorker("actor", make_spec(vocab=12), {"kind": "random"}, 0)
+    prompts = [f"p{i}" * (1 + i % 3) for i in range(8)]
+    free = worker.generate(prompts, max_new_tokens=20, temperature=1.0, top_p=1.0)
+    again = ModelWorker("actor", make_spec(vocab=12), {"kind": "random"}, 0)
+    limited = again.generate(prompts, max_new_tokens=20, temperature=1.0, top_p=1.0, slots=3)
+    assert torch.equal(free.batch.input_ids, limited.batch.input_ids)
