@@ -24,26 +24,25 @@ Targets on 2 cores: -O2 >= 1.6x -O0, -O3 >= 2x -O0, -O2 >= 3x TRL.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
 import shutil
 import sys
 import tempfile
-import time
 from statistics import median
 
 import networkx as nx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 PROGRAM = os.path.join(ROOT, "benchmarks", "overlap.rlhf")
 
-from rlhfc.codegen import emit_job  # noqa: E402
 from rlhfc.frontend import load_file  # noqa: E402
-from rlhfc.passes import PIPELINES, PassManager, pipeline_for  # noqa: E402
+from rlhfc.passes import PassManager, pipeline_for  # noqa: E402
 from rlhfc.runtime.job import Job  # noqa: E402
+from jobrun import run_compiled  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -65,26 +64,9 @@ def _cpu(job: Job) -> float:
 def run_level(level: str, steps: int, warmup: int, work: str) -> dict:
     module, _, _ = load_file(PROGRAM)
     module = PassManager(pipeline_for(level)).run(module)
-    job_dir = os.path.join(work, f"job_{level}")
-    emit_job(module, job_dir, source_path=PROGRAM, opt_level=level, passes=PIPELINES[level])
-    spec = importlib.util.spec_from_file_location(f"bench_{level}", os.path.join(job_dir, "main.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    marks: dict = {}
-
-    def step(job, w):
-        if marks.get("calls", 0) == warmup:
-            marks["t0"], marks["cpu0"] = time.perf_counter(), _cpu(job)
-        marks["calls"] = marks.get("calls", 0) + 1
-        return mod.step(job, w)
-
-    job = Job(job_dir, out=os.path.join(work, f"run_{level}"), steps=steps, progress=False)
-    try:
-        rows = job.run(step)
-        wall, cpu = time.perf_counter() - marks["t0"], _cpu(job) - marks["cpu0"]
-    finally:
-        job.shutdown()
-    measured = rows[warmup:]
+    run = run_compiled(module, level, PROGRAM, work, warmup=warmup, steps=steps, probe=_cpu)
+    measured, wall = run["rows"], run["wall"]
+    cpu = run["probe"][1] - run["probe"][0]
     samples = sum(r["samples"] for r in measured)
     waits: dict[str, float] = {}
     for r in measured:

@@ -9,11 +9,13 @@ of a shared machine hit all of them; figures are medians over rounds.
 
 Printed per point: samples/s (only the samples a step trains on), -O2/TRL, -O3/TRL, -O0/TRL (the
 runtime's share of a gain) and -O2/-O0 (the passes' share); then each side's mean generated response
-length and generated tokens/s. Both sides train (lr 1e-4) against their own random reward model, so
-their length distributions drift apart over the steps: where the lengths differ, samples/s compares
-different work and tokens/s is the fairer figure.
+length and generated tokens/s, and rlhfc's measured padding efficiency (generation; forwards) per level;
+last, each target and by how much it is met or missed. By default both sides train at lr 0: every
+gradient and optimizer update is computed, but both policies stay at their random start, so both
+generate the same length distribution and samples/s compares the same work (``--lr 1e-4`` lets each
+drift with its own random reward model, as earlier sweeps did).
 
-    .venv/bin/python benchmarks/throughput.py [--rounds 3] [--points tiny,mid,wide,20m] [--json out.json]
+    .venv/bin/python benchmarks/throughput.py [--rounds 3] [--points tiny,mid,wide,20m] [--lr 0] [--json out.json]
 
 Targets (docs/benchmarks.md): -O2 >= 2x TRL PPO at every point, -O3 >= 2.5x, -O2 >= 1.6x -O0 at the
 compute-bound points.
@@ -22,13 +24,11 @@ compute-bound points.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from statistics import median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +42,8 @@ POINTS = {
     "wide": dict(layers=6, hidden=256, heads=8, vocab=32, max_new_tokens=128, batch=32, minibatches=4, steps=4),
     "20m": dict(layers=7, hidden=512, heads=8, vocab=32, max_new_tokens=96, batch=16, minibatches=2, steps=3),
 }
+#: the points whose step is dominated by model compute rather than per-call overheads (the -O2/-O0 target)
+COMPUTE_BOUND = ("wide", "20m")
 PROMPT_MIN, PROMPT_MAX = 4, 12
 WARMUP = 1
 
@@ -58,8 +60,8 @@ pipeline ppo(batch = {batch}) {{
   values   = critic.values(roll)
   scores   = reward.score(roll)
   adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.05)
-  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = 1e-4, epochs = 1, minibatches = {minibatches})
-  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = 1e-4, epochs = 1, minibatches = {minibatches})
+  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = {lr}, epochs = 1, minibatches = {minibatches})
+  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = {lr}, epochs = 1, minibatches = {minibatches})
 }}
 run {{ steps = {steps}; seed = 0; checkpoint_every = 0 }}
 """
@@ -69,44 +71,28 @@ def _max_seq(p: dict) -> int:
     return 1 + PROMPT_MAX + p["max_new_tokens"] + 8
 
 
-def run_rlhfc(point: dict, level: str, work: str) -> dict:
-    from rlhfc.codegen import emit_job
+def run_rlhfc(point: dict, level: str, work: str, lr: float) -> dict:
+    from jobrun import run_compiled
+
     from rlhfc.frontend import compile_source
-    from rlhfc.passes import PIPELINES, PassManager, pipeline_for
-    from rlhfc.runtime.job import Job
+    from rlhfc.passes import PassManager, pipeline_for
 
     path = os.path.join(work, f"point_{level}.rlhf")
     text = PROGRAM.format(max_seq=_max_seq(point), pmin=PROMPT_MIN, pmax=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                          **{k: v for k, v in point.items() if k != "steps"})
+                          lr=lr, **{k: v for k, v in point.items() if k != "steps"})
     module, _ = compile_source(text, path)
     module = PassManager(pipeline_for(level)).run(module)
-    job_dir = os.path.join(work, f"job_{level}")
-    emit_job(module, job_dir, source_path=path, opt_level=level, passes=PIPELINES[level])
-    spec = importlib.util.spec_from_file_location(f"tp_{level}_{time.time_ns()}", os.path.join(job_dir, "main.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    marks: dict = {}
-
-    def step(job, w):
-        if marks.get("calls", 0) == WARMUP:
-            marks["t0"] = time.perf_counter()
-        marks["calls"] = marks.get("calls", 0) + 1
-        return mod.step(job, w)
-
-    job = Job(job_dir, out=os.path.join(work, f"run_{level}"), progress=False)
-    try:
-        rows = job.run(step)
-        wall = time.perf_counter() - marks["t0"]
-    finally:
-        job.shutdown()
-    measured = rows[WARMUP:]
+    run = run_compiled(module, level, path, work, warmup=WARMUP)
+    measured, wall = run["rows"], run["wall"]
     samples = sum(r["samples"] for r in measured)
     tokens = sum(r["samples"] * r["response_len_mean"] for r in measured)
+    eff = {k: median(r[k] for r in measured) for k in ("pad_eff_generate", "pad_eff_forward")
+           if all(k in r for r in measured)}
     return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "step_s": wall / len(measured),
-            "response_len_mean": tokens / max(samples, 1)}
+            "response_len_mean": tokens / max(samples, 1), **eff}
 
 
-def run_trl(point: dict) -> dict:
+def run_trl(point: dict, lr: float) -> dict:
     from trl_peer import run_trl_ppo
 
     best = None
@@ -114,7 +100,7 @@ def run_trl(point: dict) -> dict:
         r = run_trl_ppo(layers=point["layers"], hidden=point["hidden"], heads=point["heads"], vocab=point["vocab"],
                         max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],
                         prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                        minibatches=point["minibatches"], epochs=1, lr=1e-4, seed=0, threads=threads)
+                        minibatches=point["minibatches"], epochs=1, lr=lr, seed=0, threads=threads)
         sps = r.get("steady_samples_per_s") or r["samples_per_s"]
         # TRL's own mean_response_len stops at the first <pad> a row samples; the tokens it generated run to
         # <eos> or the cap (mean_generated_len): that is the work, and what rlhfc's response length counts
@@ -137,6 +123,10 @@ def main(argv=None) -> int:
     ap.add_argument("--points", default=",".join(POINTS))
     ap.add_argument("--levels", default="O0,O2,O3")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lr", type=float, default=0.0,
+                    help="learning rate of both sides; 0 (default) keeps both policies at their random start, so "
+                         "both generate the same length distribution every step (every gradient and optimizer "
+                         "update is still computed); 1e-4 lets each drift with its own random reward")
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from cores import core_scaling
@@ -152,8 +142,9 @@ def main(argv=None) -> int:
             scaling.append(core_scaling())
             for name in points:
                 for lv in levels:
-                    results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}")))
-                results[name]["TRL"].append(run_trl(POINTS[name]))
+                    results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}"),
+                                                       args.lr))
+                results[name]["TRL"].append(run_trl(POINTS[name], args.lr))
                 print(f"round {rnd + 1}: {name} done", file=sys.stderr, flush=True)
                 if args.json:   # what is measured so far survives an interrupted sweep
                     with open(args.json + ".partial", "w") as fh:
@@ -180,8 +171,25 @@ def main(argv=None) -> int:
               + " ".join(f"{med[lv]:>9.2f}" for lv in levels + ["TRL"]) + " | "
               + " ".join(f"{ratios[lv]:>7.2f}x" for lv in levels)
               + f" | {o2o0:>5.2f}x | {rl:>6.1f} {rl_trl:>7.1f} | {tok:>8.1f} {tok_trl:>9.1f} {tok / tok_trl:>5.2f}x")
+        eff = {lv: {k: median(r[k] for r in results[name][lv]) for k in ("pad_eff_generate", "pad_eff_forward")
+                    if all(k in r for r in results[name][lv])} for lv in levels}
         summary[name] = {"median_samples_per_s": med, "ratios_to_trl": ratios, "O2_over_O0": o2o0,
-                         "trl_threads": [r["threads"] for r in results[name]["TRL"]]}
+                         "trl_threads": [r["threads"] for r in results[name]["TRL"]], "padding_efficiency": eff}
+    print("padding efficiency (useful / computed tokens, medians; generation, forwards):")
+    for name in points:
+        eff = summary[name]["padding_efficiency"]
+        print(f"  {name:<6} " + "  ".join(
+            f"-{lv}: {e.get('pad_eff_generate', float('nan')):.2f}, {e.get('pad_eff_forward', float('nan')):.2f}"
+            for lv, e in eff.items()))
+    print("targets:")
+    for name in points:
+        r, o = summary[name]["ratios_to_trl"], summary[name]["O2_over_O0"]
+        checks = [("-O2 >= 2x TRL", r.get("O2"), 2.0), ("-O3 >= 2.5x TRL", r.get("O3"), 2.5)]
+        if name in COMPUTE_BOUND:
+            checks.append(("-O2 >= 1.6x -O0", o, 1.6))
+        print(f"  {name:<6} " + "; ".join(
+            f"{what}: {got:.2f}x {'met' if got >= want else f'MISSED by {want - got:.2f}x'}"
+            for what, got, want in checks if got is not None and got == got))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": _cpu_name(), "cores": os.cpu_count(), "core_scaling": scaling,

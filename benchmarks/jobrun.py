@@ -1,0 +1,42 @@
+"""Run a compiled program as a benchmark: emit its job, run it in this process (Ray workers as in `rlhfc run`)
+and time the steps after a warm-up. Shared by the overlap and throughput benchmarks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Callable
+
+
+def run_compiled(module, level: str, source_path: str, work: str, *, warmup: int, steps: int | None = None,
+                 probe: Callable | None = None) -> dict:
+    """Emit ``module`` (already optimised at ``level``) as a job under ``work`` and run it; the clock starts
+    when step ``warmup`` starts. Returns the measured metric rows, the wall seconds they took and, with a
+    ``probe(job)``, its values at the clock's start and end."""
+    from rlhfc.codegen import emit_job
+    from rlhfc.passes import PIPELINES
+    from rlhfc.runtime.job import Job
+
+    job_dir = os.path.join(work, f"job_{level}")
+    emit_job(module, job_dir, source_path=source_path, opt_level=level, passes=PIPELINES[level])
+    spec = importlib.util.spec_from_file_location(f"bench_{level}_{time.time_ns()}", os.path.join(job_dir, "main.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    marks: dict = {}
+
+    def step(job, w):
+        if marks.get("calls", 0) == warmup:
+            marks["t0"] = time.perf_counter()
+            marks["probe0"] = probe(job) if probe else None
+        marks["calls"] = marks.get("calls", 0) + 1
+        return mod.step(job, w)
+
+    job = Job(job_dir, out=os.path.join(work, f"run_{level}"), steps=steps, progress=False)
+    try:
+        rows = job.run(step)
+        wall = time.perf_counter() - marks["t0"]
+        probe1 = probe(job) if probe else None
+    finally:
+        job.shutdown()
+    return {"rows": rows[warmup:], "wall": wall, "probe": (marks["probe0"], probe1)}
