@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 #: larger data files are not read at check time (the job checks them when it starts)
 MAX_CHECKED_BYTES = 64 * 2**20
@@ -14,10 +15,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "sentencepiece.bpe.model")
 
 
-def read_prompts(path: str, shown: str, field: str) -> tuple[tuple[int, str] | None, tuple[str, str] | None]:
+def read_prompts(path: str, shown: str, field: str, fields: Sequence[str] = ()) \
+        -> tuple[tuple[int, str] | None, tuple[str, str] | None]:
     """Check a JSONL prompt file as the job will read it. Returns ``((characters of the longest prompt, where
     it is), None)``, ``(None, (message, hint))`` for a bad file, or ``(None, None)`` when too large to read now.
-    ``shown``: the path as the program wrote it."""
+    ``shown``: the path as the program wrote it; every line must also hold each of ``fields``."""
     try:
         if os.path.getsize(path) > MAX_CHECKED_BYTES:
             return None, None
@@ -50,6 +52,11 @@ def read_prompts(path: str, shown: str, field: str) -> tuple[tuple[int, str] | N
         if not isinstance(obj[field], str):
             return None, (f"{at}: field {json.dumps(field)} is not a string",
                           f'write the prompt as a JSON string: {{"{field}": "..."}}')
+        missing = [k for k in fields if k not in obj]
+        if missing:
+            return None, (f"{at}: no field {json.dumps(missing[0])} (the program declares fields = "
+                          f"[{', '.join(fields)}])", f"every line needs each declared field; add "
+                          f"{json.dumps(missing[0])} to that line or remove it from fields")
         if longest is None or len(obj[field]) > longest[0]:
             longest = (len(obj[field]), f"line {lineno} of '{shown}'")
     if longest is None:

@@ -43,6 +43,9 @@ class Attr:
     min: float | None = None
     max: float | None = None
     doc: str = ""
+    #: an option added after the IR's first form: left out of a stage (its text and its generated call) while
+    #: it holds its default, so that programs not using it compile to the IR they always did
+    omit_default: bool = False
 
 
 #: how code generation runs an op (:class:`Emit` kinds)
@@ -218,7 +221,10 @@ register_op(OpSpec(
 
 register_op(OpSpec(
     "compute.rule", (Operand("rollout", ("Rollout",)),),
-    (Attr("fn", "str", required=True, doc="'module:function' taking (prompt, response) -> float"),),
+    (Attr("fn", "str", required=True, doc="'module:function' taking (prompt, response, data fields) -> float"),
+     Attr("extract", "str", "", doc="how the answer is cut out of each response before the rule sees it: "
+                                    "strip, first_line, last_line, first_number, last_number, boxed, "
+                                    "after:MARK, re:PATTERN ('' = the whole response)", omit_default=True)),
     ("SeqFloat",), doc="score each sequence with a Python rule function"))
 
 register_op(OpSpec(

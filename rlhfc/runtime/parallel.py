@@ -106,6 +106,7 @@ def rows_of(rollout: Rollout, lo: int, hi: int) -> Rollout:
                    responses=rollout.responses[lo:hi],
                    rows=rollout.rows[lo:hi] if rollout.rows else [],
                    born=rollout.born[lo:hi] if rollout.born else [],
+                   fields=rollout.fields[lo:hi] if rollout.fields else [],
                    logprobs=rollout.logprobs[lo:hi] if rollout.logprobs is not None else None)
 
 

@@ -22,6 +22,7 @@ from .generation import (FinishedSample, PartialSample, collate, decode_response
                          generate_stream, response_logprobs, response_values, sequence_scores)
 from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
+from .data import prompt_parts
 from .packing import bucketed
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
@@ -116,10 +117,11 @@ class ModelWorker:
 
     def _inputs(self, prompts, n: int, carry=()) -> list[dict]:
         """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt."""
-        texts = [p for p in prompts for _ in range(n)]
+        parts = [prompt_parts(p) for p in prompts for _ in range(n)]
+        texts = [t for t, _ in parts]
         return [dict(c) for c in carry] + [
-            {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
-            for t, ids in zip(texts, encode_prompts(self.tokenizer, texts))]
+            {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version, "fields": f}
+            for (t, f), ids in zip(parts, encode_prompts(self.tokenizer, texts))]
 
     def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
                 carry=False, share: tuple[int, int] | None = None):
@@ -186,7 +188,8 @@ class ModelWorker:
                 logprobs[row, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
-                       max(s.step for s in samples) + 1, logprobs, unpad=width_r is None)
+                       max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
+                       fields=[inputs[i].get("fields") or {} for i in rows])
 
     #: whether forwards and training of unpadded rollouts run in length groups (every rank of an FSDP group
     #: must run the same number of forwards, so its ranks do not)
