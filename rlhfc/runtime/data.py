@@ -18,9 +18,14 @@ lr 3e-3 (1e-3 works too), kl_coef 0.05, gamma 1, lam 0.95, whitened advantages,
 1 epoch of 2 minibatches, vowel_count goes from ~0.13 to ~0.4-0.6 (about 0.1 s
 of CPU a step at 16 prompts).
 
+A JSONL source may declare ``fields`` (other keys of each line): ``next_batch`` then hands out
+``{"prompt": text, "fields": {name: value}}`` dicts, which generation keeps with each sample
+(``Rollout.fields``) for the rules that take them by name. ``truncate = "left" | "right"``
+shortens a prompt too long for a model (counted in ``truncated``) instead of refusing it.
+
 A bad data file is a :class:`DataError` (a ``JobError``: printed without a
 traceback) naming ``file:line``: bytes that are not UTF-8, a line that is not
-JSON, a line without the prompt field. With ``fit`` (the compiler's
+JSON, a line without the prompt field or a declared field. With ``fit`` (the compiler's
 ``plan.json`` gives one entry per model that reads the prompts: its tokenizer,
 ``max_seq`` and the generate's ``max_new_tokens``) every prompt is tokenized
 when the job starts and one too long for a model is an error naming its line,
