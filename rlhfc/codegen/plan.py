@@ -103,7 +103,7 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
     data = {}
     for d in module.data.values():
         spec = {"kind": d.kind, **d.options}
-        if d.kind == "jsonl":
+        if d.kind in ("jsonl", "parquet", "arrow"):
             spec["path"] = os.path.abspath(spec["path"])
         # every model that reads these prompts' tokens: the job checks each prompt fits its max_seq at start
         fit = []

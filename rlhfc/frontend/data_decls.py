@@ -1,6 +1,7 @@
-"""Lowering of the data declarations: ``synthetic(...)`` and ``jsonl(...)`` to IR data sources.
+"""Lowering of the data declarations: ``synthetic(...)``, ``jsonl(...)``, ``parquet(...)`` and ``arrow(...)`` to
+IR data sources.
 
-A jsonl source's options: ``field`` (written ``prompt = "question"`` or ``field = "question"``: the JSON key of
+A file source's options: ``field`` (written ``prompt = "question"`` or ``field = "question"``: the JSON key of
 the prompt), ``fields = [answer, tests]`` (other keys each line carries, which travel with the prompt's
 samples to the rules that name them) and ``truncate = error | left | right`` (what the job does with a
 prompt too long for a model: stop, or drop its first or last tokens).
@@ -45,21 +46,23 @@ def lower_synthetic(d: ast.DataDecl, sink: DiagnosticSink) -> DataSource | None:
 
 
 def lower_jsonl(d: ast.DataDecl, base_dir: str, prompt_lengths: dict, sink: DiagnosticSink) -> DataSource | None:
-    """``jsonl("file", prompt = "key", fields = [...], truncate = ...)``; the file is read now when small (a
+    """``jsonl("file", prompt = "key", fields = [...], truncate = ...)`` (and ``parquet(...)``, ``arrow(...)``,
+    whose tables the job reads); a JSONL file is read now when small (a
     line without the prompt or a declared field is reported at the path); the longest prompt goes to
     ``prompt_lengths`` unless prompts are truncated to fit."""
     c = d.ctor
+    kind = c.name   # jsonl, parquet or arrow: the same settings
     if len(c.args) != 1 or not isinstance(c.args[0], ast.Literal) or c.args[0].kind != "str":
-        sink.error("jsonl() takes a file path", c.loc, 'e.g. jsonl("prompts.jsonl", field = "prompt")')
+        sink.error(f"{kind}() takes a file path", c.loc, f'e.g. {kind}("prompts.{kind}", field = "prompt")')
         return None
     lit = c.args[0]
     path = os.path.normpath(os.path.join(base_dir, lit.value))
-    src = DataSource(d.name, "jsonl", {"path": path, "field": "prompt"}, d.loc,
+    src = DataSource(d.name, kind, {"path": path, "field": "prompt"}, d.loc,
                      field_locs={"kind": c.name_loc, "path": lit.loc})
     for kw in c.kwargs:
         key = "field" if kw.name == "prompt" else kw.name   # prompt = "question": the prompt's JSON key
         if key not in _JSONL_SETTINGS:
-            sink.error(f"unknown jsonl setting '{kw.name}'", kw.loc,
+            sink.error(f"unknown {kind} setting '{kw.name}'", kw.loc,
                        did_you_mean(kw.name, ("prompt", *_JSONL_SETTINGS)) or
                        "settings: prompt (or field), fields, truncate")
             return None
@@ -74,6 +77,8 @@ def lower_jsonl(d: ast.DataDecl, base_dir: str, prompt_lengths: dict, sink: Diag
         check_data(src, sink)   # so that a bad field is reported too
         return None
     fields = src.options.get("fields", [])
+    if kind != "jsonl":   # a table is read when the job starts (with the datasets library)
+        return src
     if isinstance(src.options["field"], str) and isinstance(fields, list) and all(
             isinstance(x, str) and x.isidentifier() and x not in RESERVED_FIELDS for x in fields):
         # (else the verifier reports the field or the names)

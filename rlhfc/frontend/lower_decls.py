@@ -38,7 +38,7 @@ from .literals import size_text, value_of
 from .parser import end_of_code
 
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
-_DATA_CTORS = ("synthetic", "jsonl")
+_DATA_CTORS = ("synthetic", "jsonl", "parquet", "arrow")
 _DEFAULT_MAX_SEQ = {"llama": 2048, "gpt2": 1024}
 #: the most devices (cores or GPUs) one node may have
 MAX_DEVICES_PER_NODE = 1024
@@ -413,7 +413,7 @@ class Declarations:
                                 did_you_mean(c.name, _DATA_CTORS) or f"sources: {', '.join(_DATA_CTORS)}")
                 self.scope.failed_decls.add(d.name)
                 continue
-            src = self.synthetic(d) if c.name == "synthetic" else self.jsonl(d)
+            src = self.synthetic(d) if c.name == "synthetic" else self.jsonl(d)   # jsonl, parquet, arrow
             if src is not None and check_data(src, self.sink):
                 self.module.data[d.name] = src
             else:

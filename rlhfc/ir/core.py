@@ -118,6 +118,9 @@ class Model:
 DATA_OPTIONS: dict[str, dict[str, type]] = {
     "synthetic": {"count": int, "min_len": int, "max_len": int, "seed": int},
     "jsonl": {"path": str, "field": str, "fields": list, "truncate": str},
+    # tables read with the `datasets` library (an optional install) from a local file
+    "parquet": {"path": str, "field": str, "fields": list, "truncate": str},
+    "arrow": {"path": str, "field": str, "fields": list, "truncate": str},
 }
 
 #: what a jsonl source does with a prompt too long for a model that reads it (``truncate = ...``)

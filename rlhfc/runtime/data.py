@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 
 from .errors import JobError
 
-__all__ = ["DataError", "PromptSource", "SyntheticPrompts", "JsonlPrompts", "prompt_source_from_spec", "prompt_parts",
+__all__ = ["DataError", "PromptSource", "SyntheticPrompts", "JsonlPrompts", "TablePrompts", "prompt_source_from_spec", "prompt_parts",
            "repeat_each", "truncate_text"]
 
 
@@ -234,6 +234,46 @@ class JsonlPrompts(PromptSource):
         return f"{self.path}:{self.lines[index]}"
 
 
+class TablePrompts(PromptSource):
+    """Prompts from a local Parquet or Arrow file, read with the ``datasets`` library (an optional install):
+    one row per prompt, text in the column ``field``, each of ``fields`` a column too. Errors name
+    ``file: row N`` (counted from 1)."""
+
+    def __init__(self, path: str, kind: str = "parquet", field: str = "prompt", shuffle: bool = False, seed: int = 0,
+                 fit: Sequence[Mapping[str, Any]] = (), fields: Sequence[str] = (), truncate: str = "error"):
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"reading {path} needs the 'datasets' library, which is not installed",
+                            "pip install datasets, or convert the table to JSON lines and use jsonl(...)") from None
+        try:
+            table = (datasets.Dataset.from_parquet(path) if kind == "parquet" else datasets.Dataset.from_file(path))
+        except Exception as e:   # the library's own errors for a missing or malformed file
+            raise DataError(f"cannot read {kind} file {path}: {type(e).__name__}: {e}",
+                            f"check that it is a {kind} file and readable") from None
+        self.path, self.field, self.fields = path, field, tuple(fields)
+        columns = set(table.column_names)
+        for name in (field, *self.fields):
+            if name not in columns:
+                raise DataError(f"{path}: no column {name!r} (columns: {', '.join(sorted(columns))})",
+                                f"every row needs the prompt ({field!r}) and each declared field")
+        prompts, values = [], []
+        for i, row in enumerate(table, start=1):
+            if not isinstance(row[field], str):
+                raise DataError(f"{path}: row {i}: field {field!r} is not a string", "store prompts as text")
+            prompts.append(row[field])
+            values.append({name: row[name] for name in self.fields})
+        if not prompts:
+            raise DataError(f"{path}: no prompts found", "the table has no rows")
+        super().__init__(prompts, shuffle, seed)
+        self.values = values if self.fields else None
+        self.truncate = truncate
+        self.check_fit(fit, truncate)
+
+    def where(self, index: int) -> str:
+        return f"{self.path}: row {index + 1}"
+
+
 def prompt_source_from_spec(spec: Mapping[str, Any]) -> PromptSource:
     """Build a source from the compiler's JSON: ``{"kind": "synthetic", "count",
     "min_len", "max_len", "seed", ...}`` or ``{"kind": "jsonl", "path", "field", ...}``."""
@@ -242,7 +282,9 @@ def prompt_source_from_spec(spec: Mapping[str, Any]) -> PromptSource:
         return SyntheticPrompts(**kwargs)
     if spec.get("kind") == "jsonl":
         return JsonlPrompts(**kwargs)
-    raise DataError(f"unknown prompt source kind {spec.get('kind')!r}; use 'synthetic' or 'jsonl'")
+    if spec.get("kind") in ("parquet", "arrow"):
+        return TablePrompts(kind=spec["kind"], **kwargs)
+    raise DataError(f"unknown prompt source kind {spec.get('kind')!r}; use 'synthetic', 'jsonl', 'parquet' or 'arrow'")
 
 
 def truncate_text(tok, text: str, room: int, side: str) -> str:

@@ -160,3 +160,22 @@ def test_verifiable_builtin_rewards():
     assert fmt.tolist() == [1.0, 0.0]
     for name in ("exact_match", "numeric_match", "answer_format"):
         assert rewards.resolve_rule(f"rlhfc.runtime.rewards:{name}") is getattr(rewards, name)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_table_sources_via_datasets(tmp_path, kind):
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_list([{"question": t["question"], "answer": str(t["answer"])} for t in TASKS])
+    path = str(tmp_path / f"t.{kind}")
+    if kind == "parquet":
+        table.to_parquet(path)
+    else:
+        table.save_to_disk(str(tmp_path / "saved"))
+        import glob
+        import shutil
+
+        shutil.copy(sorted(glob.glob(str(tmp_path / "saved" / "*.arrow")))[0], path)
+    src = prompt_source_from_spec({"kind": kind, "path": path, "field": "question", "fields": ["answer"]})
+    assert [prompt_parts(p) for p in src.next_batch(2)] == [("2 plus 2", {"answer": "4"}), ("1 plus 5", {"answer": "6"})]
+    with pytest.raises(DataError, match=r"no column 'tests'"):
+        prompt_source_from_spec({"kind": kind, "path": path, "field": "question", "fields": ["tests"]})
