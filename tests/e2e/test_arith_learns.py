@@ -25,10 +25,11 @@ from rlhfc.runtime.job import run_job
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARITH = os.path.join(ROOT, "examples", "arith_tiny.rlhf")
 
-#: the README's figures (seed 0, this repository's 2-core VM): mean reward of the first and the last 5 steps;
-#: seeds 0-2 measured in docs/claims.md. The test holds the criterion, not the figures (another CPU's float
-#: kernels can send a run down another sample path).
-README_ARITH = (0.04, 0.59)
+#: the README's figures (seed 0, this repository's 2-core VM): mean reward of the first and the last 5 steps.
+#: Seeds 0-2 measured 0.032/0.038/0.044 -> 0.775/0.769/0.883 (z = 90/77/78). Another CPU's float kernels can
+#: send a run down another sample path, so the test holds the criterion and a band around the figures.
+README_ARITH = (0.0319, 0.7750)
+BAND = (0.05, 0.15)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -57,21 +58,17 @@ def test_arith_tiny_learns_by_more_than_3_standard_errors(tmp_path):
     gain = statistics.mean(last) - statistics.mean(first)
     assert gain > 3 * se, f"first 5 {first}, last 5 {last}: gain {gain:.3f} is not above 3 standard errors ({se:.3f})"
     assert statistics.mean(last) > 1 / 9 + 3 * se, f"last 5 {last}: no better than always giving one answer"
+    assert abs(statistics.mean(first) - README_ARITH[0]) <= BAND[0]
+    assert abs(statistics.mean(last) - README_ARITH[1]) <= BAND[1]
     # every sample carried its own prompt's answer, all 16 of a prompt's samples together
     for batch in seen:
         assert len(batch) == 9 * 16
         for prompt, _, fields in batch:
             assert fields == {"answer": str(int(prompt.split()[0]) + 1)}
-    # the reward is exact match of the first number with that answer, as the metrics recorded it
+    # the reward is exact match of the (stripped) response with that answer, as the metrics recorded it
     final = seen[-1]
-    hits = [float(_first_number(r) == f["answer"]) for _, r, f in final]
+    hits = [float(r.strip() == f["answer"]) for _, r, f in final]
     assert statistics.mean(hits) == pytest.approx(rows[-1]["reward_mean"], abs=1e-6)
     with open(os.path.join(str(tmp_path / "run"), "metrics.jsonl")) as fh:
         assert len([json.loads(line) for line in fh]) == len(rows) == 60
 
-
-def _first_number(text: str) -> str:
-    import re
-
-    m = re.search(r"[-+]?\d+", text)
-    return m.group(0) if m else ""
