@@ -81,6 +81,25 @@ def tokenizer_problem(folder: str, shown: str, vocab) -> tuple[str, str] | None:
     return None
 
 
+def chat_template_problem(folder: str | None, model: str) -> tuple[str, str] | None:
+    """Why model ``model`` (its local folder ``folder``, None for a config-built model) has no chat template
+    for ``generate(..., chat = true)``: its tokenizer must store one (``chat_template`` in
+    tokenizer_config.json, or a chat_template.jinja / .json file)."""
+    hint = ("chat = true formats each prompt with the tokenizer's apply_chat_template: use a model folder whose "
+            "tokenizer has one (tokenizer.chat_template = ...; tokenizer.save_pretrained(folder)), or drop chat")
+    if not folder:
+        return f"model '{model}' has no chat template: it is built from a config, with rlhfc's character tokenizer", hint
+    if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return None
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as fh:
+            if json.load(fh).get("chat_template"):
+                return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    return f"the tokenizer of model '{model}' has no chat template", hint
+
+
 def _tokenizer_size(folder: str) -> int | None:
     """The largest token id + 1 of the folder's tokenizer.json (or vocab.json + added_tokens.json), or None."""
     try:

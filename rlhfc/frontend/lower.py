@@ -32,6 +32,7 @@ from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, 
 from . import ast
 from .literals import KIND_NAMES, coerce, show, value_of
 from .lower_decls import Declarations, Scope
+from .files import chat_template_problem
 from .rules import extract_problem, rollout_fields, rule_problem
 
 _PIPELINE_PARAMS = {"batch": 8}
@@ -250,6 +251,11 @@ class _Pipeline:
                 self.sink.warning("group_advantages over groups of 1 sample gives zero advantages", call.loc,
                                   "generate several samples per prompt: actor.generate(prompts, n = 4)")
         self.check_model(call, spec, target, inputs)
+        if spec.op == "generate" and attrs.get("chat"):
+            problem = chat_template_problem(self.module.models[target].source, target)
+            if problem is not None:
+                self.sink.error(problem[0], locs.get("chat", call.loc), problem[1])
+                raise _Failed
         result_types = spec.result_types([v.type for v in inputs], attrs)
         if names and len(names) == len(result_types):
             out_names = names

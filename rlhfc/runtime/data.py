@@ -83,11 +83,12 @@ class PromptSource:
 
         for entry in fit:
             tok = load_tokenizer(entry["tokenizer"])
+            encode = tok.encode_chat if entry.get("chat") else (lambda t, tok=tok: tok.encode(t, add_bos=True))
             room = int(entry["max_seq"]) - int(entry["max_new_tokens"])
             for i, text in enumerate(self.prompts):
-                n = len(tok.encode(text, add_bos=True))
+                n = len(encode(text))
                 if n > room and truncate in ("left", "right"):
-                    self.prompts[i] = truncate_text(tok, text, room, truncate)
+                    self.prompts[i] = truncate_text(encode, text, room, truncate)
                     if self.prompts[i] == text or not self.prompts[i]:
                         raise DataError(f"{self.where(i)}: the prompt cannot be truncated to fit {room} tokens "
                                         f"(max_seq {entry['max_seq']} of model '{entry['model']}' less "
@@ -95,7 +96,8 @@ class PromptSource:
                                         "lower max_new_tokens or use a model with a larger max_seq")
                     self.truncated += 1
                 elif n > room:
-                    raise DataError(f"{self.where(i)}: the prompt has {n} tokens (with BOS); with max_new_tokens = "
+                    raise DataError(f"{self.where(i)}: the prompt has {n} tokens (with BOS"
+                                    f"{' and the chat template' if entry.get('chat') else ''}); with max_new_tokens = "
                                     f"{entry['max_new_tokens']} that is {n + int(entry['max_new_tokens'])}, more than "
                                     f"max_seq {entry['max_seq']} of model '{entry['model']}'",
                                     "shorten or remove that prompt, let the job cut it with truncate = left (or "
@@ -287,10 +289,11 @@ def prompt_source_from_spec(spec: Mapping[str, Any]) -> PromptSource:
     raise DataError(f"unknown prompt source kind {spec.get('kind')!r}; use 'synthetic', 'jsonl', 'parquet' or 'arrow'")
 
 
-def truncate_text(tok, text: str, room: int, side: str) -> str:
+def truncate_text(encode, text: str, room: int, side: str) -> str:
     """The longest part of ``text`` that keeps its end (``side = "left"``: the first characters are dropped) or
-    its start (``"right"``) and encodes to at most ``room`` tokens with BOS (a binary search over the cut)."""
-    fits = lambda t: len(tok.encode(t, add_bos=True)) <= room   # noqa: E731
+    its start (``"right"``) and ``encode`` (text -> token ids, BOS or chat template included) makes at most
+    ``room`` tokens (a binary search over the cut)."""
+    fits = lambda t: len(encode(t)) <= room   # noqa: E731
     lo, hi = 0, len(text)   # characters kept: lo fits (0 = empty), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -252,11 +252,12 @@ def _swapped(worker: DataParallelWorker, model: nn.Module):
 
 
 def split_generate(worker: ModelWorker, prompts: list[str], rank: int, world: int, *, max_new_tokens: int,
-                   temperature: float, top_p: float, n: int = 1, unpad: bool = False, logprobs: bool = False):
+                   temperature: float, top_p: float, n: int = 1, unpad: bool = False, logprobs: bool = False,
+                   chat: bool = False):
     """Generation split over the ``world`` ranks of a group, each holding the full weights: rank ``rank``
     decodes its contiguous share of the rows (each row's own random stream: the tokens one rank would
     sample), the samples are gathered, and rank 0 answers with the rollout one rank would build."""
-    inputs = worker._inputs(prompts, n)
+    inputs = worker._inputs(prompts, n, chat=chat)
     samples = list(worker._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   logprobs=logprobs, share=row_share(len(inputs), rank, world)))
     parts: list = [None] * world

@@ -95,16 +95,16 @@ class ModelWorker:
     # -- stages --------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 n: int = 1, unpad: bool = False, logprobs: bool = False) -> Rollout:
+                 n: int = 1, unpad: bool = False, logprobs: bool = False, chat: bool = False) -> Rollout:
         """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
-        pass)."""
+        pass); ``chat``: each prompt as a user turn in the tokenizer's chat template."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs)))
+                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs, chat=chat)))
 
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
-                        unpad: bool = False, logprobs: bool = False):
+                        unpad: bool = False, logprobs: bool = False, chat: bool = False):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
@@ -113,15 +113,17 @@ class ModelWorker:
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
-                                      logprobs=logprobs)
+                                      logprobs=logprobs, chat=chat)
 
-    def _inputs(self, prompts, n: int, carry=()) -> list[dict]:
-        """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt."""
+    def _inputs(self, prompts, n: int, carry=(), chat: bool = False) -> list[dict]:
+        """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt
+        (``chat``: its tokens are the prompt as a user turn of the chat template)."""
         parts = [prompt_parts(p) for p in prompts for _ in range(n)]
         texts = [t for t, _ in parts]
+        ids = [self.tokenizer.encode_chat(t) for t in texts] if chat else encode_prompts(self.tokenizer, texts)
         return [dict(c) for c in carry] + [
-            {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version, "fields": f}
-            for (t, f), ids in zip(parts, encode_prompts(self.tokenizer, texts))]
+            {"prompt": t, "prompt_ids": i, "partial": [], "born": self.version, "fields": f}
+            for (t, f), i in zip(parts, ids)]
 
     def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
                 carry=False, share: tuple[int, int] | None = None):
@@ -148,8 +150,8 @@ class ModelWorker:
             yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False):
-        inputs = self._inputs(prompts, n, carry)
+                  unpad=False, logprobs=False, chat=False):
+        inputs = self._inputs(prompts, n, carry, chat)
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         buf: list[FinishedSample] = []
         left: list[dict] = []

@@ -62,7 +62,8 @@ def test_truncate_left_right_and_error(tmp_path):
     assert left.prompts == ["ghijkl", "ab"] and right.prompts == ["abcdef", "ab"]
     assert left.truncated == right.truncated == 1
     tok = CharTokenizer(40)
-    assert truncate_text(tok, "xyz", 3, "left") == "yz" and truncate_text(tok, "xyz", 3, "right") == "xy"
+    enc = lambda t: tok.encode(t, add_bos=True)   # noqa: E731
+    assert truncate_text(enc, "xyz", 3, "left") == "yz" and truncate_text(enc, "xyz", 3, "right") == "xy"
 
 
 def test_fields_follow_samples_through_n_chunks_and_carry(make_spec):
@@ -179,3 +180,92 @@ def test_table_sources_via_datasets(tmp_path, kind):
     assert [prompt_parts(p) for p in src.next_batch(2)] == [("2 plus 2", {"answer": "4"}), ("1 plus 5", {"answer": "6"})]
     with pytest.raises(DataError, match=r"no column 'tests'"):
         prompt_source_from_spec({"kind": kind, "path": path, "field": "question", "fields": ["tests"]})
+
+
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}u:{{ m['content'] }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+
+
+def _chat_folder(tmp_path, template: str | None = CHAT_TEMPLATE) -> str:
+    """A tiny llama folder with a character tokenizer that has (or lacks) a chat template."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for c in string.ascii_lowercase + string.digits + " :;":
+        vocab[c] = len(vocab)
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>")
+    if template:
+        tok.chat_template = template
+    folder = tmp_path / ("chat" if template else "plain")
+    tok.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
+def test_chat_template_wraps_prompts_and_fields_still_follow(tmp_path):
+    from rlhfc.runtime.tokenizer import load_tokenizer
+
+    folder = _chat_folder(tmp_path)
+    tok = load_tokenizer({"source": folder})
+    assert tok.decode(tok.encode_chat("2 plus 2")) == "u:2 plus 2;a:" and tok.encode_chat("x")[0] == tok.bos_id
+    worker = ModelWorker("actor", {"head": "lm", "source": folder}, {"kind": "pretrained"}, seed=0)
+    prompts = [{"prompt": "2 plus 2", "fields": {"answer": "4"}}]
+    roll = worker.generate(prompts, max_new_tokens=3, temperature=1.0, top_p=1.0, n=2, chat=True)
+    ids = roll.batch.prompt_token_lists()[0]
+    assert tok.decode(ids) == "u:2 plus 2;a:" and roll.prompts == ["2 plus 2"] * 2   # rules see the raw prompt
+    assert roll.fields == [{"answer": "4"}] * 2
+    plain = worker.generate(prompts, max_new_tokens=3, temperature=1.0, top_p=1.0)
+    assert tok.decode(plain.batch.prompt_token_lists()[0]) == "2 plus 2"
+    # fitting counts the template's tokens: "u:" + 8 + ";a:" + BOS = 14
+    fit = [{"model": "actor", "tokenizer": {"source": folder, "vocab": None}, "max_seq": 16, "max_new_tokens": 3,
+            "chat": True}]
+    path = _write(tmp_path / "c.jsonl", [{"prompt": "2 plus 2"}])
+    with pytest.raises(DataError, match="14 tokens .with BOS and the chat template"):
+        JsonlPrompts(path, fit=fit)
+    # room 16 - 3 = 13 tokens: the template takes 6, so 7 characters stay
+    assert JsonlPrompts(path, fit=fit, truncate="left").prompts == [" plus 2"]
+
+
+def test_chat_needs_a_template_at_check(tmp_path):
+    from rlhfc.frontend.files import chat_template_problem
+
+    assert chat_template_problem(_chat_folder(tmp_path), "actor") is None
+    assert "has no chat template" in chat_template_problem(_chat_folder(tmp_path, None), "actor")[0]
+    assert "character tokenizer" in chat_template_problem(None, "actor")[0]
+
+
+def test_chat_compiles_for_a_folder_with_a_template(tmp_path):
+    from rlhfc.codegen.plan import build_plan
+    from rlhfc.frontend import load_file
+    from rlhfc.ir.printer import print_module
+
+    folder = _chat_folder(tmp_path)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "2 plus 2", "answer": "4"}) + "\n")
+    program = tmp_path / "p.rlhf"
+    program.write_text(f"""
+cluster local {{ devices = cpu:2 }}
+model actor = hf("{folder}") trainable
+data tasks = jsonl("t.jsonl", fields = [answer], truncate = left)
+pipeline grpo(batch = 1) {{
+  roll   = actor.generate(tasks, n = 2, max_new_tokens = 3, chat = true)
+  scores = rule("rlhfc.runtime.rewards:exact_match", roll, extract = "strip")
+  adv    = group_advantages(roll, scores, method = grpo)
+  actor.train(ppo_clip(roll, adv, adv, clip = 0.2), lr = 1e-3)
+}}
+""")
+    module, _, _ = load_file(str(program))
+    assert "chat = true" in print_module(module)
+    plan = build_plan(module, source=str(program), opt_level="O0", passes=[])
+    assert plan["data"]["tasks"]["fit"][0]["chat"] is True and plan["data"]["tasks"]["fields"] == ["answer"]
+    source = prompt_source_from_spec(plan["data"]["tasks"])   # the job's view: fits with the template
+    assert prompt_parts(source.next_batch(1)[0]) == ("2 plus 2", {"answer": "4"})
