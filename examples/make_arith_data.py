@@ -10,8 +10,13 @@ import os
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arith_tiny.jsonl")
 
+
+def lines() -> list[str]:
+    """The file's lines, in order."""
+    return [json.dumps({"prompt": f"{a} plus 1", "answer": str(a + 1)}) for a in range(9)]
+
+
 if __name__ == "__main__":
     with open(OUT, "w", encoding="utf-8") as fh:
-        for a in range(9):
-            fh.write(json.dumps({"prompt": f"{a} plus 1", "answer": str(a + 1)}) + "\n")
+        fh.write("".join(line + "\n" for line in lines()))
     print(f"wrote {OUT}")

@@ -58,3 +58,16 @@ def test_parquet_source_and_batched_rule_check(tmp_path):
                                         rule='"rewards:batched"'))
     assert not [d for d in diags if d.severity == "error"]
     assert module.data["tasks"].kind == "parquet" and module.data["tasks"].options["fields"] == ["answer"]
+
+
+def test_arith_tiny_data_is_what_its_script_writes():
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("make_arith_data", os.path.join(root, "examples",
+                                                                                  "make_arith_data.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(os.path.join(root, "examples", "arith_tiny.jsonl"), encoding="utf-8") as fh:
+        assert fh.read().splitlines() == mod.lines()
