@@ -71,3 +71,17 @@ def test_arith_tiny_data_is_what_its_script_writes():
     spec.loader.exec_module(mod)
     with open(os.path.join(root, "examples", "arith_tiny.jsonl"), encoding="utf-8") as fh:
         assert fh.read().splitlines() == mod.lines()
+
+
+def test_the_job_reports_how_many_prompts_it_truncated(tmp_path, capsys):
+    from rlhfc.codegen import emit_job
+    from rlhfc.runtime.job import Job
+
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"q": q, "answer": "1"}) + "\n"
+                                                 for q in ("short", "a prompt far too long for max_seq 16")))
+    path = _write(tmp_path, 'jsonl("long.jsonl", prompt = "q", fields = [answer], truncate = right)')
+    module, _, _ = load_file(path)
+    emit_job(module, str(tmp_path / "job"), source_path=path)
+    job = Job(str(tmp_path / "job"), out=str(tmp_path / "run"), progress=False)   # reads the data; no Ray yet
+    assert job.data["tasks"].prompts == ["short", "a prompt far "]   # 16 - 2 new tokens - BOS = 13 characters
+    assert "note: data @tasks: 1 of 2 prompts truncated (right)" in capsys.readouterr().err
