@@ -78,6 +78,13 @@ def test_readme_quotes_the_figures_the_curve_tests_check():
     assert f"first 5 steps +{first:.2f} -> last 5 steps +{last:.2f}" in text
     first, last = mod.README_CURVES["grpo_tiny"]
     assert f"from ≈{first:.2f} to ≈{last:.2f} in 40 steps" in text
+    spec = importlib.util.spec_from_file_location("arith_learns", os.path.join(ROOT, "tests", "e2e",
+                                                                              "test_arith_learns.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    first, last = mod.README_ARITH
+    assert f"mean reward: first 5 steps +{first:.4f} -> last 5 steps +{last:.4f}" in text
+    assert "rlhfc run examples/arith_tiny.rlhf" in text.split("```")[1]   # the first command trains it
 
 
 def test_explain_says_O3_changes_what_the_job_trains_on(capsys):

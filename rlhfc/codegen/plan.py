@@ -103,7 +103,7 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
     data = {}
     for d in module.data.values():
         spec = {"kind": d.kind, **d.options}
-        if d.kind == "jsonl":
+        if d.kind in ("jsonl", "parquet", "arrow"):
             spec["path"] = os.path.abspath(spec["path"])
         # every model that reads these prompts' tokens: the job checks each prompt fits its max_seq at start
         fit = []
@@ -115,6 +115,8 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
                 m = module.models[r.target]
                 entry = {"model": m.name, "tokenizer": {"source": model_spec(m)["source"], "vocab": m.vocab},
                          "max_seq": m.max_seq, "max_new_tokens": s.attrs["max_new_tokens"]}
+                if s.attrs.get("chat"):
+                    entry["chat"] = True   # prompts are counted in the chat template
                 if tokenizer_key(m) == tokenizer_key(gen) and entry not in fit:
                     fit.append(entry)
         if fit:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 #: larger data files are not read at check time (the job checks them when it starts)
 MAX_CHECKED_BYTES = 64 * 2**20
@@ -14,10 +15,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "sentencepiece.bpe.model")
 
 
-def read_prompts(path: str, shown: str, field: str) -> tuple[tuple[int, str] | None, tuple[str, str] | None]:
+def read_prompts(path: str, shown: str, field: str, fields: Sequence[str] = ()) \
+        -> tuple[tuple[int, str] | None, tuple[str, str] | None]:
     """Check a JSONL prompt file as the job will read it. Returns ``((characters of the longest prompt, where
     it is), None)``, ``(None, (message, hint))`` for a bad file, or ``(None, None)`` when too large to read now.
-    ``shown``: the path as the program wrote it."""
+    ``shown``: the path as the program wrote it; every line must also hold each of ``fields``."""
     try:
         if os.path.getsize(path) > MAX_CHECKED_BYTES:
             return None, None
@@ -50,6 +52,11 @@ def read_prompts(path: str, shown: str, field: str) -> tuple[tuple[int, str] | N
         if not isinstance(obj[field], str):
             return None, (f"{at}: field {json.dumps(field)} is not a string",
                           f'write the prompt as a JSON string: {{"{field}": "..."}}')
+        missing = [k for k in fields if k not in obj]
+        if missing:
+            return None, (f"{at}: no field {json.dumps(missing[0])} (the program declares fields = "
+                          f"[{', '.join(fields)}])", f"every line needs each declared field; add "
+                          f"{json.dumps(missing[0])} to that line or remove it from fields")
         if longest is None or len(obj[field]) > longest[0]:
             longest = (len(obj[field]), f"line {lineno} of '{shown}'")
     if longest is None:
@@ -72,6 +79,25 @@ def tokenizer_problem(folder: str, shown: str, vocab) -> tuple[str, str] | None:
                 f"token ids {vocab} and up would index past the model's embeddings: use the tokenizer the model "
                 "was trained with, or resize its embeddings")
     return None
+
+
+def chat_template_problem(folder: str | None, model: str) -> tuple[str, str] | None:
+    """Why model ``model`` (its local folder ``folder``, None for a config-built model) has no chat template
+    for ``generate(..., chat = true)``: its tokenizer must store one (``chat_template`` in
+    tokenizer_config.json, or a chat_template.jinja / .json file)."""
+    hint = ("chat = true formats each prompt with the tokenizer's apply_chat_template: use a model folder whose "
+            "tokenizer has one (tokenizer.chat_template = ...; tokenizer.save_pretrained(folder)), or drop chat")
+    if not folder:
+        return f"model '{model}' has no chat template: it is built from a config, with rlhfc's character tokenizer", hint
+    if any(os.path.isfile(os.path.join(folder, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return None
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as fh:
+            if json.load(fh).get("chat_template"):
+                return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    return f"the tokenizer of model '{model}' has no chat template", hint
 
 
 def _tokenizer_size(folder: str) -> int | None:

@@ -32,7 +32,8 @@ from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, 
 from . import ast
 from .literals import KIND_NAMES, coerce, show, value_of
 from .lower_decls import Declarations, Scope
-from .rules import rule_problem
+from .files import chat_template_problem
+from .rules import extract_problem, rollout_fields, rule_problem
 
 _PIPELINE_PARAMS = {"batch": 8}
 
@@ -197,10 +198,7 @@ class _Pipeline:
             allowed = self.module.run.reward_modules   # those the verifier refuses (reported) allow nothing
             allowed = [m for m in allowed if isinstance(m, str) and reward_module_problem(m) is None] \
                 if isinstance(allowed, list) else []
-            problem = rule_problem(fn.value, self.scope.base_dir, allowed)
-            if problem is not None:
-                self.sink.error(problem[0], fn.loc, problem[1])
-                raise _Failed
+            rule_ref = (fn, allowed)   # checked with the fields of the rollout's data below
             preset["fn"], preset_locs["fn"] = fn.value, fn.loc
         lo, hi = spec.min_operands(), len(spec.operands)
         shown = _callee_text(call)
@@ -236,6 +234,16 @@ class _Pipeline:
         stage = Stage(spec.op, target, inputs, [], attrs, {}, call.loc, field_locs=locs)   # results below
         if not check_attr_values(stage, spec, self.sink) or not ok:   # the values' types, ranges, choices
             raise _Failed
+        if spec.op == "compute.rule":
+            fn, allowed = rule_ref
+            problem = rule_problem(fn.value, self.scope.base_dir, allowed, rollout_fields(self.module, self.graph,
+                                                                                         inputs[0]))
+            loc = fn.loc
+            if problem is None and attrs.get("extract"):
+                problem, loc = extract_problem(attrs["extract"]), locs["extract"]
+            if problem is not None:
+                self.sink.error(problem[0], loc, problem[1])
+                raise _Failed
         if spec.op == "compute.group_advantages":
             gen = self.graph.producer(inputs[0])
             attrs["group"] = int(gen.attrs.get("n", 1)) if gen.op == "generate" else 1
@@ -243,6 +251,11 @@ class _Pipeline:
                 self.sink.warning("group_advantages over groups of 1 sample gives zero advantages", call.loc,
                                   "generate several samples per prompt: actor.generate(prompts, n = 4)")
         self.check_model(call, spec, target, inputs)
+        if spec.op == "generate" and attrs.get("chat"):
+            problem = chat_template_problem(self.module.models[target].source, target)
+            if problem is not None:
+                self.sink.error(problem[0], locs.get("chat", call.loc), problem[1])
+                raise _Failed
         result_types = spec.result_types([v.type for v in inputs], attrs)
         if names and len(names) == len(result_types):
             out_names = names
@@ -367,7 +380,8 @@ class _Pipeline:
                 self.sink.error(f"{_callee_text(call)} needs '{a.name}'", call.loc, attr_hint(a))
                 ok = False
                 continue
-            attrs[a.name] = a.default
+            if not a.omit_default:
+                attrs[a.name] = a.default
         return {a.name: attrs[a.name] for a in spec.attrs if a.name in attrs}, locs, ok
 
     def check_model(self, call: ast.Call, spec, target: str | None, inputs: list[Value]) -> None:

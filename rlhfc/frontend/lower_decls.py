@@ -32,12 +32,13 @@ from rlhfc.ir.plan import LAYOUT_FACTORS
 from rlhfc.ir.verify_fields import EXAMPLES, check_cluster, check_data, check_model, check_run, is_positive_int
 
 from . import ast
-from .files import read_prompts, tokenizer_problem
+from .data_decls import lower_jsonl, lower_synthetic
+from .files import tokenizer_problem
 from .literals import size_text, value_of
 from .parser import end_of_code
 
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
-_DATA_CTORS = ("synthetic", "jsonl")
+_DATA_CTORS = ("synthetic", "jsonl", "parquet", "arrow")
 _DEFAULT_MAX_SEQ = {"llama": 2048, "gpt2": 1024}
 #: the most devices (cores or GPUs) one node may have
 MAX_DEVICES_PER_NODE = 1024
@@ -412,63 +413,17 @@ class Declarations:
                                 did_you_mean(c.name, _DATA_CTORS) or f"sources: {', '.join(_DATA_CTORS)}")
                 self.scope.failed_decls.add(d.name)
                 continue
-            src = self.synthetic(d) if c.name == "synthetic" else self.jsonl(d)
+            src = self.synthetic(d) if c.name == "synthetic" else self.jsonl(d)   # jsonl, parquet, arrow
             if src is not None and check_data(src, self.sink):
                 self.module.data[d.name] = src
             else:
                 self.scope.failed_decls.add(d.name)
 
     def synthetic(self, d: ast.DataDecl) -> DataSource | None:
-        c = d.ctor
-        src = DataSource(d.name, "synthetic", {"count": 1024, "min_len": 4, "max_len": 16, "seed": 0}, d.loc,
-                         field_locs={"kind": c.name_loc})
-        if c.args:
-            self.sink.error("synthetic() takes keyword arguments", getattr(c.args[0], "loc", c.loc),
-                            "e.g. synthetic(count = 4096, min_len = 4, max_len = 16)")
-            return None
-        for kw in c.kwargs:
-            if kw.name not in src.options:
-                self.sink.error(f"unknown synthetic setting '{kw.name}'", kw.loc,
-                                did_you_mean(kw.name, src.options) or f"settings: {', '.join(src.options)}")
-                return None
-            if kw.name in src.field_locs:
-                self.sink.error(f"'{kw.name}' given twice", kw.loc, "remove one")
-                continue
-            src.options[kw.name] = value_of(kw.value)
-            src.field_locs[kw.name] = kw.value.loc
-        return src
+        return lower_synthetic(d, self.sink)
 
     def jsonl(self, d: ast.DataDecl) -> DataSource | None:
-        c = d.ctor
-        if len(c.args) != 1 or not isinstance(c.args[0], ast.Literal) or c.args[0].kind != "str":
-            self.sink.error("jsonl() takes a file path", c.loc, 'e.g. jsonl("prompts.jsonl", field = "prompt")')
-            return None
-        lit = c.args[0]
-        path = os.path.normpath(os.path.join(self.scope.base_dir, lit.value))
-        src = DataSource(d.name, "jsonl", {"path": path, "field": "prompt"}, d.loc,
-                         field_locs={"kind": c.name_loc, "path": lit.loc})
-        for kw in c.kwargs:
-            if kw.name != "field":
-                self.sink.error(f"unknown jsonl setting '{kw.name}'", kw.loc, "settings: field")
-                return None
-            if kw.name in src.field_locs:
-                self.sink.error(f"'{kw.name}' given twice", kw.loc, "remove one")
-                continue
-            src.options["field"] = value_of(kw.value)
-            src.field_locs["field"] = kw.value.loc
-        if not os.path.isfile(path):
-            self.sink.error(f"data file '{lit.value}' not found", lit.loc,
-                            f"looked for {path}; paths are relative to the program's folder")
-            check_data(src, self.sink)   # so that a bad field is reported too
-            return None
-        if isinstance(src.options["field"], str):   # else the verifier reports the field
-            longest, problem = read_prompts(path, lit.value, src.options["field"])
-            if problem is not None:
-                self.sink.error(problem[0], lit.loc, problem[1])
-                return None
-            if longest is not None:
-                self.scope.prompt_lengths[d.name] = longest
-        return src
+        return lower_jsonl(d, self.scope.base_dir, self.scope.prompt_lengths, self.sink)
 
     # -- run ---------------------------------------------------------------------------------
     def run_block(self) -> RunConfig:

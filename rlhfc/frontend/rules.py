@@ -9,7 +9,10 @@ A program runs no code but the reward functions its author named. A rule's modul
 
 Anything else — ``os``, ``builtins``, ``subprocess``, any other installed module — is refused. The module's
 source is read and parsed, never imported (a check runs no code): the function must be defined there by a
-plain ``def`` that can be called as ``f(prompt, response)``. The runtime
+plain ``def`` that can be called as ``f(prompt, response, ...)``, and each further parameter without a
+default must be a field the rollout's data declares (``jsonl(..., fields = [answer])``): the job passes it
+by name. A function whose first two parameters are ``prompts, responses`` is batched (called once with
+lists). The runtime
 (:func:`rlhfc.runtime.rewards.resolve_rule`) looks the function up the same way and checks it again.
 """
 
@@ -28,9 +31,11 @@ _BUILTIN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 _EXAMPLE = f'"{BUILTIN_REWARDS}:vowel_count"'
 
 
-def rule_problem(ref: str, base_dir: str, allowed: list[str]) -> tuple[str, str] | None:
+def rule_problem(ref: str, base_dir: str, allowed: list[str], fields: tuple[str, list[str]] | None = None) \
+        -> tuple[str, str] | None:
     """(message, hint) when rule ``ref`` ("module:function") cannot be used by a program in ``base_dir`` that
-    allows the installed ``allowed`` modules, else None."""
+    allows the installed ``allowed`` modules, else None. ``fields``: (data source, the fields it declares) of
+    the rollout the rule scores: every parameter after ``(prompt, response)`` without a default must be one."""
     mod, _, fn = ref.partition(":")
     if mod == BUILTIN_REWARDS:
         source, what = _BUILTIN_FILE, "rlhfc's built-in rewards"
@@ -60,7 +65,44 @@ def rule_problem(ref: str, base_dir: str, allowed: list[str]) -> tuple[str, str]
         if fn not in names:
             return (f"'{fn}' is not one of rlhfc's built-in rules",
                     " ".join(filter(None, [did_you_mean(fn, names), f"built-in rules: {', '.join(names)}"])))
-    return _function_problem(tree, mod, fn, what)
+    return _function_problem(tree, mod, fn, what, fields)
+
+
+def rollout_fields(module, graph, rollout) -> tuple[str, list[str]] | None:
+    """(data source, its declared fields) of the prompts ``rollout`` was generated from, or None when that is
+    not a generate of a known data source."""
+    try:
+        gen = graph.producer(rollout)
+        load = graph.producer(gen.inputs[0]) if gen.op == "generate" and gen.inputs else None
+    except KeyError:
+        return None
+    data = module.data.get(load.target) if load is not None and load.op == "load" else None
+    if data is None:
+        return None
+    fields = data.options.get("fields", [])
+    return data.name, [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else []
+
+
+#: the extractors rule(..., extract = ...) takes by name (rlhfc.runtime.answers.EXTRACTORS; a test keeps the
+#: two lists equal — the compiler imports no runtime code)
+EXTRACTORS = ("strip", "first_line", "last_line", "first_number", "last_number", "boxed")
+
+
+def extract_problem(spec: str) -> tuple[str, str] | None:
+    """(message, hint) when ``spec`` names no answer extractor, else None."""
+    import re
+
+    hint = f"extractors: {', '.join(EXTRACTORS)}, after:MARK (e.g. after:####), re:PATTERN (first group)"
+    if spec in ("", *EXTRACTORS) or (spec.startswith("after:") and len(spec) > len("after:")):
+        return None
+    if spec.startswith("re:") and len(spec) > 3:
+        try:
+            re.compile(spec[3:])
+            return None
+        except re.error as e:
+            return f"extract = {json.dumps(spec)} is not a regular expression ({e})", hint
+    return f"unknown answer extractor {json.dumps(spec)}", " ".join(filter(None, [did_you_mean(spec, EXTRACTORS),
+                                                                                  hint]))
 
 
 def local_source(base_dir: str, mod: str) -> str | None:
@@ -110,8 +152,10 @@ def _builtin_rules(tree: ast.Module) -> list[str]:
     return []
 
 
-def _function_problem(tree: ast.Module, mod: str, fn: str, what: str) -> tuple[str, str] | None:
-    """Why ``fn`` of the parsed module is not a plain function callable as ``fn(prompt, response)``."""
+def _function_problem(tree: ast.Module, mod: str, fn: str, what: str,
+                      fields: tuple[str, list[str]] | None = None) -> tuple[str, str] | None:
+    """Why ``fn`` of the parsed module is not a plain function callable as ``fn(prompt, response, **fields)``
+    (or, batched, ``fn(prompts, responses, **fields)``) with the data's declared ``fields``."""
     binding = None   # the last top-level statement that binds the name wins, as when Python runs the module
     defs = []
     for node in tree.body:
@@ -134,10 +178,22 @@ def _function_problem(tree: ast.Module, mod: str, fn: str, what: str) -> tuple[s
     required = len(positional) - len(a.defaults)
     shown = ", ".join(x.arg for x in positional) + (f", *{a.vararg.arg}" if a.vararg else "")
     missing_kw = [k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-    if required > 2 or (len(positional) < 2 and a.vararg is None) or missing_kw:
-        return (f"rule function '{mod}:{fn}' must take (prompt, response), but it is {fn}({shown}"
-                f"{', *, ' + ', '.join(missing_kw) if missing_kw else ''})",
+    if len(positional) < 2 and a.vararg is None:
+        return (f"rule function '{mod}:{fn}' must take (prompt, response), but it is {fn}({shown})",
                 f"define it as def {fn}(prompt, response) -> float")
+    # every parameter past the first two that has no default is a data field the sample must carry
+    needed = [x.arg for x in positional[2:required]] + missing_kw
+    if fields is None:   # not known here (not a rollout of a data source): fields are checked at run time
+        return None
+    data, declared = fields
+    for name in needed:
+        if name not in declared:
+            have = f"data @{data} declares fields = [{', '.join(declared)}]" if declared else \
+                f"data @{data} declares no fields"
+            return (f"rule function '{mod}:{fn}' takes parameter '{name}', which is not a field of its data "
+                    f"({have})",
+                    f"declare it on the data source, e.g. jsonl(\"...\", fields = [{', '.join([*declared, name])}]), "
+                    f"or give the parameter a default")
     return None
 
 
@@ -152,4 +208,4 @@ def _binds(node: ast.stmt, name: str) -> bool:
     return False
 
 
-__all__ = ["rule_problem", "local_source"]
+__all__ = ["rule_problem", "rollout_fields", "extract_problem", "local_source", "EXTRACTORS"]

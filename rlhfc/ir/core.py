@@ -117,8 +117,14 @@ class Model:
 #: Options of each data-source kind, in canonical order, with their Python type.
 DATA_OPTIONS: dict[str, dict[str, type]] = {
     "synthetic": {"count": int, "min_len": int, "max_len": int, "seed": int},
-    "jsonl": {"path": str, "field": str},
+    "jsonl": {"path": str, "field": str, "fields": list, "truncate": str},
+    # tables read with the `datasets` library (an optional install) from a local file
+    "parquet": {"path": str, "field": str, "fields": list, "truncate": str},
+    "arrow": {"path": str, "field": str, "fields": list, "truncate": str},
 }
+
+#: what a jsonl source does with a prompt too long for a model that reads it (``truncate = ...``)
+TRUNCATE_POLICIES = ("error", "left", "right")
 
 
 @dataclass

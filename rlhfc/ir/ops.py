@@ -43,6 +43,9 @@ class Attr:
     min: float | None = None
     max: float | None = None
     doc: str = ""
+    #: an option added after the IR's first form: left out of a stage (its text and its generated call) while
+    #: it holds its default, so that programs not using it compile to the IR they always did
+    omit_default: bool = False
 
 
 #: how code generation runs an op (:class:`Emit` kinds)
@@ -197,7 +200,9 @@ register_op(OpSpec(
     (Attr("max_new_tokens", "int", 32, min=1, doc="longest response"),
      Attr("temperature", "float", 1.0, min=0.0, doc="sampling temperature (0 = greedy)"),
      Attr("top_p", "float", 1.0, min=0.0, max=1.0, doc="nucleus sampling mass"),
-     Attr("n", "int", 1, min=1, doc="samples per prompt (GRPO/RLOO groups)")),
+     Attr("n", "int", 1, min=1, doc="samples per prompt (GRPO/RLOO groups)"),
+     Attr("chat", "bool", False, omit_default=True,
+          doc="wrap each prompt as a user turn in the model's chat template (its local HF tokenizer's)")),
     ("Rollout",), model="model", head="lm", batch_from="operand0*attr:n",
     emit=Emit("worker", "generate", flags=("unpad", "logprobs")),
     pure=False,  # sampling advances the worker's RNG stream: removing an unused generate would change later samples
@@ -218,7 +223,10 @@ register_op(OpSpec(
 
 register_op(OpSpec(
     "compute.rule", (Operand("rollout", ("Rollout",)),),
-    (Attr("fn", "str", required=True, doc="'module:function' taking (prompt, response) -> float"),),
+    (Attr("fn", "str", required=True, doc="'module:function' taking (prompt, response, data fields) -> float"),
+     Attr("extract", "str", "", doc="how the answer is cut out of each response before the rule sees it: "
+                                    "strip, first_line, last_line, first_number, last_number, boxed, "
+                                    "after:MARK, re:PATTERN ('' = the whole response)", omit_default=True)),
     ("SeqFloat",), doc="score each sequence with a Python rule function"))
 
 register_op(OpSpec(

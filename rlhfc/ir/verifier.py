@@ -251,7 +251,7 @@ def _check_stage(module: Module, stage: Stage, spec: OpSpec, label: str, sink: D
                        f"{spec.op} attributes: {', '.join(a.name for a in spec.attrs) or 'none'}; "
                        "put pass decisions in annotations (annot {...})")
     for a in spec.attrs:
-        if a.name not in stage.attrs:
+        if a.name not in stage.attrs and not a.omit_default:
             example = a.default if a.default is not None else "..."
             sink.error(f"{label}: missing attribute '{a.name}'", at,
                        f"add `{a.name} = {example!r}`" if a.default is not None else f"add `{a.name} = {example}`")

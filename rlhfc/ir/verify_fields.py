@@ -13,11 +13,12 @@ reported in these words at their ``.rlhf`` position and rules about values live 
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import sys
 
 from .arch import ARCH_FIELDS, ARCHS, HEADS
-from .core import DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol
+from .core import DATA_OPTIONS, TRUNCATE_POLICIES, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
 from .ops import OpSpec
@@ -250,11 +251,40 @@ def check_data(d: DataSource, sink: DiagnosticSink) -> bool:
             f.error(key, f"'{key}' must be {what} integer, got {show(value)}", f"e.g. {key} = {EXAMPLES.get(key, 1)}")
         elif known[key] is str and not isinstance(value, str):
             f.error(key, f"{key} must be a string", _DATA_TEXT.get(key, f'write {key} = "..."'))
+        elif key == "truncate" and value not in TRUNCATE_POLICIES:
+            f.error(key, f"truncate must be one of {', '.join(TRUNCATE_POLICIES)}, got {show(value)}",
+                    "left drops a too-long prompt's first tokens, right its last, error stops the job")
+        elif key == "fields":
+            _check_field_names(f, value, d.options.get("field", "prompt"))
     lo, hi = d.options.get("min_len"), d.options.get("max_len")
     if f.ok and _is_int(lo) and _is_int(hi) and lo > hi:
         f.error(("min_len", "max_len"), f"min_len ({lo}) is larger than max_len ({hi})",
                 "prompt lengths are drawn from min_len to max_len; make min_len <= max_len")
     return f.ok
+
+
+def _check_field_names(f: _Fields, value, prompt_field) -> None:
+    """``fields = [answer, tests]``: distinct identifiers (a rule receives them as keyword arguments), not
+    the prompt's own key nor the names a rule's first two parameters take."""
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        f.error("fields", f"fields must be a list of names, got {show(value)}",
+                "name the JSON keys each line carries besides the prompt, e.g. fields = [answer]")
+        return
+    for name in value:
+        if not name.isidentifier() or keyword.iskeyword(name):
+            f.error("fields", f"field {show(name)} is not a name a rule can take as a parameter",
+                    "a field reaches a rule as a keyword argument: use a Python identifier such as answer")
+        elif name in RESERVED_FIELDS or name == prompt_field:
+            f.error("fields", f"field '{name}' clashes with what a rule already receives (prompt, response)",
+                    "list only the other keys of each line; the prompt comes as the rule's first argument")
+        elif value.count(name) > 1:
+            f.error("fields", f"field '{name}' listed twice", "remove one")
+        if not f.ok:
+            return
+
+
+#: parameter names a rule function receives without a data field (one sample, or a batch of them)
+RESERVED_FIELDS = ("prompt", "response", "prompts", "responses")
 
 
 def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
@@ -417,6 +447,6 @@ def _stage_label(stage: Stage) -> str:
     return f"stage %{stage.name} ({stage.op})" if stage.outputs else f"a {stage.op} stage"
 
 
-__all__ = ["BUILTIN_REWARDS", "CHAR_VOCAB_EXACT", "check_prompt_lengths", "prompt_tokens", "reward_module_problem",
+__all__ = ["BUILTIN_REWARDS", "CHAR_VOCAB_EXACT", "RESERVED_FIELDS", "check_prompt_lengths", "prompt_tokens", "reward_module_problem",
            "rollout_readers", "tokenizer_key", "tokenizer_text", "EXAMPLES", "attr_hint", "check_attr_value", "check_attr_values", "check_cluster", "check_data",
            "check_model", "check_models", "check_params", "check_run", "is_positive_int", "show"]

@@ -73,10 +73,12 @@ def group_advantages(rollout: Rollout, scores: torch.Tensor, *, method: str, nor
     return TokenValues(ppo.broadcast_to_tokens(seq, rollout.mask), rollout.mask)
 
 
-def rule(rollout: Rollout, *, fn: str) -> torch.Tensor:
-    """Score each sample with the Python rule ``fn`` ("module:function"); errors name ``fn``, the sample and
-    its prompt."""
-    return rule_scores(resolve_rule(fn), rollout.prompts, rollout.responses, name=fn)
+def rule(rollout: Rollout, *, fn: str, extract: str = "") -> torch.Tensor:
+    """Score each sample with the Python rule ``fn`` ("module:function"), which gets the data fields of the
+    sample's prompt it names and the answer ``extract`` cuts out of the response; errors name ``fn``, the
+    sample and its prompt."""
+    return rule_scores(resolve_rule(fn), rollout.prompts, rollout.responses, name=fn, fields=rollout.fields,
+                       extract=extract)
 
 
 def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_logp: TokenValues | None = None, *,

@@ -88,6 +88,10 @@ class Job:
         self.show_progress = progress
         self.data: dict[str, PromptSource] = {name: prompt_source_from_spec(spec)
                                               for name, spec in self.plan["data"].items()}
+        for name, source in self.data.items():
+            if source.truncated:
+                print(f"note: data @{name}: {source.truncated} of {len(source)} prompts truncated "
+                      f"({getattr(source, 'truncate', '?')}) to fit max_seq less max_new_tokens", file=sys.stderr)
         rewards.configure(self.plan.get("program_dir"), self.plan["run"].get("reward_modules", ()))
         self.cluster: Cluster | None = None
         #: worker name -> its WorkerGroup (also ``self.handles.<name>``, the step function's ``w``)

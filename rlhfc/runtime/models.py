@@ -389,7 +389,7 @@ def _load_saved_head_(folder: str, head: nn.Linear) -> bool:
     """Copy a scalar head stored in ``folder``'s safetensors files into ``head``.
 
     Returns False (head left as initialised) when no file holds one of
-    ``_SAVED_HEAD_NAMES`` with shape [1, hidden].
+    ``_SAVED_HEAD_NAMES`` with shape [1, hidden]; a classifier head of several labels is a ValueError.
     """
     import glob
     import os
@@ -403,6 +403,10 @@ def _load_saved_head_(folder: str, head: nn.Linear) -> bool:
                 if weight_key not in keys:
                     continue
                 weight = f.get_tensor(weight_key)
+                if weight.ndim == 2 and weight.shape[0] > 1 and weight.shape[1] == head.weight.shape[1]:
+                    raise ValueError(f"{folder}: its classifier head {weight_key} scores {weight.shape[0]} labels; "
+                                     "a reward or value model gives one number per sequence (save the "
+                                     "AutoModelForSequenceClassification with num_labels = 1)")
                 if tuple(weight.shape) != tuple(head.weight.shape):
                     continue
                 head.weight.copy_(weight.to(head.weight.dtype))

@@ -107,6 +107,7 @@ def rows_of(rollout: Rollout, lo: int, hi: int) -> Rollout:
                    responses=rollout.responses[lo:hi],
                    rows=rollout.rows[lo:hi] if rollout.rows else [],
                    born=rollout.born[lo:hi] if rollout.born else [],
+                   fields=rollout.fields[lo:hi] if rollout.fields else [],
                    logprobs=rollout.logprobs[lo:hi] if rollout.logprobs is not None else None)
 
 
@@ -258,11 +259,11 @@ def _swapped(worker: DataParallelWorker, model: nn.Module):
 
 def split_generate(worker: ModelWorker, prompts: list[str], rank: int, world: int, *, max_new_tokens: int,
                    temperature: float, top_p: float, n: int = 1, unpad: bool = False, logprobs: bool = False,
-                   slots: int | None = None):
+                   chat: bool = False, slots: int | None = None):
     """Generation split over the ``world`` ranks of a group, each holding the full weights: rank ``rank``
     decodes its contiguous share of the rows (each row's own random stream: the tokens one rank would
     sample), the samples are gathered, and rank 0 answers with the rollout one rank would build."""
-    inputs = worker._inputs(prompts, n)
+    inputs = worker._inputs(prompts, n, chat=chat)
     samples = list(worker._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   logprobs=logprobs, share=row_share(len(inputs), rank, world),
                                   slots=-(-slots // world) if slots else None))

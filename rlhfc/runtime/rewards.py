@@ -22,6 +22,21 @@ error naming the function, the sample and its prompt. The built-in rules (all in
 * ``echo_prompt``     share of the prompt's positions where the response has the
   same character (response compared position by position with the prompt).
 
+Verifiable rewards, for data that carries the reference answer as a field (``fields = [answer]``):
+
+* ``exact_match``     1 when the response, stripped, equals ``answer`` (as text, stripped), else 0.
+  Pair it with an extractor: ``rule("rlhfc.runtime.rewards:exact_match", roll, extract = "last_number")``.
+* ``numeric_match``   1 when the response and ``answer`` parse to the same number (within a relative
+  1e-6; ``"1,000"``, ``"3/4"`` and JSON numbers are numbers), else 0.
+* ``answer_format``   1 when the response (after the stage's extractor) holds an answer at all — a format
+  reward: with ``extract = "boxed"`` it rewards answering inside ``\boxed{}``.
+
+How a rule is called: once per sample as ``fn(prompt, response, **fields)`` with the data fields its
+signature names (a parameter ``answer`` receives the sample's field ``answer``; ``**kw`` receives them all);
+or, when its first two parameters are named ``prompts, responses``, once per batch with lists (each field a
+list too), returning one number per sample. ``extract`` replaces each response by its extracted answer
+(:mod:`rlhfc.runtime.answers`) before the call.
+
 Responses are the decoded texts (special tokens such as EOS removed).
 """
 
@@ -39,6 +54,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .answers import extract_answer, parse_number
 from .guards import NonFiniteError, RewardError, check_finite, short
 
 __all__ = [
@@ -48,6 +64,9 @@ __all__ = [
     "target_length",
     "prompt_letters",
     "echo_prompt",
+    "exact_match",
+    "numeric_match",
+    "answer_format",
     "BUILTIN_RULES",
     "configure",
     "resolve_rule",
@@ -58,7 +77,8 @@ __all__ = [
 ]
 
 #: the rules ``rule("rlhfc.runtime.rewards:NAME", ...)`` may name (the compiler reads this list from the source)
-BUILTIN_RULES = ("vowel_count", "vowel_fraction", "digit_fraction", "target_length", "prompt_letters", "echo_prompt")
+BUILTIN_RULES = ("vowel_count", "vowel_fraction", "digit_fraction", "target_length", "prompt_letters", "echo_prompt",
+                 "exact_match", "numeric_match", "answer_format")
 
 
 class RuleError(ValueError):
@@ -116,6 +136,24 @@ def echo_prompt(prompt: str, response: str) -> float:
     return sum(1 for a, b in zip(prompt, response) if a == b) / len(prompt)
 
 
+def exact_match(prompt: str, response: str, answer) -> float:
+    """1.0 when ``response`` (stripped) is ``answer`` (as text, stripped), else 0.0."""
+    return float(response.strip() == str(answer).strip())
+
+
+def numeric_match(prompt: str, response: str, answer) -> float:
+    """1.0 when ``response`` and ``answer`` are the same number (relative tolerance 1e-6), else 0.0."""
+    got, want = parse_number(response), parse_number(answer)
+    if got is None or want is None:
+        return 0.0
+    return float(abs(got - want) <= 1e-6 * max(1.0, abs(want)))
+
+
+def answer_format(prompt: str, response: str) -> float:
+    """1.0 when the response (after the rule stage's extractor) holds an answer, i.e. is not blank."""
+    return float(bool(response.strip()))
+
+
 def configure(program_dir: str | None, allowed: Sequence[str] = ()) -> None:
     """Where :func:`resolve_rule` looks by default: the program's folder and the ``reward_modules`` a job's
     plan allows (the driver calls this when it loads ``plan.json``)."""
@@ -154,11 +192,26 @@ def resolve_rule(ref: str, program_dir: str | None = None, allowed: Sequence[str
         raise RuleError(f"rule {ref!r}: {attr!r} is not a plain Python function defined in module {module_name!r} "
                         f"(it is {type(fn).__name__})")
     try:
-        inspect.signature(fn).bind("prompt", "response")
+        inspect.signature(fn).bind("prompt", "response", **{k: None for k in field_params(fn)[0]})
     except (TypeError, ValueError):
-        raise RuleError(f"rule {ref!r}: the function must take (prompt, response), but it is "
-                        f"{attr}{inspect.signature(fn)}") from None
+        raise RuleError(f"rule {ref!r}: the function must take (prompt, response) and data fields by name, but "
+                        f"it is {attr}{inspect.signature(fn)}") from None
     return fn
+
+
+def is_batched(fn: RuleFn) -> bool:
+    """A rule scores a whole batch at once when its first two parameters are named ``prompts, responses``."""
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[:2] == ["prompts", "responses"]
+
+
+def field_params(fn: RuleFn) -> tuple[list[str], bool]:
+    """The parameters after the first two (the data fields the rule takes by name), and whether it takes
+    ``**kwargs`` (then every field)."""
+    params = list(inspect.signature(fn).parameters.values())
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [p.name for p in named[2:]], any(p.kind == p.VAR_KEYWORD for p in params)
 
 
 def _import_rule_module(ref: str, module_name: str, program_dir: str | None, allowed: tuple) -> ModuleType:
@@ -201,30 +254,79 @@ def _local_source(program_dir: str, module_name: str) -> str | None:
     return None
 
 
-def rule_scores(fn: RuleFn, prompts: Sequence[str], responses: Sequence[str], name: str | None = None) \
-        -> torch.Tensor:
-    """``fn`` applied pairwise -> float32 tensor [B] (on CPU). A call that raises or returns something other
-    than a finite number stops with a :class:`RewardError` / :class:`NonFiniteError` naming the function
-    (``name``), the sample index and its prompt."""
+def rule_scores(fn: RuleFn, prompts: Sequence[str], responses: Sequence[str], name: str | None = None,
+                fields: Sequence[dict] | None = None, extract: str = "") -> torch.Tensor:
+    """``fn`` applied to each sample -> float32 tensor [B] (on CPU): ``fn(prompt, response, **its fields)``,
+    or one call with lists when ``fn`` is batched (:func:`is_batched`). ``fields``: per sample its data
+    fields (the rule gets those its signature names); ``extract``: how the answer is cut out of each response
+    first (:mod:`rlhfc.runtime.answers`). A call that raises or returns something other than a finite number
+    stops with a :class:`RewardError` / :class:`NonFiniteError` naming the function (``name``), the sample
+    index and its prompt."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+    fields = list(fields) if fields else [{} for _ in prompts]
+    if extract:
+        responses = [extract_answer(r, extract) for r in responses]
+    wanted, every = field_params(fn)
+    required = {p.name for p in inspect.signature(fn).parameters.values() if p.default is p.empty}
+
+    def kwargs_of(i: int) -> dict:
+        have = fields[i] if i < len(fields) else {}
+        missing = [k for k in wanted if k in required and k not in have]
+        if missing:
+            raise RewardError(f"reward function {name} takes the data field '{missing[0]}', but sample {i} "
+                              f"(prompt {short(prompts[i])}) has no such field (its fields: "
+                              f"{', '.join(have) or 'none'}); declare it on the data source: fields = "
+                              f"[{missing[0]}]")
+        return dict(have) if every else {k: have[k] for k in wanted if k in have}
+
+    if is_batched(fn):
+        return _batched_scores(fn, prompts, responses, name, [kwargs_of(i) for i in range(len(prompts))])
     out = []
     for i, (p, r) in enumerate(zip(prompts, responses)):
+        kwargs = kwargs_of(i)
         try:
-            value = fn(p, r)
+            value = fn(p, r, **kwargs)
         except Exception as e:
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (at "
-                              f"{os.path.basename(frame.filename)}:{frame.lineno}) on sample {i}, prompt "
-                              f"{short(p)}") from None
-        try:
-            if isinstance(value, (str, bytes)):
-                raise TypeError
-            number = float(value)
-        except (TypeError, ValueError):
-            raise RewardError(f"reward function {name} returned {value!r}, not a number, on sample {i}, prompt "
-                              f"{short(p)}") from None
-        out.append(number)
+            raise _raised(name, e, f"on sample {i}, prompt {short(p)}") from None
+        out.append(_number(value, name, f"on sample {i}, prompt {short(p)}"))
     scores = torch.tensor(out, dtype=torch.float32)   # a double beyond float32's range becomes inf: refused too
     return check_finite(scores, f"the reward of {name}", prompts=prompts)
+
+
+def _batched_scores(fn, prompts, responses, name: str, kwargs: list[dict]) -> torch.Tensor:
+    """One call ``fn(prompts, responses, field=[...], ...)`` returning one number per sample."""
+    keys = list(kwargs[0]) if kwargs else []
+    columns = {k: [kw.get(k) for kw in kwargs] for k in keys}
+    where = f"on a batch of {len(prompts)} samples (first prompt {short(prompts[0]) if prompts else '-'})"
+    try:
+        values = fn(list(prompts), list(responses), **columns)
+    except Exception as e:
+        raise _raised(name, e, where) from None
+    try:
+        values = list(values.tolist() if hasattr(values, "tolist") else values)
+    except TypeError:
+        raise RewardError(f"batched reward function {name} returned {type(values).__name__}, not a list of "
+                          f"numbers, {where}") from None
+    if len(values) != len(prompts):
+        raise RewardError(f"batched reward function {name} returned {len(values)} scores for {len(prompts)} "
+                          "samples; a batched rule (parameters prompts, responses, ...) returns one number "
+                          "per sample, in order")
+    out = [_number(v, name, f"on sample {i}, prompt {short(prompts[i])}") for i, v in enumerate(values)]
+    return check_finite(torch.tensor(out, dtype=torch.float32), f"the reward of {name}", prompts=prompts)
+
+
+def _raised(name: str, e: Exception, where: str) -> RewardError:
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return RewardError(f"reward function {name} raised {type(e).__name__}: {e} (at "
+                       f"{os.path.basename(frame.filename)}:{frame.lineno}) {where}")
+
+
+def _number(value, name: str, where: str) -> float:
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise RewardError(f"reward function {name} returned {value!r}, not a number, {where}") from None

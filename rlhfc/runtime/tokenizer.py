@@ -94,6 +94,10 @@ class CharTokenizer:
                 ids.append(i)
         return ids
 
+    def encode_chat(self, text: str) -> list[int]:
+        raise ValueError("the built-in character tokenizer has no chat template (generate(..., chat = true) needs "
+                         "a model from a local HF folder whose tokenizer has one)")
+
     def decode(self, ids: Sequence[int]) -> str:
         n = len(self.chars)
         out = []
@@ -136,6 +140,16 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """``text`` as a user turn in the tokenizer's chat template, ending with the assistant's turn opening
+        (``apply_chat_template(..., add_generation_prompt=True)``); the template writes its own BOS."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template (generate(..., chat = true) needs one)")
+        out = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+        ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
+        return [int(i) for i in ids]
 
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"

@@ -2,7 +2,7 @@
 
 | IR type        | runtime value                                        |
 | -------------- | ---------------------------------------------------- |
-| ``Prompts``    | ``list[str]``                                        |
+| ``Prompts``    | ``list[str]``, or ``list[dict]`` ``{"prompt", "fields"}`` when the data declares fields |
 | ``Rollout``    | :class:`Rollout` (token batch + texts + weights version) |
 | ``TokenFloat`` | :class:`TokenValues` (``[B, R]`` values + their mask)  |
 | ``SeqFloat``   | ``torch.Tensor`` ``[B]``                              |
@@ -55,6 +55,9 @@ class Rollout:
     #: tokens generation computed for these samples (padded prompts, decode batch slots; see
     #: ``FinishedSample.computed``): against their prompt and response tokens, generation's padding efficiency
     computed_tokens: float = 0.0
+    #: per sample, the data fields of its prompt (``{name: JSON value}``; ``{}`` when the data declares none):
+    #: a prompt's fields go with each of its ``n`` samples, through streamed chunks and carried samples
+    fields: list[dict] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -106,7 +109,8 @@ class ValueLossInput:
 class CarryOver:
     """Unfinished samples at the end of an overcommitted generation, carried into the next step.
 
-    Each item is plain JSON: ``{"prompt", "prompt_ids", "partial", "born"}`` (checkpointable).
+    Each item is plain JSON: ``{"prompt", "prompt_ids", "partial", "born", "fields"}`` (checkpointable;
+    ``fields``: the prompt's data fields, absent in checkpoints of older jobs).
     """
 
     samples: list[dict]
@@ -141,12 +145,14 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
     batch = RolloutBatch(prompt_len=p, **cat)
     flat = lambda attr: [x for c in chunks for x in getattr(c, attr)]  # noqa: E731
     prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
+    fields = flat("fields")
     return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
                    max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
                    [born[i] for i in order], max(c.decode_steps for c in chunks),
                    torch.cat([_pad_cols(c.logprobs, width) for c in chunks])[order]
                    if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks),
-                   sum(c.computed_tokens for c in chunks))
+                   sum(c.computed_tokens for c in chunks),
+                   [fields[i] for i in order] if len(fields) == len(order) else [])
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

@@ -22,6 +22,7 @@ from .generation import (FinishedSample, PartialSample, collate, decode_response
                          generate_stream, response_logprobs, response_values, sequence_scores)
 from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
+from .data import prompt_parts
 from .packing import bucketed
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
@@ -97,18 +98,21 @@ class ModelWorker:
     @stage_call
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-                 n: int = 1, unpad: bool = False, logprobs: bool = False, slots: int | None = None) -> Rollout:
+                 n: int = 1, unpad: bool = False, logprobs: bool = False, chat: bool = False,
+                 slots: int | None = None) -> Rollout:
         """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
-        pass); ``slots``: at most that many rows decode at once, waiting prompts joining as rows finish
-        (continuous batching; the plan's micro-batches of generation)."""
+        pass); ``chat``: each prompt as a user turn in the tokenizer's chat template; ``slots``: at most that
+        many rows decode at once, waiting prompts joining as rows finish (continuous batching; the plan's
+        micro-batches of generation)."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs, slots=slots)))
+                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs, chat=chat,
+                                        slots=slots)))
 
     @stage_call
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
-                        unpad: bool = False, logprobs: bool = False, slots: int | None = None):
+                        unpad: bool = False, logprobs: bool = False, chat: bool = False, slots: int | None = None):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
@@ -117,14 +121,17 @@ class ModelWorker:
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
-                                      logprobs=logprobs, slots=slots)
+                                      logprobs=logprobs, chat=chat, slots=slots)
 
-    def _inputs(self, prompts, n: int, carry=()) -> list[dict]:
-        """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt."""
-        texts = [p for p in prompts for _ in range(n)]
+    def _inputs(self, prompts, n: int, carry=(), chat: bool = False) -> list[dict]:
+        """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt
+        (``chat``: its tokens are the prompt as a user turn of the chat template)."""
+        parts = [prompt_parts(p) for p in prompts for _ in range(n)]
+        texts = [t for t, _ in parts]
+        ids = [self.tokenizer.encode_chat(t) for t in texts] if chat else encode_prompts(self.tokenizer, texts)
         return [dict(c) for c in carry] + [
-            {"prompt": t, "prompt_ids": ids, "partial": [], "born": self.version}
-            for t, ids in zip(texts, encode_prompts(self.tokenizer, texts))]
+            {"prompt": t, "prompt_ids": i, "partial": [], "born": self.version, "fields": f}
+            for (t, f), i in zip(parts, ids)]
 
     def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
                 carry=False, share: tuple[int, int] | None = None, slots: int | None = None):
@@ -153,8 +160,8 @@ class ModelWorker:
                                  item.computed)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False, slots=None):
-        inputs = self._inputs(prompts, n, carry)
+                  unpad=False, logprobs=False, chat=False, slots=None):
+        inputs = self._inputs(prompts, n, carry, chat)
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         buf: list[FinishedSample] = []
         left: list[dict] = []
@@ -194,7 +201,8 @@ class ModelWorker:
         return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
                        max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
-                       computed_tokens=sum(s.computed for s in samples))
+                       computed_tokens=sum(s.computed for s in samples),
+                       fields=[inputs[i].get("fields") or {} for i in rows])
 
     #: whether forwards and training of unpadded rollouts run in length groups (every rank of an FSDP group
     #: must run the same number of forwards, so its ranks do not)

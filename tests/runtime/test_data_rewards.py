@@ -57,7 +57,7 @@ def test_jsonl_prompts(tmp_path):
     assert len(src) == 3
     assert len(prompt_source_from_spec({"kind": "synthetic", "count": 4, "min_len": 1, "max_len": 2})) == 4
     with pytest.raises(ValueError, match="kind"):
-        prompt_source_from_spec({"kind": "parquet"})
+        prompt_source_from_spec({"kind": "csv"})
 
 
 def test_bad_arguments():

@@ -81,12 +81,15 @@ def test_rule_from_the_program_folder_is_loaded_from_its_path(tmp_path):
         "import helper\n"
         "def exact(prompt, response):\n    return float(prompt == response) + helper.BONUS\n"
         "def three(prompt, response, extra):\n    return 0.0\n"
+        "def one(prompt):\n    return 0.0\n"
         "class Cls:\n    pass\n")
     (tmp_path / "helper.py").write_text("BONUS = 0.5\n")
     fn = rewards.resolve_rule("my_rewards:exact", program_dir=str(tmp_path))
     assert fn("a", "a") == 1.5 and fn("a", "b") == 0.5
     assert rewards.resolve_rule("my_rewards:exact", program_dir=str(tmp_path)) is fn   # loaded once
-    for name, why in (("system", "not a plain Python function"), ("three", r"must take \(prompt, response\)"),
+    # a third parameter is a data field, passed by name (check verifies the data declares it)
+    assert rewards.resolve_rule("my_rewards:three", program_dir=str(tmp_path)).__name__ == "three"
+    for name, why in (("system", "not a plain Python function"), ("one", r"must take \(prompt, response\)"),
                       ("Cls", "not a plain Python function"), ("nope", "no function")):
         with pytest.raises(rewards.RuleError, match=why):
             rewards.resolve_rule(f"my_rewards:{name}", program_dir=str(tmp_path))

@@ -160,6 +160,18 @@ def test_score_head_is_loaded_from_a_sequence_classifier(tmp_path, arch, make_sp
         torch.testing.assert_close(scorer.score(ids, torch.ones_like(ids)), expect, atol=1e-5, rtol=1e-5)
 
 
+def test_a_classifier_of_several_labels_is_refused_as_a_reward_model(tmp_path, make_spec):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhfc.runtime.models import _hf_config, normalize_spec
+
+    config = _hf_config(normalize_spec(make_spec("llama")))
+    config.num_labels = 2
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match="scores 2 labels.*num_labels = 1"):
+        build_model({"head": "score", "source": str(tmp_path)}, 0)
+
+
 @pytest.mark.parametrize("head", ["lm", "value", "score"])
 def test_parameter_count_matches_the_compilers_model(arch, make_spec, head):
     """The compiler's cost model counts parameters from the spec; the runtime must build those shapes."""
