@@ -25,8 +25,8 @@ import networkx as nx
 
 from rlhfc.ir.core import Cluster, Graph, Module, Stage, Value
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
-from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, get_op
-from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths,
+from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, MIXED_BATCH_OPS, get_op
+from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths, is_positive_int,
                                     reward_module_problem)
 
 from . import ast
@@ -228,7 +228,7 @@ class _Pipeline:
                 raise _Failed
             inputs.append(v)
         batches = sorted({v.type.batch for v in inputs if v.type.batch is not None})
-        if len(batches) > 1 and spec.op != "train":
+        if len(batches) > 1 and spec.op not in MIXED_BATCH_OPS:
             self.sink.error(f"arguments of {shown} have different batch sizes {batches}", call.loc,
                             "per-sample values must come from the same rollout")
             raise _Failed
@@ -242,6 +242,9 @@ class _Pipeline:
             if attrs["group"] < 2:
                 self.sink.warning("group_advantages over groups of 1 sample gives zero advantages", call.loc,
                                   "generate several samples per prompt: actor.generate(prompts, n = 4)")
+        if spec.op == "train" and (attrs.get("lr_schedule", "constant") != "constant" or attrs.get("warmup_steps")) \
+                and is_positive_int(self.module.run.steps):
+            attrs["total_steps"] = self.module.run.steps   # the schedule spans the run
         self.check_model(call, spec, target, inputs)
         result_types = spec.result_types([v.type for v in inputs], attrs)
         if names and len(names) == len(result_types):
@@ -368,7 +371,8 @@ class _Pipeline:
                 ok = False
                 continue
             attrs[a.name] = a.default
-        return {a.name: attrs[a.name] for a in spec.attrs if a.name in attrs}, locs, ok
+        return {a.name: attrs[a.name] for a in spec.attrs
+                if a.name in attrs and not (a.omit_default and attrs[a.name] == a.default)}, locs, ok
 
     def check_model(self, call: ast.Call, spec, target: str | None, inputs: list[Value]) -> None:
         if target is None:

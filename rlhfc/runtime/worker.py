@@ -229,22 +229,36 @@ class ModelWorker:
         return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
 
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
-              max_grad_norm: float, weight_decay: float, unpad: bool = False) -> dict[str, float]:
+              max_grad_norm: float, weight_decay: float, unpad: bool = False, lr_schedule: str = "constant",
+              warmup_steps: int = 0, total_steps: int = 0) -> dict[str, float]:
         """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are
         padding in all of its rows (the ``unpad`` pass). A non-finite loss or gradient stops it before the
-        optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch."""
+        optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch.
+        The lr of this call is ``lr`` times the schedule's factor at train step ``self.version``
+        (:func:`rlhfc.runtime.algorithms.lr_factor`), so a resumed run continues the same sequence."""
+        from .algorithms import lr_factor
+
         if self.optimizer is None:
             self.optimizer = self._make_optimizer(lr=lr, weight_decay=weight_decay)
+        step_lr = lr * lr_factor(self.version, lr_schedule, warmup_steps, total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = step_lr
         self._check_tokens(loss.rollout)
         batch: dict[str, Any] = loss.rollout.batch.to(self.device).as_dict()
         if isinstance(loss, PolicyLossInput):
+            if loss.stats and loss.rollout.size == 0:   # dynamic sampling left nothing to learn from
+                self.version += 1
+                return {**loss.stats, "lr": step_lr, "version": float(self.version)}
+            minibatches = min(minibatches, loss.rollout.size) if loss.stats else minibatches
             batch["old_logp"] = loss.old_logp.to(self.device)
             batch["advantages"] = loss.advantages.to(self.device)
+            batch["loss_agg"] = loss.loss_agg
             if loss.ref_logp is not None:
                 batch["ref_logp"] = loss.ref_logp.to(self.device)
-            fn = ppo.actor_loss_fn(clip=loss.clip, temperature=loss.temperature, entropy_coef=loss.entropy_coef,
+            fn = ppo.actor_loss_fn(clip=loss.clip, clip_high=loss.clip_high, temperature=loss.temperature,
+                                   entropy_coef=loss.entropy_coef,
                                    kl_coef=loss.kl_coef if loss.ref_logp is not None else 0.0,
-                                   kl_estimator=loss.estimator)
+                                   kl_estimator=loss.estimator, loss_agg=loss.loss_agg, ratio_level=loss.ratio)
         else:
             batch["old_values"] = loss.old_values.to(self.device)
             batch["returns"] = loss.returns.to(self.device)
@@ -265,7 +279,7 @@ class ModelWorker:
                                      max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad,
                                      pack=self._pack)
         self.version += 1
-        metrics["version"] = float(self.version)
+        metrics.update(getattr(loss, "stats", {}), lr=step_lr, version=float(self.version))
         return metrics
 
     def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
