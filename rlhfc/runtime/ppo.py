@@ -8,11 +8,9 @@ Conventions (every function):
   float). Responses are right-padded, so each mask row is a prefix of 1s.
 * Masked-out positions of every token-level output are exactly 0; inputs may hold
   anything there (even NaN/inf is ignored by the ``torch.where`` masking).
-* Losses are token means over the mask of the whole (mini)batch ("token-mean"
-  aggregation, as TRL's PPO trainer and verl's default).
-
-The formulas follow the usual PPO-for-LLMs recipe (TRL's PPO trainer, verl,
-OpenRLHF); tests cross-check them against TRL 1.12.
+* Losses are token means over the mask of the whole (mini)batch ("token-mean" aggregation, as TRL's PPO
+  trainer and verl's default; ``policy_loss(loss_agg=...)`` offers the others). The formulas follow the
+  PPO-for-LLMs recipe (TRL's PPO trainer, verl, OpenRLHF); tests cross-check them against TRL 1.12.
 """
 
 from __future__ import annotations
@@ -210,9 +208,10 @@ def policy_loss(
     metrics: dict[str, float] = {}
     with torch.no_grad():
         metrics["pg_loss"] = float(pg_loss)
-        metrics["clipfrac"] = float(masked_mean((clipped > unclipped).to(logp.dtype), mask))
-        metrics["approx_kl"] = float(0.5 * masked_mean(log_ratio**2, mask))
-        metrics["ratio"] = float(masked_mean(ratio, mask))
+        per_row = "token_mean" if loss_agg == "token_mean" else "seq_mean_token_mean"   # means, weighed as the loss
+        metrics["clipfrac"] = float(aggregate((clipped > unclipped).to(logp.dtype), mask, per_row))
+        metrics["approx_kl"] = float(0.5 * aggregate(log_ratio**2, mask, per_row))
+        metrics["ratio"] = float(aggregate(ratio, mask, per_row))
     if entropy is not None:
         ent = aggregate(entropy, mask, loss_agg)
         metrics["entropy"] = float(ent.detach())
