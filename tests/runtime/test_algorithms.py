@@ -156,3 +156,34 @@ def test_sequence_loss_units_weigh_pieces_by_rows():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     assert float(algorithms.loss_units(mask)) == 4.0
     assert float(algorithms.loss_units(mask, "seq_mean_token_mean")) == 2.0
+
+
+def test_lr_schedule_reaches_the_optimizer_and_resumes_exactly(make_spec, tmp_path):
+    """A worker's train uses lr × the schedule at its train step, reports it as ``lr``, and a worker loaded
+    from a checkpoint continues the same lr sequence and the same weights."""
+    from rlhfc.runtime.worker import ModelWorker
+
+    spec = make_spec("gpt2", vocab=32)
+    sched = dict(lr=1e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0, lr_schedule="cosine",
+                 warmup_steps=1, total_steps=4)
+
+    def step(worker):
+        roll = worker.generate(["ab", "cd"], max_new_tokens=3, temperature=1.0, top_p=1.0)
+        logp = TokenValues(worker.logprobs(roll, temperature=1.0).values, roll.mask)
+        adv = TokenValues(torch.tensor([[1.0], [-1.0]]).expand(roll.mask.shape) * roll.mask, roll.mask)
+        loss = compute.ppo_clip(roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3")
+        return worker.train(loss, **sched)["lr"]
+
+    whole = ModelWorker("actor", spec, {"kind": "random"}, seed=0)
+    lrs = [step(whole) for _ in range(4)]
+    assert lrs == pytest.approx([1e-2 * algorithms.lr_factor(s, "cosine", 1, 4) for s in range(4)])
+    assert lrs[:3] == pytest.approx([1e-2, 1e-2, 0.75e-2]) and lrs[3] == pytest.approx(0.25e-2)   # cos(π/3), cos(2π/3)
+
+    first = ModelWorker("actor", spec, {"kind": "random"}, seed=0)
+    head = [step(first) for _ in range(2)]
+    first.save(str(tmp_path / "ckpt"))
+    resumed = ModelWorker("actor", spec, {"kind": "random"}, seed=7)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert head + [step(resumed) for _ in range(2)] == lrs
+    for k, v in whole.get_weights().items():
+        assert torch.equal(v, resumed.get_weights()[k]), k
