@@ -26,6 +26,7 @@ import networkx as nx
 from rlhfc.ir.core import Cluster, Graph, Module, Stage, Value
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, MIXED_BATCH_OPS, get_op
+from rlhfc.ir.verifier import check_remax
 from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths, is_positive_int,
                                     reward_module_problem)
 
@@ -245,6 +246,8 @@ class _Pipeline:
         if spec.op == "train" and (attrs.get("lr_schedule", "constant") != "constant" or attrs.get("warmup_steps")) \
                 and is_positive_int(self.module.run.steps):
             attrs["total_steps"] = self.module.run.steps   # the schedule spans the run
+        if spec.op == "compute.remax":
+            check_remax(self.graph, stage, self.sink)
         self.check_model(call, spec, target, inputs)
         result_types = spec.result_types([v.type for v in inputs], attrs)
         if names and len(names) == len(result_types):

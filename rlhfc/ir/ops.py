@@ -47,6 +47,8 @@ class Attr:
     #: codegen passes only what the stage holds, so the runtime function's keyword default must equal
     #: ``default``): options added after the IR's first version leave existing IR, plans and jobs unchanged
     omit_default: bool = False
+    #: a value a hint may suggest (for an attribute without a default)
+    example: object = None
 
 
 #: how code generation runs an op (:class:`Emit` kinds)
@@ -286,8 +288,10 @@ register_op(OpSpec(
 register_op(OpSpec(
     "compute.overlong",
     (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",))),
-    (Attr("max_len", "int", required=True, min=1, doc="the longest response (tokens) without full penalty"),
-     Attr("buffer", "int", required=True, min=0, doc="the soft zone before max_len where the penalty grows")),
+    (Attr("max_len", "int", required=True, min=1, example=16,
+          doc="response length (tokens) from which the full penalty −1 applies, e.g. the generate's max_new_tokens"),
+     Attr("buffer", "int", required=True, min=0, example=4,
+          doc="the soft zone before max_len over which the penalty grows from 0 to −1")),
     ("SeqFloat",), doc="DAPO's overlong reward shaping: scores plus a length penalty"))
 
 register_op(OpSpec(

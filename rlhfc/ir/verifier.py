@@ -307,7 +307,7 @@ def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:
                            "use method = reinforce_pp (or reinforce_pp_baseline), or put the KL in the loss: "
                            "ppo_clip(roll, logp, adv, ref_logp, kl_coef = 0.02)")
         elif s.op == "compute.remax" and len(s.inputs) == 3:
-            _check_remax(g, s, sink)
+            check_remax(g, s, sink)
         elif s.op == "compute.overlong":
             top, buf = s.attrs.get("max_len"), s.attrs.get("buffer")
             if is_positive_int(top) and isinstance(buf, int) and buf > top:
@@ -315,22 +315,26 @@ def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:
                            f"the penalty grows over the last buffer tokens before max_len; e.g. buffer = {top // 4}")
 
 
-def _check_remax(g, s: Stage, sink: DiagnosticSink) -> None:
-    """ReMax's baseline: scores of a greedy rollout of the same prompts, one per prompt."""
+def check_remax(g, s: Stage, sink: DiagnosticSink) -> None:
+    """ReMax's baseline: the scores of one greedy response to each prompt of the rollout it scores (lowering
+    runs this too, for the warning: the verifier keeps only errors)."""
     roll, base = s.inputs[0], s.inputs[2]
-    if roll.type.batch and base.type.batch and roll.type.batch % base.type.batch:
-        sink.error(f"remax() has {base.type.batch} baseline scores for {roll.type.batch} samples", where(s),
-                   "the baseline scores one greedy response per prompt: generate it from the same prompts")
-        return
     try:
         gen, greedy = g.producer(roll), g.producer(g.producer(base).inputs[0])
     except (KeyError, IndexError):
-        return
-    if gen.op != "generate" or greedy.op != "generate":
+        gen = greedy = None
+    if gen is None or gen.op != "generate" or greedy.op != "generate":
+        if roll.type.batch and base.type.batch and roll.type.batch % base.type.batch:
+            sink.error(f"remax() has {base.type.batch} baseline scores for {roll.type.batch} samples", where(s),
+                       "the baseline scores one greedy response per prompt: generate it from the same prompts")
         return
     if greedy.inputs[0] is not gen.inputs[0]:
         sink.error("remax()'s baseline answers other prompts than the rollout it scores", where(s),
                    "generate both from the same prompts value: greedy = actor.generate(prompts, temperature = 0)")
+    elif greedy.attrs.get("n", 1) != 1:
+        sink.error(f"remax()'s baseline rollout has n = {greedy.attrs.get('n')} responses per prompt; ReMax's "
+                   "baseline is one greedy response per prompt", where(greedy, "n"),
+                   "drop n from the greedy generate (n = 1); the sampled rollout may have any n")
     elif greedy.attrs.get("temperature") != 0:
         sink.warning(f"remax()'s baseline rollout samples at temperature {greedy.attrs.get('temperature')}; ReMax's "
                      "baseline is the greedy response", where(greedy, "temperature"), "set temperature = 0")
@@ -368,6 +372,6 @@ def _signature(spec: OpSpec) -> str:
     return ", ".join(f"{o.name}{'?' if o.optional else ''}: {'|'.join(o.kinds)}" for o in spec.operands) or "none"
 
 
-__all__ = ["verify", "register_check", "where", "field_loc", "VerificationError", "check_attr_value", "attr_hint",
+__all__ = ["check_remax", "verify", "register_check", "where", "field_loc", "VerificationError", "check_attr_value", "attr_hint",
            "check_attr_values", "check_cluster", "check_model", "check_data", "check_run", "check_params",
            "is_positive_int", "show", "EXAMPLES", "Diagnostic", "OPT_LEVELS"]
