@@ -240,7 +240,7 @@ class _Pipeline:
         if spec.op == "compute.group_advantages":
             gen = self.graph.producer(inputs[0])
             attrs["group"] = int(gen.attrs.get("n", 1)) if gen.op == "generate" else 1
-            if attrs["group"] < 2:
+            if attrs["group"] < 2 and not str(attrs.get("method")).startswith("reinforce_pp"):   # no groups needed
                 self.sink.warning("group_advantages over groups of 1 sample gives zero advantages", call.loc,
                                   "generate several samples per prompt: actor.generate(prompts, n = 4)")
         if spec.op == "train" and (attrs.get("lr_schedule", "constant") != "constant" or attrs.get("warmup_steps")) \

@@ -297,6 +297,10 @@ def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:
     """Options of the algorithm family that only make sense together (REINFORCE++, ReMax, DAPO)."""
     g = module.graph
     for s in g.stages:
+        if s.op == "compute.group_advantages" and s.attrs.get("filter_groups") and s.attrs.get("group", 1) < 2:
+            sink.error("filter_groups drops the groups whose samples all score the same; with 1 sample per prompt "
+                       "that is every group", where(s, "filter_groups"),
+                       "generate several samples per prompt (actor.generate(prompts, n = 4)), or drop filter_groups")
         if s.op == "compute.group_advantages" and len(s.inputs) > 2:
             if len(s.inputs) == 3:
                 sink.error("group_advantages() takes logp and ref_logp together (the KL in the reward)", where(s),
