@@ -187,3 +187,27 @@ def test_lr_schedule_reaches_the_optimizer_and_resumes_exactly(make_spec, tmp_pa
     assert head + [step(resumed) for _ in range(2)] == lrs
     for k, v in whole.get_weights().items():
         assert torch.equal(v, resumed.get_weights()[k]), k
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_sum"])
+def test_data_parallel_shares_weigh_a_sequence_mean_by_rows(loss_agg):
+    """Two data-parallel ranks, each weighting its share by its tokens (token_mean) or rows (a sequence mean),
+    average to the whole minibatch's gradient (SGD: the mean of the ranks' updates is the full update)."""
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]])   # any split: 5 vs 2 tokens
+    target = torch.arange(16.0).view(4, 4) / 10
+
+    def loss_fn(model, mb):
+        per_token = (model.w * mb["x"] - mb["y"]) ** 2
+        return algorithms.aggregate(per_token, mb["response_mask"], mb["loss_agg"]), {}
+
+    def run(shard):
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.tensor(0.5))
+        batch = {"x": torch.ones(4, 4), "y": target, "response_mask": mask, "loss_agg": loss_agg}
+        ppo.train_epochs(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, loss_fn, max_grad_norm=None,
+                         generator=torch.Generator().manual_seed(0), shard=shard)
+        return float(model.w.detach()) - 0.5
+
+    whole = run(None)
+    assert whole != 0.0
+    assert (run((0, 2)) + run((1, 2))) / 2 == pytest.approx(whole, rel=1e-6)
