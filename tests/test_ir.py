@@ -435,7 +435,8 @@ def test_verify_attribute_without_a_position_names_the_stage():
 def test_verify_attribute_choices():
     m = compiled("grpo_tiny")
     m.graph.stage("adv").attrs["method"] = "ppo"
-    assert the_error(m, "must be one of grpo, rloo").hint.endswith("(one of grpo, rloo); e.g. method = grpo")
+    assert the_error(m, "must be one of grpo, rloo, reinforce_pp").hint.endswith(
+        "(one of grpo, rloo, reinforce_pp, reinforce_pp_baseline); e.g. method = grpo")
 
 
 def test_verify_result_type():

@@ -25,8 +25,9 @@ import networkx as nx
 
 from rlhfc.ir.core import Cluster, Graph, Module, Stage, Value
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
-from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, get_op
-from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths,
+from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, MIXED_BATCH_OPS, get_op
+from rlhfc.ir.verifier import check_remax
+from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths, is_positive_int,
                                     reward_module_problem)
 
 from . import ast
@@ -211,7 +212,7 @@ class _Pipeline:
             extra = positional[hi] if len(positional) > hi else None
             self.sink.error(f"{shown} takes {want} positional argument{'s' if hi + shift != 1 else ''}, "
                             f"got {len(positional) + shift}",
-                            _arg_loc(extra) if extra is not None else call.loc,
+                            extra.loc if extra is not None else call.loc,
                             f"write {shown[:-1]}{names_text})" +
                             (" (? marks an optional argument)" if lo != hi else ""))
             raise _Failed
@@ -222,11 +223,11 @@ class _Pipeline:
                 want = " or ".join(operand.kinds)
                 self.sink.error(f"argument {i + 1} of {shown} ('{operand.name}') must be {want}, "
                                 f"got '{_arg_name(arg)}' of type {v.type.kind}",
-                                _arg_loc(arg), _type_hint(operand.kinds, v.type.kind))
+                                arg.loc, _type_hint(operand.kinds, v.type.kind))
                 raise _Failed
             inputs.append(v)
         batches = sorted({v.type.batch for v in inputs if v.type.batch is not None})
-        if len(batches) > 1 and spec.op != "train":
+        if len(batches) > 1 and spec.op not in MIXED_BATCH_OPS:
             self.sink.error(f"arguments of {shown} have different batch sizes {batches}", call.loc,
                             "per-sample values must come from the same rollout")
             raise _Failed
@@ -247,9 +248,14 @@ class _Pipeline:
         if spec.op == "compute.group_advantages":
             gen = self.graph.producer(inputs[0])
             attrs["group"] = int(gen.attrs.get("n", 1)) if gen.op == "generate" else 1
-            if attrs["group"] < 2:
+            if attrs["group"] < 2 and not str(attrs.get("method")).startswith("reinforce_pp"):   # no groups needed
                 self.sink.warning("group_advantages over groups of 1 sample gives zero advantages", call.loc,
                                   "generate several samples per prompt: actor.generate(prompts, n = 4)")
+        if spec.op == "train" and (attrs.get("lr_schedule", "constant") != "constant" or attrs.get("warmup_steps")) \
+                and is_positive_int(self.module.run.steps):
+            attrs["total_steps"] = self.module.run.steps   # the schedule spans the run
+        if spec.op == "compute.remax":
+            check_remax(self.graph, stage, self.sink)
         self.check_model(call, spec, target, inputs)
         if spec.op == "generate" and attrs.get("chat"):
             problem = chat_template_problem(self.module.models[target].source, target)
@@ -380,9 +386,9 @@ class _Pipeline:
                 self.sink.error(f"{_callee_text(call)} needs '{a.name}'", call.loc, attr_hint(a))
                 ok = False
                 continue
-            if not a.omit_default:
-                attrs[a.name] = a.default
-        return {a.name: attrs[a.name] for a in spec.attrs if a.name in attrs}, locs, ok
+            attrs[a.name] = a.default
+        return {a.name: attrs[a.name] for a in spec.attrs
+                if a.name in attrs and not (a.omit_default and attrs[a.name] == a.default)}, locs, ok
 
     def check_model(self, call: ast.Call, spec, target: str | None, inputs: list[Value]) -> None:
         if target is None:
@@ -407,7 +413,7 @@ class _Pipeline:
             if got != want:
                 fix = "ppo_clip(...)" if want == "PolicyLoss" else "value_loss(...)"
                 self.sink.error(f"{target}.train() needs a {want} ('{target}' has {_a(m.head)} '{m.head}' head), "
-                                f"got a {got}", _arg_loc(call.args[0]), f"train it with {fix}")
+                                f"got a {got}", call.args[0].loc, f"train it with {fix}")
                 raise _Failed
             if target in self.trained:
                 self.sink.error(f"model '{target}' is trained twice in one step", call.loc,
@@ -472,10 +478,6 @@ def _arg_name(arg) -> str:
     if isinstance(arg, ast.Call):
         return _callee_text(arg)
     return str(getattr(arg, "value", "?"))
-
-
-def _arg_loc(arg) -> Loc:
-    return arg.loc
 
 
 def _result_names(spec) -> list[str]:

@@ -43,9 +43,12 @@ class Attr:
     min: float | None = None
     max: float | None = None
     doc: str = ""
-    #: an option added after the IR's first form: left out of a stage (its text and its generated call) while
-    #: it holds its default, so that programs not using it compile to the IR they always did
+    #: left out of a stage while it holds its default (lowering drops it; the verifier does not ask for it;
+    #: codegen passes only what the stage holds, so the runtime function's keyword default must equal
+    #: ``default``): options added after the IR's first version leave existing IR, plans and jobs unchanged
     omit_default: bool = False
+    #: a value a hint may suggest (for an attribute without a default)
+    example: object = None
 
 
 #: how code generation runs an op (:class:`Emit` kinds)
@@ -187,6 +190,14 @@ def all_ops() -> dict[str, OpSpec]:
 
 
 _TF = ("TokenFloat",)
+#: group_advantages methods
+GROUP_METHODS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+#: policy-loss aggregations (token_mean: every token of the minibatch weighs the same — the default)
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+#: learning-rate schedules of train
+LR_SCHEDULES = ("constant", "linear", "cosine")
+#: ops whose operands may have different batch sizes
+MIXED_BATCH_OPS = ("train", "compute.remax")
 _KL = Attr("estimator", "str", "k1", choices=("k1", "k2", "k3"),
            doc="KL estimator: k1 = logp-ref, k2 = (logp-ref)^2/2, k3 = exp(ref-logp)-1-(ref-logp)")
 
@@ -256,12 +267,37 @@ register_op(OpSpec(
 
 register_op(OpSpec(
     "compute.group_advantages",
-    (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",))),
-    (Attr("method", "str", "grpo", choices=("grpo", "rloo"), doc="grpo: (s-mean)/std; rloo: leave-one-out baseline"),
+    (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",)),
+     Operand("logp", _TF, optional=True, doc="with ref_logp: token-level KL in the reward (reinforce_pp)"),
+     Operand("ref_logp", _TF, optional=True)),
+    (Attr("method", "str", "grpo", choices=GROUP_METHODS,
+          doc="grpo: (s-mean)/std; rloo: leave-one-out baseline; reinforce_pp: return-to-go normalised over the "
+              "batch; reinforce_pp_baseline: the same after subtracting the group mean"),
      Attr("normalize_std", "bool", True, doc="divide by the group std (grpo)"),
-     Attr("group", "int", 1, min=1, doc="samples per prompt; set from the generate stage's n")),
-    _TF, doc="group-relative advantages (GRPO / RLOO), broadcast to response tokens",
+     Attr("group", "int", 1, min=1, doc="samples per prompt; set from the generate stage's n"),
+     Attr("kl_coef", "float", 0.01, min=0.0, omit_default=True,
+          doc="token-level KL penalty in the reward when logp/ref_logp are given (reinforce_pp)"),
+     Attr("estimator", "str", "k1", choices=("k1", "k2", "k3"), omit_default=True,
+          doc="KL estimator of the reward's KL term (reinforce_pp)"),
+     Attr("filter_groups", "bool", False, omit_default=True,
+          doc="DAPO's dynamic-sampling filter: drop the groups whose scores are all equal (no signal)")),
+    _TF, doc="group-relative advantages (GRPO / RLOO / REINFORCE++), broadcast to response tokens",
     internal_attrs=("group",)))
+
+register_op(OpSpec(
+    "compute.remax",
+    (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",)),
+     Operand("baseline", ("SeqFloat",), doc="the scores of greedy responses to the same prompts")),
+    (), _TF, doc="ReMax advantages: each sample's score minus its prompt's greedy-response score"))
+
+register_op(OpSpec(
+    "compute.overlong",
+    (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",))),
+    (Attr("max_len", "int", required=True, min=1, example=16,
+          doc="response length (tokens) from which the full penalty −1 applies, e.g. the generate's max_new_tokens"),
+     Attr("buffer", "int", required=True, min=0, example=4,
+          doc="the soft zone before max_len over which the penalty grows from 0 to −1")),
+    ("SeqFloat",), doc="DAPO's overlong reward shaping: scores plus a length penalty"))
 
 register_op(OpSpec(
     "compute.ppo_clip",
@@ -270,7 +306,13 @@ register_op(OpSpec(
     (Attr("clip", "float", 0.2, min=0.0, doc="ratio clip range"),
      Attr("entropy_coef", "float", 0.0, min=0.0, doc="entropy bonus"),
      Attr("kl_coef", "float", 0.0, min=0.0, doc="KL-in-loss coefficient (with ref_logp)"),
-     Attr("estimator", "str", "k3", choices=("k1", "k2", "k3"), doc="KL estimator for the loss term")),
+     Attr("estimator", "str", "k3", choices=("k1", "k2", "k3"), doc="KL estimator for the loss term"),
+     Attr("clip_low", "float", None, min=0.0, omit_default=True, doc="lower ratio clip (default: clip)"),
+     Attr("clip_high", "float", None, min=0.0, omit_default=True, doc="upper ratio clip (default: clip; DAPO)"),
+     Attr("loss_agg", "str", "token_mean", choices=LOSS_AGGS, omit_default=True,
+          doc="how per-token losses average over a minibatch"),
+     Attr("ratio", "str", "token", choices=("token", "sequence"), omit_default=True,
+          doc="token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio")),
     ("PolicyLoss",), doc="clipped PPO policy loss"))
 
 register_op(OpSpec(
@@ -285,8 +327,13 @@ register_op(OpSpec(
      Attr("epochs", "int", 1, min=1, doc="passes over the batch"),
      Attr("minibatches", "int", 1, min=1, doc="optimizer steps per epoch"),
      Attr("max_grad_norm", "float", 1.0, min=0.0, doc="gradient clipping (0 = off)"),
-     Attr("weight_decay", "float", 0.0, min=0.0, doc="AdamW weight decay")),
-    ("Metrics",), model="model", trains=True, pure=False, batch_from="none",
+     Attr("weight_decay", "float", 0.0, min=0.0, doc="AdamW weight decay"),
+     Attr("lr_schedule", "str", "constant", choices=LR_SCHEDULES, omit_default=True,
+          doc="lr over the run's train steps after warmup: constant, linear or cosine decay to 0"),
+     Attr("warmup_steps", "int", 0, min=0, omit_default=True, doc="train steps of linear lr warmup"),
+     Attr("total_steps", "int", 0, min=0, omit_default=True,
+          doc="train steps of the schedule; set from the run's steps")),
+    ("Metrics",), model="model", trains=True, pure=False, batch_from="none", internal_attrs=("total_steps",),
     emit=Emit("worker", "train", flags=("unpad",)), doc="update the model's weights on a loss"))
 
 register_op(OpSpec(
@@ -308,4 +355,5 @@ METHOD_OPS = {"generate": "generate", "logprobs": "forward.logprobs", "values": 
               "score": "forward.score", "train": "train"}
 BUILTIN_OPS = {"rule": "compute.rule", "kl_penalty": "compute.kl_penalty", "gae": "compute.gae",
                "group_advantages": "compute.group_advantages", "ppo_clip": "compute.ppo_clip",
+               "remax": "compute.remax", "overlong": "compute.overlong",
                "value_loss": "compute.value_loss"}

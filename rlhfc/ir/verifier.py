@@ -44,7 +44,7 @@ from typing import Callable
 
 from .core import Module, Stage, Value, derive_versions
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, did_you_mean, field_loc, where
-from .ops import LOSS_FOR_HEAD, OpSpec, all_ops, get_op
+from .ops import LOSS_FOR_HEAD, MIXED_BATCH_OPS, OpSpec, all_ops, get_op
 from .plan import OPT_LEVELS, verify_plan
 from .types import ValueType
 from .verify_fields import (EXAMPLES, attr_hint, check_attr_value, check_attr_values, check_cluster, check_data,
@@ -239,7 +239,7 @@ def _check_stage(module: Module, stage: Stage, spec: OpSpec, label: str, sink: D
                        f"got %{v.name} : {v.type}", at,
                        "; ".join(f"a {k} comes from {PRODUCERS.get(k, '?')}" for k in operand.kinds))
     batches = {v.type.batch for v in stage.inputs if v.type.batch is not None}
-    if len(batches) > 1 and spec.op != "train":
+    if len(batches) > 1 and spec.op not in MIXED_BATCH_OPS:
         sink.error(f"{label}: operands have different batch sizes {sorted(batches)}", at,
                    "all per-sample inputs must come from the same rollout")
     # attributes
@@ -289,7 +289,59 @@ def _check_training(module: Module, sink: DiagnosticSink) -> None:
                            "group_advantages() gives every sample a zero advantage and nothing trains",
                            where(gen, "temperature"), "sample with temperature > 0 (e.g. temperature = 1.0), or "
                            "generate n = 1 and estimate advantages with a critic (gae)")
+    _check_algorithms(module, sink)
     _check_tokenizers(module, sink)
+
+
+def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:
+    """Options of the algorithm family that only make sense together (REINFORCE++, ReMax, DAPO)."""
+    g = module.graph
+    for s in g.stages:
+        if s.op == "compute.group_advantages" and s.attrs.get("filter_groups") and s.attrs.get("group", 1) < 2:
+            sink.error("filter_groups drops the groups whose samples all score the same; with 1 sample per prompt "
+                       "that is every group", where(s, "filter_groups"),
+                       "generate several samples per prompt (actor.generate(prompts, n = 4)), or drop filter_groups")
+        if s.op == "compute.group_advantages" and len(s.inputs) > 2:
+            if len(s.inputs) == 3:
+                sink.error("group_advantages() takes logp and ref_logp together (the KL in the reward)", where(s),
+                           "write group_advantages(roll, scores, logp, ref_logp, method = reinforce_pp)")
+            elif not str(s.attrs.get("method", "")).startswith("reinforce_pp"):
+                sink.error(f"logp and ref_logp put a token-level KL into the reward, which only method = "
+                           f"reinforce_pp uses, not {s.attrs.get('method')}", where(s, "method"),
+                           "use method = reinforce_pp (or reinforce_pp_baseline), or put the KL in the loss: "
+                           "ppo_clip(roll, logp, adv, ref_logp, kl_coef = 0.02)")
+        elif s.op == "compute.remax" and len(s.inputs) == 3:
+            check_remax(g, s, sink)
+        elif s.op == "compute.overlong":
+            top, buf = s.attrs.get("max_len"), s.attrs.get("buffer")
+            if is_positive_int(top) and isinstance(buf, int) and buf > top:
+                sink.error(f"buffer ({buf}) is longer than max_len ({top})", where(s, "buffer"),
+                           f"the penalty grows over the last buffer tokens before max_len; e.g. buffer = {top // 4}")
+
+
+def check_remax(g, s: Stage, sink: DiagnosticSink) -> None:
+    """ReMax's baseline: the scores of one greedy response to each prompt of the rollout it scores (lowering
+    runs this too, for the warning: the verifier keeps only errors)."""
+    roll, base = s.inputs[0], s.inputs[2]
+    try:
+        gen, greedy = g.producer(roll), g.producer(g.producer(base).inputs[0])
+    except (KeyError, IndexError):
+        gen = greedy = None
+    if gen is None or gen.op != "generate" or greedy.op != "generate":
+        if roll.type.batch and base.type.batch and roll.type.batch % base.type.batch:
+            sink.error(f"remax() has {base.type.batch} baseline scores for {roll.type.batch} samples", where(s),
+                       "the baseline scores one greedy response per prompt: generate it from the same prompts")
+        return
+    if greedy.inputs[0] is not gen.inputs[0]:
+        sink.error("remax()'s baseline answers other prompts than the rollout it scores", where(s),
+                   "generate both from the same prompts value: greedy = actor.generate(prompts, temperature = 0)")
+    elif greedy.attrs.get("n", 1) != 1:
+        sink.error(f"remax()'s baseline rollout has n = {greedy.attrs.get('n')} responses per prompt; ReMax's "
+                   "baseline is one greedy response per prompt", where(greedy, "n"),
+                   "drop n from the greedy generate (n = 1); the sampled rollout may have any n")
+    elif greedy.attrs.get("temperature") != 0:
+        sink.warning(f"remax()'s baseline rollout samples at temperature {greedy.attrs.get('temperature')}; ReMax's "
+                     "baseline is the greedy response", where(greedy, "temperature"), "set temperature = 0")
 
 
 def _check_tokenizers(module: Module, sink: DiagnosticSink) -> None:
@@ -324,6 +376,6 @@ def _signature(spec: OpSpec) -> str:
     return ", ".join(f"{o.name}{'?' if o.optional else ''}: {'|'.join(o.kinds)}" for o in spec.operands) or "none"
 
 
-__all__ = ["verify", "register_check", "where", "field_loc", "VerificationError", "check_attr_value", "attr_hint",
+__all__ = ["check_remax", "verify", "register_check", "where", "field_loc", "VerificationError", "check_attr_value", "attr_hint",
            "check_attr_values", "check_cluster", "check_model", "check_data", "check_run", "check_params",
            "is_positive_int", "show", "EXAMPLES", "Diagnostic", "OPT_LEVELS"]

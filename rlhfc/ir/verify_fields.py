@@ -101,7 +101,8 @@ def attr_hint(spec_attr, value=None) -> str:
         bounds = [f">= {a.min}" if a.min is not None else "", f"<= {a.max}" if a.max is not None else ""]
         allowed = {"float": "a number", "int": "an integer", "str": "a string"}.get(a.kind, a.kind)
         allowed += " " + " and ".join(filter(None, bounds)) if any(bounds) else ""
-        example = a.default if a.default is not None else (a.min if a.min is not None else 1)
+        example = a.default if a.default is not None else a.example if a.example is not None else \
+            (a.min if a.min is not None else 1)
         if a.kind == "str":
             example = json.dumps(str(example))
     return f"{a.doc + ' ' if a.doc else ''}({allowed}); e.g. {a.name} = {example}"

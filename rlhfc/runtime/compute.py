@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from . import ppo
+from . import algorithms, ppo
 from .guards import check_finite
 from .rewards import resolve_rule, rule_scores
-from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput
+from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput, select_rows
 
 
 def sample_logprobs(rollout: Rollout, *, temperature: float) -> TokenValues:
@@ -61,16 +61,45 @@ def kl_penalty(scores: torch.Tensor, logp: TokenValues, ref_logp: TokenValues, *
                        logp.mask)
 
 
-def group_advantages(rollout: Rollout, scores: torch.Tensor, *, method: str, normalize_std: bool,
-                     group: int) -> TokenValues:
-    """GRPO / RLOO advantages over groups of ``group`` samples of one prompt, on every response token."""
+def group_advantages(rollout: Rollout, scores: torch.Tensor, logp: TokenValues | None = None,
+                     ref_logp: TokenValues | None = None, *, method: str, normalize_std: bool, group: int,
+                     kl_coef: float = 0.01, estimator: str = "k1", filter_groups: bool = False) -> TokenValues:
+    """GRPO / RLOO / REINFORCE++ advantages over groups of ``group`` samples of one prompt, on every response
+    token; ``filter_groups``: mark the groups whose scores are all equal as left out (``TokenValues.keep``)."""
     check_finite(scores, "a score", prompts=rollout.prompts)
-    if method == "rloo":
-        seq = ppo.rloo_advantages(scores, group) if group > 1 else torch.zeros_like(scores)
+    if method.startswith("reinforce_pp"):
+        adv = algorithms.reinforce_pp_advantages(
+            scores, rollout.mask, logp.values if logp is not None else None,
+            ref_logp.values if ref_logp is not None else None, kl_coef, estimator, group,
+            baseline=method == "reinforce_pp_baseline")
+        check_finite(adv, "an advantage", mask=rollout.mask)
+        out = TokenValues(adv, rollout.mask)
     else:
-        seq = ppo.group_advantages(scores, group, normalize_std=normalize_std)
-    check_finite(seq, "an advantage", prompts=rollout.prompts)
+        if method == "rloo":
+            seq = ppo.rloo_advantages(scores, group) if group > 1 else torch.zeros_like(scores)
+        else:
+            seq = ppo.group_advantages(scores, group, normalize_std=normalize_std)
+        check_finite(seq, "an advantage", prompts=rollout.prompts)
+        out = TokenValues(ppo.broadcast_to_tokens(seq, rollout.mask), rollout.mask)
+    if filter_groups:
+        uniform = algorithms.uniform_groups(scores.cpu(), group)
+        out.keep, out.dropped_groups = ~uniform.repeat_interleave(group), int(uniform.sum())
+    return out
+
+
+def remax(rollout: Rollout, scores: torch.Tensor, baseline: torch.Tensor) -> TokenValues:
+    """ReMax advantages: each sample's score minus its prompt's greedy-response score, on every token."""
+    check_finite(scores, "a score", prompts=rollout.prompts)
+    check_finite(baseline, "a baseline score")
+    seq = algorithms.remax_advantages(scores, baseline)
     return TokenValues(ppo.broadcast_to_tokens(seq, rollout.mask), rollout.mask)
+
+
+def overlong(rollout: Rollout, scores: torch.Tensor, *, max_len: int, buffer: int) -> torch.Tensor:
+    """DAPO's overlong reward shaping: ``scores`` plus the soft length penalty of each response."""
+    check_finite(scores, "a score", prompts=rollout.prompts)
+    lengths = rollout.batch.response_lengths.to(scores.device)
+    return scores.float() + algorithms.overlong_penalty(lengths, max_len, buffer)
 
 
 def rule(rollout: Rollout, *, fn: str, extract: str = "") -> torch.Tensor:
@@ -82,12 +111,22 @@ def rule(rollout: Rollout, *, fn: str, extract: str = "") -> torch.Tensor:
 
 
 def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_logp: TokenValues | None = None, *,
-             clip: float, entropy_coef: float, kl_coef: float, estimator: str,
-             temperature: float = 1.0) -> PolicyLossInput:
-    """Bundle what the policy's train step needs (the loss itself is computed per minibatch there)."""
-    return PolicyLossInput(rollout, logp.values, advantages.values,
-                           ref_logp.values if ref_logp is not None else None,
-                           clip, entropy_coef, kl_coef, estimator, temperature)
+             clip: float, entropy_coef: float, kl_coef: float, estimator: str, temperature: float = 1.0,
+             clip_low: float | None = None, clip_high: float | None = None, loss_agg: str = "token_mean",
+             ratio: str = "token") -> PolicyLossInput:
+    """Bundle what the policy's train step needs (the loss itself is computed per minibatch there). Rows the
+    advantages leave out (``keep``: dynamic sampling) are dropped here, so the loss averages over the rest."""
+    old, adv, ref = logp.values, advantages.values, ref_logp.values if ref_logp is not None else None
+    stats: dict = {}
+    if advantages.keep is not None:
+        keep = advantages.keep.cpu()
+        stats = {"dropped_groups": float(advantages.dropped_groups), "kept_samples": float(keep.sum())}
+        index = keep.nonzero().flatten()
+        rollout = select_rows(rollout, index)
+        old, adv = old[index.to(old.device)], adv[index.to(adv.device)]
+        ref = ref[index.to(ref.device)] if ref is not None else None
+    return PolicyLossInput(rollout, old, adv, ref, clip if clip_low is None else clip_low, entropy_coef, kl_coef,
+                           estimator, temperature, clip if clip_high is None else clip_high, loss_agg, ratio, stats)
 
 
 def value_loss(rollout: Rollout, values: TokenValues, returns: TokenValues, *, clip: float) -> ValueLossInput:

@@ -288,17 +288,19 @@ class MegatronWorker(ModelWorker):
         """Forward and backward of one minibatch part in microbatches. The losses are token means, so each
         microbatch's loss is weighted by its share of the part's response tokens (times the microbatch count,
         which megatron's schedule divides by): the gradient, loss and metrics are the whole part's."""
+        from .algorithms import loss_units
         from .generation import RolloutBatch
         from .ppo import _take
 
         batch = RolloutBatch.from_dict(part)
-        tokens = batch.response_mask.sum().clamp(min=1)
+        how = part.get("loss_agg", "token_mean")   # a seq-mean loss weighs microbatches by rows
+        tokens = loss_units(batch.response_mask, how).clamp(min=1)
         m = self._microbatches(batch.batch_size)
         totals: dict[str, float] = {}
 
         def on_output(out, rows):
             piece = _take(part, torch.arange(rows.start, rows.stop))
-            share = float(piece["response_mask"].sum() / tokens) if m > 1 else 1.0
+            share = float(loss_units(piece["response_mask"], how) / tokens) if m > 1 else 1.0
             loss, metrics = loss_fn(Outputs(out), piece)
             for k, v in {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}.items():
                 totals[k] = totals.get(k, 0.0) + share * v

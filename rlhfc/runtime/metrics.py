@@ -37,13 +37,15 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
             continue
         if key == "policy":
             m["policy_loss"] = stats.get("pg_loss", stats.get("loss", float("nan")))
-            for k in ("entropy", "clipfrac", "approx_kl", "grad_norm"):
+            for k in ("entropy", "clipfrac", "approx_kl", "grad_norm", "lr", "dropped_groups", "kept_samples"):
                 if k in stats:
-                    m[f"policy_{k}" if k == "grad_norm" else k] = stats[k]
+                    m[f"policy_{k}" if k in ("grad_norm", "lr") else k] = stats[k]
         else:
             m["value_loss"] = stats.get("vf_loss", stats.get("loss", float("nan")))
             if "vf_clipfrac" in stats:
                 m["value_clipfrac"] = stats["vf_clipfrac"]
+            if "lr" in stats:
+                m["value_lr"] = stats["lr"]
     m.setdefault("kl", float("nan"))
     m.setdefault("policy_loss", float("nan"))
     m.setdefault("value_loss", float("nan"))

@@ -159,13 +159,16 @@ def packed_backward(model: torch.nn.Module, part: Mapping[str, Any], loss_fn: Ca
     width (:mod:`rlhfc.runtime.packing`). The losses are token means, so each group's loss is weighted by
     its share of the minibatch's response tokens and the gradients accumulate: the gradient, loss and
     metrics of the whole minibatch (up to rounding)."""
+    from .algorithms import loss_units
+
     groups = length_groups(row_lengths(RolloutBatch.from_dict(part)))
-    tokens = part["response_mask"].sum().clamp(min=1)
+    how = part.get("loss_agg", "token_mean")   # a seq-mean loss weighs each group by its share of rows
+    tokens = loss_units(part["response_mask"], how).clamp(min=1)
     totals: dict[str, float] = {}
     loss_sum = 0.0
     for index in groups:
         piece = crop_part(part, index)
-        share = float(piece["response_mask"].sum() / tokens) if len(groups) > 1 else 1.0
+        share = float(loss_units(piece["response_mask"], how) / tokens) if len(groups) > 1 else 1.0
         loss, metrics = loss_fn(model, piece)
         (loss * (share * scale) if (share, scale) != (1.0, 1.0) else loss).backward()
         loss_sum += share * float(loss.detach())

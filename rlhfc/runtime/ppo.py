@@ -8,11 +8,9 @@ Conventions (every function):
   float). Responses are right-padded, so each mask row is a prefix of 1s.
 * Masked-out positions of every token-level output are exactly 0; inputs may hold
   anything there (even NaN/inf is ignored by the ``torch.where`` masking).
-* Losses are token means over the mask of the whole (mini)batch ("token-mean"
-  aggregation, as TRL's PPO trainer and verl's default).
-
-The formulas follow the usual PPO-for-LLMs recipe (TRL's PPO trainer, verl,
-OpenRLHF); tests cross-check them against TRL 1.12.
+* Losses are token means over the mask of the whole (mini)batch ("token-mean" aggregation, as TRL's PPO
+  trainer and verl's default; ``policy_loss(loss_agg=...)`` offers the others). The formulas follow the
+  PPO-for-LLMs recipe (TRL's PPO trainer, verl, OpenRLHF); tests cross-check them against TRL 1.12.
 """
 
 from __future__ import annotations
@@ -180,8 +178,11 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    loss_agg: str = "token_mean",
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped PPO surrogate, token-mean over the mask.
+    """Clipped PPO surrogate, token-mean over the mask (``loss_agg``: another average of every term,
+    ``ratio_level = "sequence"``: GSPO's sequence ratio; :mod:`rlhfc.runtime.algorithms`).
 
     ``logp`` [B, R] (with grad), ``old_logp`` / ``advantages`` [B, R] (no grad).
     ratio = exp(logp - old_logp); per token
@@ -195,26 +196,29 @@ def policy_loss(
     (0.5 * mean((logp - old_logp)^2), as TRL), ``ratio``, and ``entropy`` / ``kl``
     when given.
     """
+    from .algorithms import aggregate, sequence_log_ratio
+
     high = clip if clip_high is None else clip_high
     log_ratio = _zero_where_masked(logp - old_logp, mask)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio if ratio_level == "token" else sequence_log_ratio(logp, old_logp, mask))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
-    pg_loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    pg_loss = aggregate(torch.maximum(unclipped, clipped), mask, loss_agg)
     loss = pg_loss
     metrics: dict[str, float] = {}
     with torch.no_grad():
         metrics["pg_loss"] = float(pg_loss)
-        metrics["clipfrac"] = float(masked_mean((clipped > unclipped).to(logp.dtype), mask))
-        metrics["approx_kl"] = float(0.5 * masked_mean(log_ratio**2, mask))
-        metrics["ratio"] = float(masked_mean(ratio, mask))
+        per_row = "token_mean" if loss_agg == "token_mean" else "seq_mean_token_mean"   # means, weighed as the loss
+        metrics["clipfrac"] = float(aggregate((clipped > unclipped).to(logp.dtype), mask, per_row))
+        metrics["approx_kl"] = float(0.5 * aggregate(log_ratio**2, mask, per_row))
+        metrics["ratio"] = float(aggregate(ratio, mask, per_row))
     if entropy is not None:
-        ent = masked_mean(entropy, mask)
+        ent = aggregate(entropy, mask, loss_agg)
         metrics["entropy"] = float(ent.detach())
         if entropy_coef:
             loss = loss - entropy_coef * ent
     if ref_logp is not None:
-        kl = masked_mean(kl_penalty(logp, ref_logp, kl_estimator), mask)
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, loss_agg)
         metrics["kl"] = float(kl.detach())
         if kl_coef:
             loss = loss + kl_coef * kl
@@ -385,9 +389,12 @@ def train_epochs(
                     if len(index) < world:
                         raise ValueError(f"a minibatch of {len(index)} rows cannot be split over {world} "
                                          "data-parallel ranks: use fewer minibatches or fewer ranks")
-                    tokens = batch["response_mask"][index].sum()
+                    from .algorithms import loss_units
+
+                    how = batch.get("loss_agg", "token_mean")
+                    tokens = loss_units(batch["response_mask"][index], how)
                     index = torch.tensor_split(index, world)[rank]
-                    weight = float(batch["response_mask"][index].sum() / tokens.clamp(min=1))
+                    weight = float(loss_units(batch["response_mask"][index], how) / tokens.clamp(min=1))
                 part = _take(batch, index)
                 if unpad and pack and backward is None:
                     from .packing import packed_backward
@@ -443,6 +450,8 @@ def actor_loss_fn(
     entropy_coef: float = 0.0,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    loss_agg: str = "token_mean",
+    ratio_level: str = "token",
 ) -> Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]:
     """A ``loss_fn`` for ``train_epochs`` on a policy.
 
@@ -467,6 +476,8 @@ def actor_loss_fn(
             ref_logp=mb.get("ref_logp") if kl_coef else None,
             kl_coef=kl_coef,
             kl_estimator=kl_estimator,
+            loss_agg=loss_agg,
+            ratio_level=ratio_level,
         )
 
     return loss_fn

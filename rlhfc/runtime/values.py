@@ -15,7 +15,7 @@ Everything here pickles cleanly through Ray; nothing is ever unpickled from disk
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -74,6 +74,11 @@ class TokenValues:
 
     values: torch.Tensor
     mask: torch.Tensor
+    #: [B] bool, the rows a policy loss trains on (None: all) — DAPO's dynamic sampling
+    #: (``group_advantages(filter_groups = true)``) leaves out the groups whose scores are all equal
+    keep: torch.Tensor | None = None
+    #: how many groups ``keep`` leaves out
+    dropped_groups: int = 0
 
     def mean(self) -> float:
         m = self.mask.to(self.values.dtype)
@@ -93,6 +98,11 @@ class PolicyLossInput:
     kl_coef: float
     estimator: str
     temperature: float
+    clip_high: float | None = None
+    loss_agg: str = "token_mean"
+    ratio: str = "token"
+    #: statistics of how the batch was made (dropped groups), reported with the train step's metrics
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +124,16 @@ class CarryOver:
     """
 
     samples: list[dict]
+
+
+def select_rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
+    """The rows ``index`` of a rollout (texts, bookkeeping and kept log-probs with them)."""
+    rows = index.tolist()
+    pick = lambda xs: [xs[i] for i in rows] if xs else xs  # noqa: E731
+    return replace(rollout, batch=rollout.batch.select(index), prompts=pick(rollout.prompts),
+                   responses=pick(rollout.responses), rows=pick(rollout.rows), born=pick(rollout.born),
+                   logprobs=rollout.logprobs[index.to(rollout.logprobs.device)] if rollout.logprobs is not None
+                   else None)
 
 
 def _order(chunks: list) -> list[int]:

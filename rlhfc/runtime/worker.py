@@ -26,11 +26,9 @@ from .data import prompt_parts
 from .packing import bucketed
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
+from .collective import GROUP_TIMEOUT_S, CollectiveSync  # noqa: F401 - GROUP_TIMEOUT_S re-exported
 from .threads import stage_call
 
-
-#: how long a collective rendezvous or transfer may wait for the other rank (seconds)
-GROUP_TIMEOUT_S = 300
 
 
 def derive_seed(seed: int, *parts: str) -> int:
@@ -42,7 +40,7 @@ def tokenizer_id(spec: dict) -> str:
     return f"hf:{spec['source']}" if spec.get("source") else f"char:{spec['vocab']}"
 
 
-class ModelWorker:
+class ModelWorker(CollectiveSync):
     """Hosts model ``name`` built from ``spec``.
 
     ``init``: ``{"kind": "random"}``, ``{"kind": "pretrained"}`` (``spec["source"]``) or
@@ -249,22 +247,36 @@ class ModelWorker:
 
     @stage_call
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
-              max_grad_norm: float, weight_decay: float, unpad: bool = False) -> dict[str, float]:
+              max_grad_norm: float, weight_decay: float, unpad: bool = False, lr_schedule: str = "constant",
+              warmup_steps: int = 0, total_steps: int = 0) -> dict[str, float]:
         """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are
         padding in all of its rows (the ``unpad`` pass). A non-finite loss or gradient stops it before the
-        optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch."""
+        optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch.
+        The lr of this call is ``lr`` times the schedule's factor at train step ``self.version``
+        (:func:`rlhfc.runtime.algorithms.lr_factor`), so a resumed run continues the same sequence."""
+        from .algorithms import lr_factor
+
         if self.optimizer is None:
             self.optimizer = self._make_optimizer(lr=lr, weight_decay=weight_decay)
+        step_lr = lr * lr_factor(self.version, lr_schedule, warmup_steps, total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = step_lr
         self._check_tokens(loss.rollout)
         batch: dict[str, Any] = loss.rollout.batch.to(self.device).as_dict()
         if isinstance(loss, PolicyLossInput):
+            if loss.stats and loss.rollout.size == 0:   # dynamic sampling left nothing to learn from
+                self.version += 1
+                return {**loss.stats, "lr": step_lr, "version": float(self.version)}
+            minibatches = min(minibatches, loss.rollout.size) if loss.stats else minibatches
             batch["old_logp"] = loss.old_logp.to(self.device)
             batch["advantages"] = loss.advantages.to(self.device)
+            batch["loss_agg"] = loss.loss_agg
             if loss.ref_logp is not None:
                 batch["ref_logp"] = loss.ref_logp.to(self.device)
-            fn = ppo.actor_loss_fn(clip=loss.clip, temperature=loss.temperature, entropy_coef=loss.entropy_coef,
+            fn = ppo.actor_loss_fn(clip=loss.clip, clip_high=loss.clip_high, temperature=loss.temperature,
+                                   entropy_coef=loss.entropy_coef,
                                    kl_coef=loss.kl_coef if loss.ref_logp is not None else 0.0,
-                                   kl_estimator=loss.estimator)
+                                   kl_estimator=loss.estimator, loss_agg=loss.loss_agg, ratio_level=loss.ratio)
         else:
             batch["old_values"] = loss.old_values.to(self.device)
             batch["returns"] = loss.returns.to(self.device)
@@ -285,7 +297,7 @@ class ModelWorker:
                                      max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad,
                                      pack=self._pack)
         self.version += 1
-        metrics["version"] = float(self.version)
+        metrics.update(getattr(loss, "stats", {}), lr=step_lr, version=float(self.version))
         return metrics
 
     def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
@@ -342,88 +354,6 @@ class ModelWorker:
             for name, array in bucket.items():
                 current[name].copy_(torch.from_numpy(array))
         return len(bucket)
-
-    # -- collective weight transfer (sync with transport = "collective") ------------------------
-    # The sender and the receiver of a sync stage form a two-rank process group of their own (NCCL
-    # between GPUs, gloo on CPU) and the sender broadcasts its weights in flat buckets.
-    def sync_open(self, key: str) -> tuple[str, int]:
-        """Start the rendezvous store of group ``key`` here (the sender's side): (host, port)."""
-        from datetime import timedelta
-
-        import ray
-        import torch.distributed as dist
-
-        host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-                              wait_for_workers=False)
-        self._stores[key] = store
-        return host, int(store.port)
-
-    def sync_join(self, key: str, rank: int, host: str, port: int, backend: str) -> str:
-        """Join the two-rank group ``key`` (rank 0 sends, rank 1 receives); blocks until both are in."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-        store = self._stores[key] if rank == 0 else \
-            dist.TCPStore(host, int(port), 2, False, timeout=timeout)
-        prefixed = dist.PrefixStore(f"rlhfc/{key}", store)
-        if backend == "nccl":
-            group = dist.ProcessGroupNCCL(prefixed, int(rank), 2)
-        elif backend == "gloo":
-            group = dist.ProcessGroupGloo(prefixed, int(rank), 2, timeout)
-        else:
-            raise ValueError(f"unknown collective backend {backend!r} (nccl or gloo)")
-        self._groups[key] = (group, store)   # the store must outlive the group
-        return backend
-
-    def _buckets(self, bucket_mb: int) -> list[list[tuple[str, torch.Tensor]]]:
-        """The state dict cut into buckets of one dtype and about ``bucket_mb`` MiB, in state-dict order
-        (both ends build the same model, so they cut it the same way)."""
-        limit = max(1, int(bucket_mb)) * 2**20
-        out: list[list[tuple[str, torch.Tensor]]] = []
-        size = 0
-        for name, tensor in self._state_items():
-            if not out or size >= limit or out[-1][0][1].dtype != tensor.dtype:
-                out.append([])
-                size = 0
-            out[-1].append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-        return out
-
-    def _broadcast(self, key: str, flat: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        group = self._groups[key][0]
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        group.broadcast([flat], opts).wait()
-
-    def sync_send(self, key: str, bucket_mb: int) -> tuple[int, int, int]:
-        """Broadcast the weights to the other rank of group ``key``: (version, bytes, buckets)."""
-        total = 0
-        buckets = self._buckets(bucket_mb)
-        with torch.no_grad():
-            for bucket in buckets:
-                flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
-                self._broadcast(key, flat)
-                total += flat.numel() * flat.element_size()
-        return self.version, total, len(buckets)
-
-    def sync_recv(self, key: str, bucket_mb: int) -> int:
-        """Receive the weights broadcast by rank 0 of group ``key`` into this worker's model (exact copies)."""
-        buckets = self._buckets(bucket_mb)
-        with torch.no_grad():
-            for bucket in buckets:
-                flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype,
-                                   device=bucket[0][1].device)
-                self._broadcast(key, flat)
-                at = 0
-                for _, t in bucket:
-                    t.copy_(flat[at:at + t.numel()].view_as(t))
-                    at += t.numel()
-        return len(buckets)
 
     def set_version(self, version: int) -> int:
         self.version = int(version)

@@ -80,13 +80,16 @@ def test_grouped_forwards_equal_padded_ones(long_tailed, make_spec):
             torch.testing.assert_close(bucketed(fn, batch, group_cost=16), fn(batch), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_training_step_equals_padded(long_tailed):
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_packed_training_step_equals_padded(long_tailed, loss_agg):
+    """Also under a sequence-mean loss (DAPO/GRPO aggregations), where each group weighs by its rows."""
     policy, batch = long_tailed
     g = torch.Generator().manual_seed(1)
     part = batch.as_dict()
     part["old_logp"] = (torch.randn(batch.response_mask.shape, generator=g) * 0.1 - 2.0) * batch.response_mask
     part["advantages"] = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
-    loss_fn = ppo.actor_loss_fn(entropy_coef=0.01)
+    part["loss_agg"] = loss_agg
+    loss_fn = ppo.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
     assert crop_part(part, [1, 2])["old_logp"].shape[1] <= batch.response_width
 
     def grads(run):
