@@ -119,6 +119,9 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
     suggestion = suggest_layout(cm, module, stage, dev.capacity_bytes - (sum(dev.static.values()) - repriced))
     if suggestion is not None and cost.layout is not None and suggestion[0] == cost.layout:
         suggestion = None
+    fix = _recompute_fix(cm, module, stage, dev)
+    if fix:
+        parts.append(fix)
     if suggestion is not None:
         lay, need = suggestion
         parts.append(f"shard @{cost.model} more: parallel = {{dp = {lay.dp}, tp = {lay.tp}, pp = {lay.pp}}}"
@@ -129,6 +132,24 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
                      f"@{cost.model} beside what else they hold: give models separate meshes "
                      "(mesh = {first = I, count = N}), more micro-batches, more devices, or offload")
     return "; ".join(parts)
+
+
+def _recompute_fix(cm: CostModel, module: Module, stage: str, dev) -> str:
+    """For a train stage that keeps all its activations: whether recomputing them would make it fit."""
+    from dataclasses import replace
+
+    from rlhfc.ir import plan
+
+    st = module.graph.stage(stage)
+    if st.op != "train" or plan.recompute_decision(st) is not None:
+        return ""
+    lay = cm.layout(st)
+    full = cm.stage_cost(st, replace(lay, recompute="full")).transient_bytes
+    if sum(dev.static.values()) + full > dev.capacity_bytes:
+        return ""
+    return (f"recomputing its activations makes it fit ({_gib(full)} of activations instead of "
+            f"{_gib(cm.stage_cost(st, lay).transient_bytes)}): the recompute pass (in -O2 and -O3) chooses what "
+            "to keep")
 
 
 def _own_static(dev, model: str | None, with_state: bool) -> float:
