@@ -22,6 +22,12 @@ def check(file: str = typer.Argument(..., help=".rlhf or .rlir file"),
           plugin: List[str] = typer.Option([], "--plugin", help="import a module that registers passes/ops")):
     """Parse and verify a program; exit 0, or print diagnostics and exit 2."""
     module, _ = load(file, plugin)
+    from rlhfc.cost.memory import unfittable
+    from rlhfc.ir import DiagnosticSink
+
+    sink = DiagnosticSink()   # a stage no plan can fit in memory is an error whatever the -O level
+    unfittable(module, sink)
+    sink.raise_if_errors()
     typer.echo(f"{file}: ok ({len(module.models)} models, {len(module.graph.stages)} stages)", err=True)
 
 

@@ -149,6 +149,8 @@ def decide(module: Module, stage, policy: str, budget: float | None = None, sque
             return Recompute("none")
         fit = block_budget(module, stage, trace, cm, inp, recompute=True) / squeeze
         chosen = choice.within(trace, max(fit, 0.0))
-    return Recompute(chosen.policy if chosen.policy != "ops" else "ops", chosen.save, int(chosen.saved_bytes),
+    if chosen.policy == "none":
+        return Recompute("none")   # nothing recomputed: no annotation
+    return Recompute(chosen.policy, chosen.save, int(chosen.saved_bytes),
                      int(trace.autograd_bytes), float(f"{chosen.recompute_s:.4g}"),
                      None if fit is None else max(0, int(fit)))
