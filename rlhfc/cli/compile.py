@@ -49,7 +49,8 @@ def compile_cmd(
         raise CompileError([Diagnostic("error", f"unknown --emit '{emit}'", None, "use --emit ir or --emit job")])
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, verify_each=not no_verify,
-                    print_after={"*"} if print_after_all else set(print_after), placement=placement)
+                    print_after={"*"} if print_after_all else set(print_after), placement=placement,
+                    memory_check=True if emit == "job" else "warn")
     if emit == "ir":
         ir = print_module(done.module)
         if out:

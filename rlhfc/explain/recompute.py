@@ -11,6 +11,15 @@ def _mib(x: float) -> str:
     return f"{x / 2 ** 20:.1f} MiB" if x < 2 ** 30 else f"{x / 2 ** 30:.2f} GiB"
 
 
+def _ops(keys) -> str:
+    """``mm x7, rsqrt x2``: the kept aten calls by op."""
+    counts: dict[str, int] = {}
+    for k in keys:
+        name = k.split("#")[0].split(".")[0].lstrip("_")
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def recompute_notes(module: Module, cm) -> list[str]:
     from rlhfc.cost import memory_issues
 
@@ -27,7 +36,8 @@ def recompute_notes(module: Module, cm) -> list[str]:
         added = d.seconds * blocks * micro
         what = {"full": "recomputes every block from its input",
                 "selective": "recomputes the core attention (Megatron's selective)",
-                "ops": f"keeps the outputs of {len(d.save)} ops of each block and recomputes the rest"}[d.policy]
+                "ops": f"keeps the outputs of {len(d.save)} ops of each block ({_ops(d.save)}) and recomputes the "
+                       "rest"}[d.policy]
         line = (f"%{s.name} {what}: activations kept per block {_mib(d.autograd or 0)} -> {_mib(d.kept)} "
                 f"({blocks} blocks: {_mib((d.autograd or 0) * blocks)} -> {_mib(d.kept * blocks)} per micro-batch); "
                 f"adds {added * 1e3:.1f} ms per step ({d.seconds * 1e3:.2f} ms per block and micro-batch)")

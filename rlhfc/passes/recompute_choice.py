@@ -96,6 +96,21 @@ def within(trace: BlockTrace, budget: float) -> Choice:
         if row[cap]:
             save.add(n.key)
             cap -= int(-(-n.bytes // unit))
+    # the knapsack rounds weights up; the fixed policies and the greedy ranking are exact: take the best that fits
+    options = [price(trace, save), selective(trace), greedy(trace, budget), full(trace)]
+    return min((c for c in options if c.saved_bytes <= budget), key=lambda c: (c.recompute_s, c.saved_bytes))
+
+
+def greedy(trace: BlockTrace, budget: float) -> Choice:
+    """The ranking idea of torch's activation-memory-budget partitioner: keep ops in order of recompute
+    seconds saved per byte kept while they fit (a baseline; :func:`within` is never worse)."""
+    cut, used, save = _cut(trace), 0, set()
+    ranked = sorted((n for i, n in enumerate(trace.nodes) if i <= cut and n.bytes),
+                    key=lambda n: n.seconds / n.bytes, reverse=True)
+    for n in ranked:
+        if used + n.bytes <= budget:
+            save.add(n.key)
+            used += n.bytes
     return price(trace, save)
 
 

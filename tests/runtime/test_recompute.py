@@ -109,3 +109,19 @@ def test_recompute_inference_unchanged_and_reversible():
     assert all("_rlhfc_forward" not in b.__dict__ and "forward" not in b.__dict__ for b in blocks(model))
     with pytest.raises(ValueError, match="recompute policy"):
         apply_recompute(model, {"policy": "sometimes"})
+
+
+def test_worker_out_of_memory_names_the_stage(tmp_path):
+    """When the cost model was wrong and a worker runs out of memory, the job's error says so and names the
+    stage (a torch allocation failure raised in the worker, as Ray hands it to the driver)."""
+    from rlhfc.runtime.job import Job
+
+    job = Job.__new__(Job)
+    job.plan = {"graph": {"stages_by_name": {"actor_train": {"op": "train", "target": "actor"}}}}
+    job.out, job.last_checkpoint, job.resume_command = str(tmp_path), None, ["python", "main.py"]
+    err = job._ray_failure("actor_train", RuntimeError("[enforce fail at alloc_cpu.cpp:117] "
+                                                       "DefaultCPUAllocator: can't allocate memory"))
+    assert "stage %actor_train (train on model 'actor') failed: its worker ran out of memory" in str(err)
+    assert "memory check expected it to fit" in str(err)
+    other = job._ray_failure("actor_train", ValueError("bad value"))
+    assert "out of memory" not in str(other)
