@@ -38,7 +38,8 @@ def recompute_notes(module: Module, cm) -> list[str]:
                 "selective": "recomputes the core attention (Megatron's selective)",
                 "ops": f"keeps the outputs of {len(d.save)} ops of each block ({_ops(d.save)}) and recomputes the "
                        "rest"}[d.policy]
-        line = (f"%{s.name} {what}: activations kept per block {_mib(d.autograd or 0)} -> {_mib(d.kept)} "
+        split = f", split over tp{lay.tp}" if lay and lay.tp > 1 and cm.gpu else ""
+        line = (f"%{s.name} {what}: activations kept per block{split} {_mib(d.autograd or 0)} -> {_mib(d.kept)} "
                 f"({blocks} blocks: {_mib((d.autograd or 0) * blocks)} -> {_mib(d.kept * blocks)} per micro-batch); "
                 f"adds {added * 1e3:.1f} ms per step ({d.seconds * 1e3:.2f} ms per block and micro-batch)")
         trial = module.clone()

@@ -67,7 +67,7 @@ def _hf_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab
                           num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
     else:
         cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_inner=ffn, n_layer=1, n_head=heads,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = attn
     return cfg
 
@@ -139,11 +139,21 @@ def core_attention(graph) -> set[str]:
     return out
 
 
+def trace_block(*args, **kwargs) -> BlockTrace:
+    """Trace one block at a micro-batch of ``rows x seq`` tokens (see the module docstring); cached. Arguments:
+    ``arch, hidden, heads, kv_heads, ffn, vocab, rows, seq``; keywords ``dtype``, ``attn`` (the runtime's
+    attention implementation), ``flops_per_s``, ``bytes_per_s``, ``op_s`` (the rates op times are priced at)."""
+    import warnings
+
+    with warnings.catch_warnings():   # torch's pytree deprecation notes while tracing are not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        return _trace_block(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=64)
-def trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
+def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
                 *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9,
                 bytes_per_s: float = 8e9, op_s: float = 5e-6) -> BlockTrace:
-    """Trace one block at a micro-batch of ``rows x seq`` tokens (see the module docstring)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx import Interpreter
