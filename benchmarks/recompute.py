@@ -52,18 +52,20 @@ def _block_call(model, batch):
 
 
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
-    """(seconds of one forward+backward, peak CUDA bytes or 0)."""
+    """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
+    other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
+    clock = time.perf_counter if cuda else time.process_time
     model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
+    t = clock()
     model(*batch).float().pow(2).mean().backward()
     peak = 0
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-    return time.perf_counter() - t, peak
+    return clock() - t, peak
 
 
 def main() -> None:
@@ -87,10 +89,11 @@ def main() -> None:
     # calibrate the trace's op rates by one measured block forward (what a profile would give the cost model)
     with torch.no_grad():
         block(*bargs, **bkw)
-        t = time.perf_counter()
+        clock = time.perf_counter if args.cuda else time.process_time
+        t = clock()
         for _ in range(3):
             block(*bargs, **bkw)
-        fwd = (time.perf_counter() - t) / 3
+        fwd = (clock() - t) / 3
     calib = fwd / trace.forward_s
     sel = choice.selective(trace)
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
@@ -102,7 +105,7 @@ def main() -> None:
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
           f"op-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)")
-    print("| policy | kept/block est. | kept/block measured | step s (best) | overhead measured | overhead predicted |"
+    print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | overhead predicted |"
           + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
