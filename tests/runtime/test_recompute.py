@@ -3,6 +3,8 @@ and gradients with every policy against those without recomputation (tiny llama 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -125,3 +127,19 @@ def test_worker_out_of_memory_names_the_stage(tmp_path):
     assert "memory check expected it to fit" in str(err)
     other = job._ray_failure("actor_train", ValueError("bad value"))
     assert "out of memory" not in str(other)
+
+
+def test_megatron_recompute_settings_nearest_the_decision():
+    """The megatron trainer expresses full and selective itself; a traced op set becomes full (keeps less)."""
+    pytest.importorskip("megatron.core")
+    from rlhfc.runtime.mcore_model import recompute_settings, transformer_config
+    from rlhfc.runtime.models import normalize_spec
+
+    assert recompute_settings(None) == {} == recompute_settings({"policy": "none"})
+    got = {}
+    for policy in ("full", "selective", "ops"):
+        spec = normalize_spec(dict(SPECS["llama"], recompute={"policy": policy, "save": ["mm.default#0"]}))
+        with warnings.catch_warnings():   # megatron notes that fused attention needs no core_attn recompute
+            warnings.simplefilter("ignore")
+            got[policy] = transformer_config(spec, 1, 1).recompute_granularity
+    assert got == {"full": "full", "selective": "selective", "ops": "full"}
