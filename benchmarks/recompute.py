@@ -15,7 +15,10 @@ With ``--attn eager`` the s x s attention scores are stored (where Megatron's se
 ``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
 also read from ``torch.cuda.max_memory_allocated``.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--cuda]
+``--profile`` prices each op by its measured time in a block forward (what a profile gives the cost model)
+instead of the catalog rates scaled by one forward.
+
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--cuda]
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import time
 import torch
 
 from rlhfc.passes import recompute_choice as choice
-from rlhfc.passes.recompute_trace import trace_block
+from rlhfc.passes.recompute_trace import retime, trace_block
 from rlhfc.runtime.models import build_model
-from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes
+from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
 
 SPEC = dict(arch="llama", layers=6, hidden=256, heads=8, vocab=96, max_seq=4096)
 
@@ -49,6 +52,33 @@ def _block_call(model, batch):
     hook.remove()
     x = seen["a"][0].detach().requires_grad_(True)
     return block, (x, *seen["a"][1:]), seen["k"]
+
+
+def _op_seconds(block, bargs, bkw, rounds: int, cuda: bool) -> dict[str, float]:
+    """Each aten call of a block forward (with gradients, as the recompute replays it), timed: best of
+    ``rounds``, by op key — what a profile of the block gives the trace."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    clock = time.perf_counter if cuda else time.process_time
+    best: dict[str, float] = {}
+    counts: dict = {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            key = op_key(func, counts.get(func, 0))
+            counts[func] = counts.get(func, 0) + 1
+            t = clock()
+            out = func(*a, **(kw or {}))
+            if cuda:
+                torch.cuda.synchronize()
+            best[key] = min(best.get(key, float("inf")), clock() - t)
+            return out
+
+    for _ in range(rounds):
+        counts.clear()
+        with Timer():
+            block(*bargs, **bkw)
+    return best
 
 
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
@@ -75,6 +105,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="time each op of a block forward and price from that")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if args.cuda else "cpu"
@@ -95,6 +126,9 @@ def main() -> None:
             block(*bargs, **bkw)
         fwd = (clock() - t) / 3
     calib = fwd / trace.forward_s
+    if args.profile:   # the op times measured on this machine instead of the catalog rates
+        trace = retime(trace, _op_seconds(block, bargs, bkw, 3, args.cuda))
+        calib = 1.0
     sel = choice.selective(trace)
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
     for frac in (1.0, 0.5, 0.25):
@@ -104,7 +138,8 @@ def main() -> None:
             runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
-          f"op-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)")
+          + (f"op times profiled (block forward {fwd * 1e3:.1f} ms, ops sum to {trace.forward_s * 1e3:.1f} ms)"
+             if args.profile else f"op-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)"))
     print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | overhead predicted |"
           + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))

@@ -268,3 +268,12 @@ def _moved_bytes(node) -> float:
                     n *= int(d)
                 total += n * t.dtype.itemsize
     return total
+
+
+def retime(trace: BlockTrace, seconds: dict[str, float]) -> BlockTrace:
+    """``trace`` with the op times measured on the device (``seconds`` by op key, e.g. from timing each aten
+    call of a real block forward: a profile); ops not measured keep their estimate."""
+    from dataclasses import replace
+
+    nodes = tuple(replace(n, seconds=float(seconds.get(n.key, n.seconds))) for n in trace.nodes)
+    return replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes))
