@@ -91,3 +91,14 @@ def test_recompute_policies_order_memory_and_time():
     assert got["selective"].policy == "ops" and got["selective"].seconds < full.seconds
     with pytest.raises(CompileError, match="policy budget needs budget"):
         parse_pipeline("recompute{policy=budget}")
+
+
+def test_untraceable_block_warns_with_its_location_and_keeps_the_coarse_policy():
+    """A model the pass cannot trace (here: one loaded from a folder) gets a located warning; the stage keeps
+    the coarse policy placement chose."""
+    module = _module()
+    module.models["actor"].source = "checkpoints/actor"
+    plan.set_recompute(module.graph.stage("actor_train"), plan.Recompute("full"))
+    with pytest.warns(UserWarning, match=r"over_memory.rlhf:17:3: warning: model 'actor' comes from a folder"):
+        parse_pipeline("recompute")[0].run(module)
+    assert plan.recompute_decision(module.graph.stage("actor_train")) == plan.Recompute("full")

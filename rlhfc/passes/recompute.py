@@ -55,7 +55,14 @@ class RecomputePass(Pass):
     def run(self, module: Module) -> Module:
         from rlhfc.cost import memory_issues
 
-        trains = [s for s in module.graph.stages if s.op == "train" and s.target in module.models]
+        trains = []
+        for s in [s for s in module.graph.stages if s.op == "train" and s.target in module.models]:
+            why = traceable(module.models[s.target])
+            if why is None:
+                trains.append(s)
+            else:   # said once; the stage keeps placement's coarse policy
+                warnings.warn(f"{s.loc or module.models[s.target].loc or s.name}: warning: {why}; recompute keeps "
+                              f"placement's coarse choice ({plan.recompute(s)})", stacklevel=2)
         # auto: each stage's budget is what its devices have left beside resident state; stages that overlap
         # on a device share it, so budgets tighten (1/2, 1/4, ...) until the plan fits or nothing is left
         for squeeze in ((1, 2, 4, 8, 16) if self.policy == "auto" else (1,)):
@@ -121,11 +128,7 @@ def decide(module: Module, stage, policy: str, budget: float | None = None, sque
     from . import recompute_choice as choice
 
     model = module.models[stage.target]
-    why = traceable(model)
-    if why is not None:
-        loc = stage.loc or model.loc
-        warnings.warn(f"{loc or stage.name}: warning: {why}; recompute keeps placement's coarse choice "
-                      f"({plan.recompute(stage)})", stacklevel=2)
+    if traceable(model) is not None:
         return None
     try:
         trace, cm, inp = stage_trace(module, stage)
