@@ -22,6 +22,12 @@ def check(file: str = typer.Argument(..., help=".rlhf or .rlir file"),
           plugin: List[str] = typer.Option([], "--plugin", help="import a module that registers passes/ops")):
     """Parse and verify a program; exit 0, or print diagnostics and exit 2."""
     module, _ = load(file, plugin)
+    from rlhfc.cost.memory import unfittable
+    from rlhfc.ir import DiagnosticSink
+
+    sink = DiagnosticSink()   # a stage no plan can fit in memory is an error whatever the -O level
+    unfittable(module, sink)
+    sink.raise_if_errors()
     typer.echo(f"{file}: ok ({len(module.models)} models, {len(module.graph.stages)} stages)", err=True)
 
 
@@ -43,7 +49,8 @@ def compile_cmd(
         raise CompileError([Diagnostic("error", f"unknown --emit '{emit}'", None, "use --emit ir or --emit job")])
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, verify_each=not no_verify,
-                    print_after={"*"} if print_after_all else set(print_after), placement=placement)
+                    print_after={"*"} if print_after_all else set(print_after), placement=placement,
+                    memory_check=True if emit == "job" else "warn")
     if emit == "ir":
         ir = print_module(done.module)
         if out:

@@ -45,10 +45,17 @@ def check_placement(placement: str) -> str:
 
 
 def optimise(module: Module, level: str | None, passes: str | None, *, verify_each: bool = True,
-             print_after: set[str] | None = None, placement: str | None = None) -> Optimised:
+             print_after: set[str] | None = None, placement: str | None = None,
+             memory_check: bool | str = True) -> Optimised:
     """Run ``passes`` (``--passes a,b{opt=1}``) if given, else the pipeline of ``level`` (default: the
     program's ``run { optimize = ... }``). ``placement`` overrides the program's ``run { placement = ... }``
-    strategy. A bad level or placement is a :class:`~rlhfc.ir.CompileError`, before any pass runs."""
+    strategy. A bad level or placement is a :class:`~rlhfc.ir.CompileError`, before any pass runs.
+
+    ``memory_check``: after the passes, at every level (-O0 included), a stage that does not fit its
+    devices' memory under the resulting plan is a compile error naming the stage, the device, bytes needed
+    vs available and what would make it fit (:func:`rlhfc.cost.check_memory`) — a job never starts only to
+    run out of memory where the cost model could tell. ``explain`` reports instead of failing; an explicit
+    ``--passes`` pipeline (pass development) that only prints IR passes ``memory_check="warn"``."""
     from rlhfc.passes import PIPELINES, PassManager, parse_pipeline, pipeline_for
 
     if level is not None:
@@ -67,5 +74,15 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
 
     pm = PassManager(chosen, verify_each=verify_each, print_after=print_after or set(), printer=show)
     module = pm.run(module)
+    if memory_check:
+        from rlhfc.cost import check_memory
+        from rlhfc.ir import DiagnosticSink
+
+        sink = DiagnosticSink()
+        warn = memory_check == "warn" and level is None
+        check_memory(module, sink, severity="warning" if warn else "error")
+        for d in sink.warnings:
+            typer.echo(f"warning: {d.message} (a job of this IR would run out of memory)", err=True)
+        sink.raise_if_errors()
     names = list(PIPELINES[level]) if level is not None else [r.spec for r in pm.records]
     return Optimised(module, pm, level, names)

@@ -23,6 +23,17 @@ def model_spec(m) -> dict:
             "source": os.path.abspath(m.source) if m.source else None}
 
 
+def _trained_spec(module: Module, m) -> dict:
+    """The model's spec, with the recompute decision of its train stage (``spec["recompute"]``, for the
+    trainer: :func:`rlhfc.runtime.recompute.apply_recompute`) when it recomputes anything."""
+    spec = model_spec(m)
+    for s in module.graph.stages_on(m.name):
+        decision = plan.recompute_decision(s)
+        if decision is not None and decision.policy != "none":
+            spec["recompute"] = decision.runtime()
+    return spec
+
+
 def _init(module: Module, m) -> dict:
     from rlhfc.ir import Symbol
 
@@ -131,7 +142,7 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
         "opt_level": opt_level,
         "passes": passes,
         "cluster": {"name": module.cluster.name, **module.cluster.attrs()},
-        "models": {m.name: {"spec": model_spec(m), "init": _init(module, m), "trainable": m.trainable,
+        "models": {m.name: {"spec": _trained_spec(module, m), "init": _init(module, m), "trainable": m.trainable,
                             "params": m.params} for m in module.models.values()},
         "data": data,
         "run": module.run.attrs(),

@@ -232,6 +232,27 @@ def train_activation_bytes(xp, hw, arch, work, lay):
     return stored + recompute_peak + logits
 
 
+def traced_train_activation_bytes(xp, hw, arch, work, lay):
+    """:func:`train_activation_bytes` from a traced recompute decision (the ``recompute`` pass): each block keeps
+    ``rc_kept`` bytes per micro-batch besides its input, and while one block recomputes, its full autograd set
+    (``rc_autograd``) is live once more; plus the float32 logits of the lm head."""
+    b = work["rows"] / work["minibatches"] / (lay["dp"] * lay["mb"])
+    S = work["seq"]
+    inp = S * b * arch["h"] * hw["bpp"]
+    per_layer = (work["rc_kept"] + inp) / lay["tp"]
+    stored = per_layer * arch["L"] / lay["pp"] * xp.minimum(lay["mb"], lay["pp"])
+    peak = work["rc_autograd"] / lay["tp"] if work["rc_seconds"] > 0 else 0.0
+    logits = 4.0 * b * S * arch["vocab"] * 4.0 / lay["tp"] if arch["lm"] else 0.0 * b
+    return stored + peak + logits
+
+
+def traced_recompute_seconds(xp, arch, work, lay):
+    """Time the traced decision adds to a train stage: ``rc_seconds`` per block and micro-batch, for the
+    ``L/pp`` blocks of a device, every micro-batch of every optimizer step."""
+    steps = work["epochs"] * work["minibatches"]
+    return steps * lay["mb"] * (arch["L"] / lay["pp"]) * work["rc_seconds"] + 0.0 * lay["dp"]
+
+
 def generate_cache_bytes(xp, hw, arch, work, lay):
     """KV cache (+ float32 logits of one step + one prefill layer) on one device while generating."""
     b_rep = work["rows"] / lay["dp"]

@@ -94,6 +94,10 @@ def _culprit(result, dev) -> str:
     return next(iter(result.costs))
 
 
+def _size(x: float) -> str:
+    return _gib(x) if x >= GiB else f"{x / 2 ** 20:.1f} MiB"
+
+
 def _ranges(ids: list[int]) -> str:
     ids = sorted(ids)
     out, start, prev = [], ids[0], ids[0]
@@ -119,6 +123,9 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
     suggestion = suggest_layout(cm, module, stage, dev.capacity_bytes - (sum(dev.static.values()) - repriced))
     if suggestion is not None and cost.layout is not None and suggestion[0] == cost.layout:
         suggestion = None
+    fix = _recompute_fix(cm, module, stage, dev)
+    if fix:
+        parts.append(fix)
     if suggestion is not None:
         lay, need = suggestion
         parts.append(f"shard @{cost.model} more: parallel = {{dp = {lay.dp}, tp = {lay.tp}, pp = {lay.pp}}}"
@@ -129,6 +136,24 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
                      f"@{cost.model} beside what else they hold: give models separate meshes "
                      "(mesh = {first = I, count = N}), more micro-batches, more devices, or offload")
     return "; ".join(parts)
+
+
+def _recompute_fix(cm: CostModel, module: Module, stage: str, dev) -> str:
+    """For a train stage that keeps all its activations: whether recomputing them would make it fit."""
+    from dataclasses import replace
+
+    from rlhfc.ir import plan
+
+    st = module.graph.stage(stage)
+    if st.op != "train" or plan.recompute_decision(st) is not None:
+        return ""
+    lay = cm.layout(st)
+    full = cm.stage_cost(st, replace(lay, recompute="full")).transient_bytes
+    if sum(dev.static.values()) + full > dev.capacity_bytes:
+        return ""
+    return (f"recomputing its activations makes it fit ({_gib(full)} of activations instead of "
+            f"{_gib(cm.stage_cost(st, lay).transient_bytes)}): the recompute pass (in -O2 and -O3) chooses what "
+            "to keep")
 
 
 def _own_static(dev, model: str | None, with_state: bool) -> float:
@@ -157,3 +182,32 @@ def suggest_layout(cm: CostModel, module: Module, stage: str, budget: float) -> 
         return None
     best = min(ok, key=lambda i: (res["total"][i], need[i]))
     return cands[best], float(need[best])
+
+
+def unfittable(module: Module, sink: DiagnosticSink, config: CostConfig | None = None) -> list[str]:
+    """Report each model stage that fits no plan at all: spread over every device of the cluster, in the
+    (dp, tp, pp) split, micro-batches (up to 8) and recomputation that need the least memory, alone on its
+    devices, it still needs more than a device has (what ``rlhfc check`` rejects whatever the -O level)."""
+    cm = CostModel(module, config)
+    n, cap = module.cluster.num_devices, cm.spec.memory
+    bad = []
+    for st in module.graph.stages:
+        model = module.models.get(st.target or "")
+        if model is None or st.op.split(".", 1)[0] not in ("generate", "forward", "train"):
+            continue
+        best = None
+        for mb in (1, 2, 4, 8):
+            cands = candidate_layouts(0, n, per_node=module.cluster.per_node, heads=model.heads, layers=model.layers,
+                                      microbatches=(mb,), recompute=("full",) if st.op == "train" else ("none",))
+            if not cands:
+                continue
+            res = evaluate(module, st.name, cands, cost_model=cm)
+            need = float((res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]).min())
+            best = need if best is None else min(best, need)
+        if best is not None and best > cap:
+            bad.append(st.name)
+            sink.error(f"stage %{st.name} fits no plan: even over all {n} devices with the least memory "
+                       f"(sharded, 8 micro-batches{', full recompute' if st.op == 'train' else ''}) it needs "
+                       f"{_size(best)} per device but a device has {_size(cap)}", where(st),
+                       "more or larger devices (cluster memory / gpu kind), a smaller batch or shorter sequences")
+    return bad

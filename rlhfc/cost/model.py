@@ -182,7 +182,12 @@ def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
         state = 0.0 * lay["dp"]
     else:
         res = F.train_time(xp, hw, arch, work, lay, inp.fit, inp.opt_fit, inp.grid)
-        transient = F.train_activation_bytes(xp, hw, arch, work, lay)
+        if "rc_kept" in work:   # a traced recompute decision: its own bytes and seconds (lay["rc"] is 0)
+            transient = F.traced_train_activation_bytes(xp, hw, arch, work, lay)
+            extra = F.traced_recompute_seconds(xp, arch, work, lay)
+            res = dict(res, total=res["total"] + extra, compute=res["compute"] + extra)
+        else:
+            transient = F.train_activation_bytes(xp, hw, arch, work, lay)
         state = F.train_state_bytes(xp, hw, arch, lay)
     out = {k: v for k, v in res.items() if k != "step"}
     out["total"] = out["total"] + dispatch
@@ -212,6 +217,8 @@ class CostModel:
         prof = self.config.profile
         self.profile = prof if (prof is not None and prof.device_kind == self.kind) else None
         self.spec = device_spec(self.kind, self.profile)
+        if module.cluster.memory is not None and module.cluster.memory > 0:   # the program's memory = "..."
+            self.spec = replace(self.spec, memory=float(module.cluster.memory))
         batching = self.config.batching
         self.continuous = (batching == "continuous") or (batching == "auto" and self.gpu)
         self.dispatch = self.config.dispatch_s if self.config.dispatch_s is not None else \
@@ -411,6 +418,11 @@ class CostModel:
                 work.update(epochs=float(stage.attrs.get("epochs", 1)),
                             minibatches=float(max(1, min(stage.attrs.get("minibatches", 1), work["rows"]))))
                 opt_fit = self._fit(model, "optimizer")
+                traced = plan.recompute_decision(stage)
+                if traced is not None and traced.kept is not None:
+                    work.update(rc_kept=float(traced.kept), rc_autograd=float(traced.autograd or 0),
+                                rc_seconds=float(traced.seconds or 0.0))
+                    lay["rc"] = 0.0 * lay["rc"]
         fit = self._fit(model, family)
         grid = self._fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
@@ -431,8 +443,8 @@ class CostModel:
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
         else:
-            factor = 1.0 if inp.family == "forward" else \
-                F.TRAIN_FLOP_FACTOR[RECOMPUTE_POLICIES.index(layout.recompute)] * work["epochs"]
+            rc = 0 if "rc_kept" in work else RECOMPUTE_POLICIES.index(layout.recompute)
+            factor = 1.0 if inp.family == "forward" else F.TRAIN_FLOP_FACTOR[rc] * work["epochs"]
             flops = factor * 2 * arch["mm"] * work["rows"] * work["seq"]
             summary = {k: v for k, v in work.items()}
             finish = ()

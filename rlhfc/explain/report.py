@@ -73,6 +73,9 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     for s in module.graph.stages:
         if stream_chunk(s):
             notes.append(f"%{s.name} streams chunks of {stream_chunk(s)} finished samples to its forwards")
+    from .recompute import recompute_notes
+
+    notes += recompute_notes(module, cm)
     return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
                   notes, source)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 
 from rlhfc.cost.model import CostModel
+from rlhfc.ir import plan
 
 from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text, worker_rows, worker_text
 
@@ -45,6 +46,9 @@ def _placement(report: Report) -> list[str]:
         else:
             devices = c.layout.describe(per_node)
             parallel = c.layout.parallel_text(report.module.cluster.device == "cpu")
+            traced = plan.recompute_decision(s)
+            if traced is not None and traced.kept is not None:   # the recompute pass's decision, not a coarse one
+                parallel = parallel.replace(f"rc:{c.layout.recompute}", f"rc:{traced.policy}")
             mem = fmt_bytes(c.total_bytes)
         eff = CostModel.padding_efficiency(c)
         rows.append((f"%{s.name}", s.op, f"@{c.model}" if c.model else "-", devices, parallel,

@@ -61,3 +61,25 @@ def size_text(lit: ast.Literal) -> str:
                 return f"{text}{unit}"
         return str(n)
     return show(lit)
+
+
+#: units a memory setting may use (``memory = "2GB"``), in bytes
+MEMORY_UNITS = {"B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "TB": 1000 ** 4,
+                "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3, "TiB": 1024 ** 4}
+
+
+def memory_bytes(lit: ast.Literal) -> int | None:
+    """Bytes of a memory setting: a string like ``"2GB"`` / ``"512MiB"``, or a byte count; None if malformed."""
+    if lit.kind in ("int", "size") and int(lit.value) > 0:
+        return int(lit.value)
+    if lit.kind != "str":
+        return None
+    text = str(lit.value).strip()
+    for unit in sorted(MEMORY_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            try:
+                n = float(text[: -len(unit)].strip())
+            except ValueError:
+                return None
+            return int(n * MEMORY_UNITS[unit]) if n > 0 else None
+    return None

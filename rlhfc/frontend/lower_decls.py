@@ -34,7 +34,7 @@ from rlhfc.ir.verify_fields import EXAMPLES, check_cluster, check_data, check_mo
 from . import ast
 from .data_decls import lower_jsonl, lower_synthetic
 from .files import tokenizer_problem
-from .literals import size_text, value_of
+from .literals import memory_bytes, size_text, value_of
 from .parser import end_of_code
 
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
@@ -105,7 +105,7 @@ class Declarations:
             self.sink.error("a program has one cluster", extra.loc,
                             f"merge it into 'cluster {self.p.clusters[0].name}' (line {self.p.clusters[0].loc.line})")
         decl = self.p.clusters[0]
-        keys = ("devices", "nodes", "gpus_per_node", "gpu")
+        keys = ("devices", "nodes", "gpus_per_node", "gpu", "memory")
         got: dict[str, ast.Setting] = {}
         for s in decl.settings:
             if s.name not in keys:
@@ -117,6 +117,8 @@ class Declarations:
             else:
                 got[s.name] = s
         c = Cluster(decl.name, "cpu", 1, 1, decl.loc)
+        if "memory" in got:   # bytes per device, e.g. memory = "2GB" (a bad one: -1, which check_cluster reports)
+            c.memory, c.field_locs["memory"] = memory_bytes(got["memory"].value) or -1, got["memory"].value.loc
         if "devices" in got:   # a local machine: devices = cpu:N
             s = got["devices"]
             if "gpu" in got or "gpus_per_node" in got:
@@ -141,7 +143,7 @@ class Declarations:
             if "gpus_per_node" in got:
                 _set(c, "per_node", got["gpus_per_node"].value)
         else:
-            if got:
+            if set(got) - {"memory"}:
                 self.sink.error("a GPU cluster needs gpu = \"KIND\"", decl.loc,
                                 f"known kinds: {', '.join(GPU_KINDS)}; or write devices = cpu:N")
             return c

@@ -54,13 +54,19 @@ class Cluster:
     #: where each field's value was written: in the ``.rlir`` text (the parser) or the ``.rlhf`` program
     #: (lowering); the verifier points at the field (diagnostics only; never printed, not compared)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+    #: memory of each device in bytes when the program sets it (``memory = "2GB"``); None: the device kind's
+    #: catalog capacity (:data:`rlhfc.ir.devices.DEVICE_MEMORY`)
+    memory: int | None = None
 
     @property
     def num_devices(self) -> int:
         return self.nodes * self.per_node
 
     def attrs(self) -> dict:
-        return {"device": self.device, "nodes": self.nodes, "per_node": self.per_node}
+        out = {"device": self.device, "nodes": self.nodes, "per_node": self.per_node}
+        if self.memory is not None:   # printed only when the program sets it
+            out["memory"] = self.memory
+        return out
 
 
 @dataclass

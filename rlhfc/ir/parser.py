@@ -207,9 +207,12 @@ class _Builder:
     # -- entities --------------------------------------------------------------------------
     def cluster(self, tree) -> Cluster:
         sym, attrs, annot, loc = tree.children
-        a = self.take(attrs, _CLUSTER_KEYS, sym, "cluster")
+        memory = _plain(attrs["memory"]) if "memory" in attrs else None   # optional: bytes per device
+        required = _KeyedDict({k: v for k, v in attrs.items() if k != "memory"})
+        required.key_tokens = {k: t for k, t in attrs.key_tokens.items() if k != "memory"}
+        a = self.take(required, _CLUSTER_KEYS, sym, "cluster")
         return Cluster(str(sym)[1:], a["device"], a["nodes"], a["per_node"], self.loc(loc), self.annot(annot),
-                       ir_loc=self.here(sym), field_locs=self.key_locs(attrs))
+                       ir_loc=self.here(sym), field_locs=self.key_locs(attrs), memory=memory)
 
     def model(self, tree) -> Model:
         sym, attrs, annot, loc = tree.children

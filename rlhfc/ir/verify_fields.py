@@ -125,6 +125,9 @@ def check_cluster(c: Cluster, sink: DiagnosticSink) -> bool:
     if not is_positive_int(c.per_node):
         f.error("per_node", f"per_node must be a positive integer, got {show(c.per_node)}",
                 "devices per node, e.g. per_node = 2 (a program writes devices = cpu:2 or gpus_per_node = 8)")
+    if c.memory is not None and not is_positive_int(c.memory):
+        f.error("memory", "memory must be a size per device like \"2GB\", \"512MiB\" or a byte count",
+                'e.g. memory = "2GB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)')
     return f.ok
 
 

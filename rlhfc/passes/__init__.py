@@ -17,6 +17,7 @@ for _name, _module in {
     "overcommit": "rlhfc.passes.overcommit",
     "placement": "rlhfc.passes.placement",
     "realloc": "rlhfc.passes.realloc",
+    "recompute": "rlhfc.passes.recompute",
 }.items():
     register_lazy(_name, _module)
 

@@ -77,10 +77,21 @@ class Placement(Pass):
                 break
         plan.set_strategy(module, strategy)
 
+        if memory_issues(module) and not memory_issues(with_full_recompute(module)):
+            return module   # it fits once the trained models recompute their activations: the recompute pass decides
         sink = DiagnosticSink()
         check_memory(module, sink)
         sink.raise_if_errors()
         return module
+
+
+def with_full_recompute(module: Module) -> Module:
+    """A copy of ``module`` whose train stages recompute everything (the least activation memory)."""
+    trial = module.clone()
+    for s in trial.graph.stages:
+        if s.op == "train":
+            plan.set_recompute(s, plan.Recompute("full"))
+    return trial
 
 
 # -- plans: {stage name: (first, count)} --------------------------------------------------------------------

@@ -243,9 +243,13 @@ class Job:
     def _ray_failure(self, stage: str, exc: Exception) -> JobError:
         """A JobError for a remote failure: a dead worker, or the exception a stage raised."""
         ray = _ray()
+        cause = getattr(exc, "cause", None) or exc
+        if _out_of_memory(exc) or _out_of_memory(cause):   # the compiler's memory check said it would fit
+            return self._stage_failed(stage, f"its worker ran out of memory ({type(cause).__name__}); the compiler's "
+                                      "memory check expected it to fit, so its cost model underestimated this stage: "
+                                      "recompile with a smaller cluster memory = \"...\" (then recompute keeps less)")
         if isinstance(exc, ray.exceptions.RayActorError):
             return self._stage_failed(stage, f"its worker died ({type(exc).__name__})")
-        cause = getattr(exc, "cause", None) or exc
         log = self._log_error(stage, exc)
         return self._stage_failed(stage, f"{type(cause).__name__}: {cause}" + (f" (traceback in {log})" if log else ""))
 
@@ -461,3 +465,10 @@ def _positive_steps(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{n} is not a number of steps: give the total number of steps to "
                                          "train, at least 1 (with --resume: including the checkpoint's)")
     return n
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether a failure is a worker running out of memory (torch's allocators, Ray's memory monitor)."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return any(k in text for k in ("outofmemoryerror", "out of memory", "can't allocate memory",
+                                   "not enough memory", "memory monitor"))

@@ -67,7 +67,20 @@ def transformer_config(spec: dict, tp: int, pp: int, device: str = "cpu"):
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         batch_p2p_comm=False,   # plain isend/irecv between stages: gloo has them, and no CUDA synchronize
+        **recompute_settings(spec.get("recompute")),
     )
+
+
+def recompute_settings(decision: dict | None) -> dict:
+    """Megatron's recompute settings nearest the plan's decision: ``full`` -> every layer recomputed whole;
+    ``selective`` -> megatron's selective (core attention); a traced op set (``ops``) is not expressible
+    there -> ``full`` (it keeps no more than the decision, so what fit still fits)."""
+    policy = (decision or {}).get("policy", "none")
+    if policy == "none":
+        return {}
+    if policy == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 class ScalarHead(nn.Linear):

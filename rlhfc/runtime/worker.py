@@ -24,6 +24,7 @@ from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
 from .data import prompt_parts
 from .packing import bucketed
+from .recompute import apply_recompute
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
 from .collective import GROUP_TIMEOUT_S, CollectiveSync  # noqa: F401 - GROUP_TIMEOUT_S re-exported
@@ -67,6 +68,7 @@ class ModelWorker(CollectiveSync):
             del src
         else:
             self.model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
+        apply_recompute(self.model, spec.get("recompute"))   # the plan's activation recomputation (training only)
         self.tokenizer = load_tokenizer(self.model.spec)
         self.tok_id = tokenizer_id(self.model.spec)
         self.sample_gen = torch.Generator().manual_seed(derive_seed(seed, name, "sample"))

@@ -10,6 +10,7 @@ tests/e2e/test_claims_runs.py. The guarantees: docs/claims.md.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -52,8 +53,13 @@ def test_O2_without_unpad_trains_bitwise_identically_to_O0(tmp_path):
     assert all(get_pass(n).exact for n in PIPELINES["O2"])
     bitwise = [n for n in PIPELINES["O2"] if not get_pass(n).rounding or n == "stream"]
     assert bitwise == [n for n in PIPELINES["O2"] if n not in ("unpad", "reuse_logprobs")]
+    # recompute would keep everything on this tiny program (it fits): force Megatron's selective policy so the
+    # trainers really recompute (a selective checkpoint of each block) and show it changes nothing
+    forced = [("recompute{policy=selective}" if n == "recompute" else n) for n in bitwise]
     o0, code0 = _train(tmp_path, "O0")
-    o2, code2 = _train(tmp_path, "O2", passes=bitwise)
+    o2, code2 = _train(tmp_path, "O2", passes=forced)
+    with open(tmp_path / f"job_O2_tiny_ppo_{len(forced)}" / "plan.json") as fh:
+        assert json.load(fh)["models"]["actor"]["spec"]["recompute"]["policy"] == "ops"
     assert "# overlap group 1" in code2 and "# overlap group" not in code0   # the O2 driver really overlaps
     assert "chunk=4, take=None" in code2 and "batch = 4" in code2          # one chunk: the batch's forwards
     assert o2 == o0

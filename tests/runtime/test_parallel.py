@@ -136,3 +136,21 @@ def test_dp2_fsdp_matches_one_rank(arch, tmp_path, make_spec):
     for r in critics:
         for k, v in cm.items():
             assert r["train"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_dp2_fsdp_with_recompute_trains_like_one_rank_without(tmp_path, make_spec):
+    """FSDP2 ranks whose blocks recompute part of their activations (a selective-checkpoint decision from the
+    plan) train to the same metrics and weights as one rank that keeps everything."""
+    spec = make_spec("llama")
+    decided = dict(spec, recompute={"policy": "ops", "save": ["mm.default#0", "mm.default#4", "silu.default#0"]})
+    ranks = _run_group(2, {"actor": decided}, "actor", str(tmp_path / "ckpt"))
+    one = ModelWorker("actor", spec, {"kind": "random"}, seed=7)
+    roll = one.generate(PROMPTS, **GEN)
+    assert torch.equal(ranks[0]["roll"].batch.input_ids, roll.batch.input_ids)
+    old, adv, _ = _loss_inputs(roll)
+    metrics = one.train(_policy_loss(roll, old, adv), **TRAIN)
+    for r in ranks:
+        for k, v in metrics.items():
+            assert r["train"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        for k, v in one.get_weights().items():
+            torch.testing.assert_close(r["weights"][k], v, **WEIGHTS_TOL)

@@ -42,7 +42,8 @@ from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, 
                     Sync, describe, opt_level)
 from .check import verify_plan
 from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
-                    overcommit_delta, overlap_group, policy_temperature, recompute, set_flag, set_layout, set_overlap,
+                    overcommit_delta, overlap_group, policy_temperature, recompute, recompute_decision, set_flag,
+                    set_layout, set_overlap, set_recompute,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
                     stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
                     worker_ranks, workers, planned_layout, resolve_trainer, worker_layout)
@@ -52,7 +53,8 @@ __all__ = [
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
-    "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "set_flag", "set_layout",
+    "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",
+    "set_recompute", "set_flag", "set_layout",
     "set_overlap", "set_strategy", "set_stream_from", "stage_layout", "stage_mesh", "stage_worker", "strategy",
     "stream", "stream_chunk", "stream_consumers", "stream_source", "streams", "sync_destination", "worker_key",
     "worker_name", "worker_ranks", "workers",

@@ -225,20 +225,68 @@ class Overcommit:
 
 @dataclass(frozen=True)
 class Recompute:
-    """``recompute = "none" | "selective" | "full"`` on a training stage."""
+    """``recompute`` on a training stage: ``"none" | "selective" | "full"`` (a coarse policy, as placement
+    picks it), or the ``recompute`` pass's decision from a trace of the model's block::
+
+        recompute = {policy = "ops", save = ["mm.default#0", ...], kept = 129416, autograd = 263808,
+                     seconds = 0.00036, budget = 131072}
+
+    ``policy``: ``none``/``selective``/``full``, or ``ops`` (keep the outputs of the ``save`` aten calls,
+    recompute the rest; :mod:`rlhfc.runtime.recompute`); ``kept``: bytes one block keeps for backward per
+    micro-batch under the decision, ``autograd`` without recomputation; ``seconds``: recompute time added
+    per block and micro-batch; ``budget``: the bytes per block the decision had to fit (when one did)."""
 
     policy: str = "none"
+    save: tuple[str, ...] = ()
+    kept: int | None = None
+    autograd: int | None = None
+    seconds: float | None = None
+    budget: int | None = None
     key: ClassVar[str] = "recompute"
+    DECIDED: ClassVar[tuple[str, ...]] = RECOMPUTE_POLICIES + ("ops",)
 
     @classmethod
     def parse(cls, value) -> "Recompute":
-        if value not in RECOMPUTE_POLICIES:
-            raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)}, got {describe(value)}",
-                            'write recompute = "selective"')
-        return cls(value)
+        if isinstance(value, str) and value in RECOMPUTE_POLICIES:
+            return cls(value)
+        hint = 'write recompute = "selective", or {policy = "ops", save = ["mm.default#0"], kept = N}'
+        if not isinstance(value, dict) or value.get("policy") not in cls.DECIDED:
+            raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE_POLICIES)} or a decision "
+                            f"{{policy = ..., ...}}, got {describe(value)}", hint)
+        extra = sorted(set(value) - {"policy", "save", "kept", "autograd", "seconds", "budget"})
+        save = value.get("save", [])
+        ints = [value.get(k) for k in ("kept", "autograd", "budget") if value.get(k) is not None]
+        secs = value.get("seconds")
+        if extra or not isinstance(save, list) or not all(isinstance(x, str) and "#" in x for x in save) \
+                or not all(_is_int(x) and x >= 0 for x in ints) \
+                or (secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs < 0)) \
+                or (value["policy"] == "ops") != bool(save):
+            raise PlanError(f"malformed recompute decision {describe(value)}: save (op keys like "
+                            "\"mm.default#0\") goes with policy ops only; kept/autograd/budget are byte counts, "
+                            "seconds a time", hint)
+        return cls(value["policy"], tuple(save), value.get("kept"), value.get("autograd"),
+                   None if secs is None else float(secs), value.get("budget"))
 
-    def print(self) -> str:
-        return self.policy
+    @property
+    def coarse(self) -> str:
+        """The coarse policy the analytical formulas price when no trace numbers are given (ops: selective)."""
+        return "selective" if self.policy == "ops" else self.policy
+
+    def print(self):
+        if self.kept is None and not self.save:
+            return self.policy
+        out: dict = {"policy": self.policy}
+        if self.save:
+            out["save"] = list(self.save)
+        for k in ("kept", "autograd", "seconds", "budget"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
+
+    def runtime(self) -> dict:
+        """What the trainer needs (:func:`rlhfc.runtime.recompute.apply_recompute`)."""
+        policy = "full" if self.policy == "selective" and not self.save else self.policy
+        return {"policy": policy, "save": list(self.save)} if policy == "ops" else {"policy": policy}
 
 
 @dataclass(frozen=True)

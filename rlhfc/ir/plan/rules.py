@@ -45,8 +45,24 @@ def overcommit_delta(stage: Stage) -> int:
 
 
 def recompute(stage: Stage) -> str:
+    """The stage's coarse recompute policy (none / selective / full; a traced decision: see
+    :func:`recompute_decision`)."""
     r = _read(stage, Recompute)
-    return r.policy if r else "none"
+    return r.coarse if r else "none"
+
+
+def recompute_decision(stage: Stage) -> Recompute | None:
+    """The stage's recompute annotation, when it is set (a coarse policy or a traced decision)."""
+    return _read(stage, Recompute) if stage.op == "train" else None
+
+
+def set_recompute(stage: Stage, decision: Recompute) -> None:
+    """Annotate a train stage with ``decision`` (``none`` without numbers: the annotation is removed)."""
+    value = decision.print()
+    if value == "none":
+        stage.annotations.pop(Recompute.key, None)
+    else:
+        stage.annotations[Recompute.key] = value
 
 
 def overlap_group(stage: Stage) -> int | None:
@@ -130,7 +146,10 @@ def set_layout(stage: Stage, layout: Layout, *, parallel: bool = True) -> None:
     if not parallel:
         return
     stage.annotations[Parallel.key] = Parallel(layout.dp, layout.tp, layout.pp).print()
+    decided = _read(stage, Recompute)
     for key, value, default in (("microbatches", layout.microbatches, 1), ("recompute", layout.recompute, "none")):
+        if key == "recompute" and decided is not None and decided.coarse == value and decided.print() != value:
+            continue   # a traced decision (the recompute pass) that agrees with the layout stays
         if value != default:
             stage.annotations[key] = value
         else:

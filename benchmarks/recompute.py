@@ -1,0 +1,167 @@
+"""Recompute selection, measured: what each policy keeps for backward and what it costs in step time.
+
+A llama trunk of 6 blocks x 256 hidden (vocab 96, so the blocks' activations dominate) trains on one
+micro-batch of ``--seq`` tokens (default 1024). For every policy — none, full, Megatron's selective (core
+attention), and rlhfc's knapsack at three budgets (the bytes Megatron-selective keeps, half and a quarter of
+them) — the benchmark measures:
+
+- the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
+  :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
+- the median forward+backward time of the whole model, and its overhead over ``none``, against the predicted
+  overhead (the trace's per-op recompute seconds x blocks, the op rates calibrated by one measured forward of
+  a block: predicted/measured is what the cost model would get from a profile).
+
+With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
+``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
+also read from ``torch.cuda.max_memory_allocated``.
+
+``--profile`` prices each op by its measured time in a block forward (what a profile gives the cost model)
+instead of the catalog rates scaled by one forward.
+
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from rlhfc.passes import recompute_choice as choice
+from rlhfc.passes.recompute_trace import retime, trace_block
+from rlhfc.runtime.models import build_model
+from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
+
+SPEC = dict(arch="llama", layers=6, hidden=256, heads=8, vocab=96, max_seq=4096)
+
+
+def _batch(seq: int, device: str):
+    ids = torch.randint(3, 90, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :8] = 0                                      # a left-padded row, as generation leaves them
+    return ids, mask
+
+
+def _block_call(model, batch):
+    block = blocks(model)[0]
+    seen = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        model(*batch)
+    hook.remove()
+    x = seen["a"][0].detach().requires_grad_(True)
+    return block, (x, *seen["a"][1:]), seen["k"]
+
+
+def _op_seconds(block, bargs, bkw, rounds: int, cuda: bool) -> dict[str, float]:
+    """Each aten call of a block forward (with gradients, as the recompute replays it), timed: best of
+    ``rounds``, by op key — what a profile of the block gives the trace."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    clock = time.perf_counter if cuda else time.process_time
+    best: dict[str, float] = {}
+    counts: dict = {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            key = op_key(func, counts.get(func, 0))
+            counts[func] = counts.get(func, 0) + 1
+            t = clock()
+            out = func(*a, **(kw or {}))
+            if cuda:
+                torch.cuda.synchronize()
+            best[key] = min(best.get(key, float("inf")), clock() - t)
+            return out
+
+    for _ in range(rounds):
+        counts.clear()
+        with Timer():
+            block(*bargs, **bkw)
+    return best
+
+
+def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
+    """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
+    other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
+    clock = time.perf_counter if cuda else time.process_time
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = clock()
+    model(*batch).float().pow(2).mean().backward()
+    peak = 0
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    return clock() - t, peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="time each op of a block forward and price from that")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = "cuda" if args.cuda else "cpu"
+    spec = dict(SPEC, attn=args.attn)
+    model = build_model(spec, seed=0, device=device)
+    model.train()
+    full_spec = model.spec
+    batch = _batch(args.seq, device)
+    block, bargs, bkw = _block_call(model, batch)
+    trace = trace_block("llama", spec["hidden"], spec["heads"], full_spec["kv_heads"], full_spec["ffn"],
+                        spec["vocab"], 1, args.seq, attn=args.attn)
+    # calibrate the trace's op rates by one measured block forward (what a profile would give the cost model)
+    with torch.no_grad():
+        block(*bargs, **bkw)
+        clock = time.perf_counter if args.cuda else time.process_time
+        t = clock()
+        for _ in range(3):
+            block(*bargs, **bkw)
+        fwd = (clock() - t) / 3
+    calib = fwd / trace.forward_s
+    if args.profile:   # the op times measured on this machine instead of the catalog rates
+        trace = retime(trace, _op_seconds(block, bargs, bkw, 3, args.cuda))
+        calib = 1.0
+    sel = choice.selective(trace)
+    runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
+    for frac in (1.0, 0.5, 0.25):
+        budget = frac * sel.saved_bytes
+        runs.append((f"rlhfc budget {frac:g}x sel ({budget / 2**20:.1f} MiB)", choice.within(trace, budget)))
+        if frac < 1.0:
+            runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
+    print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
+          f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
+          + (f"op times profiled (block forward {fwd * 1e3:.1f} ms, ops sum to {trace.forward_s * 1e3:.1f} ms)"
+             if args.profile else f"op-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)"))
+    print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | overhead predicted |"
+          + (" cuda peak |" if args.cuda else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
+    kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
+    for label, ch in runs:
+        apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
+        _, kept[label] = kept_activation_bytes(block, *bargs, **bkw)
+        _step_seconds(model, batch, args.cuda)                       # warm-up
+    for _ in range(args.repeat):   # round robin, best of: a busy shared machine slows some steps, never speeds one
+        for label, ch in runs:
+            apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
+            t, peaks[label] = _step_seconds(model, batch, args.cuda)
+            steps[label].append(t)
+    base = min(steps["none"])
+    for label, ch in runs:
+        step = min(steps[label])
+        predicted = ch.recompute_s * calib * spec["layers"]
+        print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} | "
+              f"{(step - base) * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms |"
+              + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
+    apply_recompute(model, None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""``recompute``: which activations each trained model keeps for backward, and which it recomputes.
+
+For every ``train`` stage (after ``placement``, so its devices, layout and micro-batch are known) the pass
+traces the model's transformer block with ``torch.fx`` at the stage's micro-batch shape
+(:mod:`rlhfc.passes.recompute_trace`: bytes autograd keeps per op, time to recompute each op) and chooses
+(:mod:`rlhfc.passes.recompute_choice`):
+
+- ``policy = auto`` (default) — keep everything (no recomputation) when the stage fits its devices' memory;
+  else the least recompute time whose kept bytes fit what the device has left for the blocks' activations
+  (capacity − the weights and training state resident there − logits − one block's recompute working set),
+  by a knapsack over the block's ops;
+- ``none`` / ``full`` / ``selective`` (Megatron's: recompute the core attention only) — that policy, traced;
+- ``budget`` — the knapsack under ``budget`` bytes per device for the kept activations of all its blocks.
+
+The decision is the stage's ``recompute`` annotation (:class:`rlhfc.ir.plan.Recompute`: the aten calls whose
+outputs are kept, bytes kept per block before → after, seconds added); ``none`` leaves no annotation. The cost
+model prices memory and time from those numbers, ``explain`` shows them, and the trainers apply them
+(:mod:`rlhfc.runtime.recompute`; megatron: ``full``/``selective``, the nearest its settings express). A block that
+cannot be traced (an unsupported architecture, a model from a folder) gets a located warning and the coarse
+policy placement chose.
+
+Exact: recomputation replays the same ops on the same inputs; gradients are unchanged (bitwise on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from rlhfc.ir import Module, plan
+from rlhfc.ir.plan import Recompute
+
+from .base import Pass, register_pass
+
+POLICIES = ("auto", "none", "full", "selective", "budget")
+
+
+@register_pass
+@dataclass(frozen=True)
+class RecomputePass(Pass):
+    name = "recompute"
+    description = "per trained model, which block activations to keep vs recompute (torch.fx trace + knapsack)"
+    exact = True
+    policy: str = field(default="auto", metadata={"doc": "auto, none, full, selective or budget"})
+    budget: int = field(default=0, metadata={"doc": "bytes per device for kept activations (policy budget)"})
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        if self.policy == "budget" and self.budget <= 0:
+            raise ValueError("policy budget needs budget = <bytes per device> (e.g. recompute{policy=budget,"
+                             "budget=1000000})")
+
+    def run(self, module: Module) -> Module:
+        from rlhfc.cost import memory_issues
+
+        trains = []
+        for s in [s for s in module.graph.stages if s.op == "train" and s.target in module.models]:
+            why = traceable(module.models[s.target])
+            if why is None:
+                trains.append(s)
+            else:   # said once; the stage keeps placement's coarse policy
+                warnings.warn(f"{s.loc or module.models[s.target].loc or s.name}: warning: {why}; recompute keeps "
+                              f"placement's coarse choice ({plan.recompute(s)})", stacklevel=2)
+        # auto: each stage's budget is what its devices have left beside resident state; stages that overlap
+        # on a device share it, so budgets tighten (1/2, 1/4, ...) until the plan fits or nothing is left
+        for squeeze in ((1, 2, 4, 8, 16) if self.policy == "auto" else (1,)):
+            for stage in trains:
+                decision = decide(module, stage, self.policy, self.budget or None, squeeze=squeeze)
+                if decision is not None:
+                    plan.set_recompute(stage, decision)
+            if self.policy != "auto" or not memory_issues(module):
+                break
+        return module
+
+
+def traceable(model) -> str | None:
+    """Why ``model``'s block cannot be traced (None when it can)."""
+    if model.source:
+        return f"model '{model.name}' comes from a folder ({model.source}); its block is not traced"
+    if model.arch not in ("llama", "gpt2"):
+        return f"no block tracer for arch '{model.arch}'"
+    return None
+
+
+def stage_trace(module: Module, stage, cm=None):
+    """(trace of the stage's block at its micro-batch shape, cost model, the stage's price inputs)."""
+    from rlhfc.cost import CostModel
+    from rlhfc.cost.model import hw_numbers
+
+    from .recompute_trace import trace_block
+
+    cm = cm or CostModel(module)
+    model = module.models[stage.target]
+    layout = cm.layout(stage)
+    inp = cm.price_inputs(stage, [layout])
+    work, lay = inp.work, inp.lay
+    rows = max(1, math.ceil(work["rows"] / work["minibatches"] / (float(lay["dp"][0]) * float(lay["mb"][0]))))
+    seq = max(2, math.ceil(work["seq"]))
+    hw = hw_numbers(cm.spec)
+    scale = float(lay["f_scale"][0])
+    trace = trace_block(model.arch, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab, rows, seq,
+                        dtype="float32" if cm.spec.is_cpu else "bfloat16",
+                        flops_per_s=hw["F_train"] * scale, bytes_per_s=hw["BW"] * min(scale, 4.0))
+    return trace, cm, inp
+
+
+def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> float:
+    """Bytes one block may keep per micro-batch (its input aside) so that the stage fits its devices."""
+    from rlhfc.cost import formulas as F
+    from rlhfc.cost.simulator import simulate
+
+    res = simulate(module, steps=1, cost_model=cm)
+    layout = cm.layout(stage)
+    static = max((sum(d.static.values()) for d in res.devices if d.index in layout.devices), default=0.0)
+    capacity = min((d.capacity_bytes for d in res.devices if d.index in layout.devices), default=cm.spec.memory)
+    work = dict(inp.work, rc_kept=0.0, rc_autograd=float(trace.autograd_bytes), rc_seconds=1.0 if recompute else 0.0)
+    base = float(F.traced_train_activation_bytes(__import__("numpy"), inp.hw, inp.arch, work, inp.lay)[0])
+    lay = inp.lay
+    blocks = inp.arch["L"] / float(lay["pp"][0]) * min(float(lay["mb"][0]), float(lay["pp"][0])) / float(lay["tp"][0])
+    return (capacity - static - base) / blocks
+
+
+def decide(module: Module, stage, policy: str, budget: float | None = None, squeeze: int = 1) -> Recompute | None:
+    """The decision for one train stage (None: leave the stage as it is); ``squeeze``: auto's budget is
+    1/squeeze of what the stage's devices have left."""
+    from . import recompute_choice as choice
+
+    model = module.models[stage.target]
+    if traceable(model) is not None:
+        return None
+    try:
+        trace, cm, inp = stage_trace(module, stage)
+    except Exception as exc:   # a block torch.fx cannot trace: say where, keep the coarse policy
+        warnings.warn(f"{stage.loc or stage.name}: warning: tracing the block of '{model.name}' failed "
+                      f"({type(exc).__name__}: {exc}); recompute keeps placement's coarse choice "
+                      f"({plan.recompute(stage)})", stacklevel=2)
+        return None
+    plan.set_recompute(stage, Recompute("none"))   # price the stage afresh, without any earlier decision
+    fit = None
+    if policy in ("none", "full", "selective"):
+        chosen = choice.choose(trace, policy)
+    elif policy == "budget":
+        lay = inp.lay
+        blocks = inp.arch["L"] / float(lay["pp"][0]) * min(float(lay["mb"][0]), float(lay["pp"][0]))
+        fit = budget / blocks
+        chosen = choice.within(trace, fit)
+    else:   # auto: no recomputation when everything fits, else the knapsack under what is left
+        fit = block_budget(module, stage, trace, cm, inp, recompute=False) / squeeze
+        if trace.autograd_bytes <= fit:
+            return Recompute("none")
+        fit = block_budget(module, stage, trace, cm, inp, recompute=True) / squeeze
+        chosen = choice.within(trace, max(fit, 0.0))
+    if chosen.policy == "none":
+        return Recompute("none")   # nothing recomputed: no annotation
+    return Recompute(chosen.policy, chosen.save, int(chosen.saved_bytes),
+                     int(trace.autograd_bytes), float(f"{chosen.recompute_s:.4g}"),
+                     None if fit is None else max(0, int(fit)))

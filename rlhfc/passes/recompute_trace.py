@@ -1,0 +1,279 @@
+"""What a transformer block keeps for backward, op by op: a ``torch.fx`` trace of the block the runtime trains.
+
+:func:`trace_block` builds one block of a model (Hugging Face ``LlamaDecoderLayer`` / ``GPT2Block`` from the
+model's config, as the runtime does; weights on no device) and traces its forward with
+:func:`torch.fx.experimental.proxy_tensor.make_fx` on fake tensors of the training micro-batch's shape
+(``rows x seq``) — no memory is allocated, so a 70B block traces in a second. On the aten-level graph:
+
+- :class:`torch.fx.passes.shape_prop.ShapeProp` gives every node's output shape and dtype;
+- the graph is run once more under autograd (still fake) inside
+  :func:`torch.autograd.graph.saved_tensors_hooks`: every tensor autograd saves is attributed to the node that
+  allocated its storage, so each node knows the bytes backward *needs* of it (views share their base's
+  storage; the block's inputs and the weights are not activations);
+- each node gets a time to recompute it: ``max(FLOPs / peak, bytes moved / bandwidth)`` plus a per-op cost.
+
+The node keys (``mm.default#3``: the 4th ``aten.mm`` call) are the names the runtime's selective checkpoint
+policy counts (:mod:`rlhfc.runtime.recompute`). :mod:`rlhfc.passes.recompute_choice` chooses from this.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+#: tiny proxy shapes whose dimensions are all distinct: a captured block input's dims map back by size
+_PROXY = {"rows": 3, "seq": 7, "head_dim": 4, "heads": 2}
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One aten call of the block's forward.
+
+    ``key``: ``<op>.<overload>#<k>``; ``bytes``: bytes of the storages it allocates (0 for views/aliases);
+    ``needed``: of those, the bytes autograd saves for backward; ``seconds``: its time to (re)compute;
+    ``core_attention``: part of softmax(QK^T)V (what Megatron's ``selective`` recomputes); ``saves``: whether
+    its backward keeps any tensor (a checkpoint's recompute runs until the last op that does)."""
+
+    name: str
+    key: str
+    bytes: int
+    needed: int
+    seconds: float
+    flops: float
+    core_attention: bool
+    saves: bool = False
+
+
+@dataclass(frozen=True)
+class BlockTrace:
+    """The traced block: its ops in forward order, and ``autograd_bytes`` (what plain autograd keeps, block
+    inputs and weights excluded), ``input_bytes`` (the hidden-state input, kept under every policy)."""
+
+    arch: str
+    rows: int
+    seq: int
+    nodes: tuple[OpNode, ...]
+    autograd_bytes: int
+    input_bytes: int
+    forward_s: float
+    notes: tuple[str, ...] = field(default=())
+
+
+def _hf_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, attn: str):
+    from transformers import GPT2Config, LlamaConfig
+
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
+    else:
+        cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_inner=ffn, n_layer=1, n_head=heads,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+@functools.lru_cache(maxsize=8)
+def _block_inputs(arch: str, attn: str):
+    """(args, kwargs) the model passes its first block, captured from a tiny real model on a left-padded batch
+    of ``_PROXY`` shape (as the runtime feeds it: position ids counting real tokens only)."""
+    import torch
+    from transformers import AutoModel
+
+    p = _PROXY
+    hidden = p["heads"] * p["head_dim"]
+    cfg = _hf_block(arch, hidden, p["heads"], p["heads"], 16, 11, attn)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg)
+    block = model.layers[0] if arch == "llama" else model.h[0]
+    seen = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+    ids = torch.ones(p["rows"], p["seq"], dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    hook.remove()
+    return seen["args"], seen["kwargs"]
+
+
+def _flops(node) -> float:
+    """FLOPs of the matrix products and attention; 0 for the rest (priced by bytes moved)."""
+    name = str(node.target)
+    shapes = [a.meta["tensor_meta"].shape for a in node.args if hasattr(a, "meta") and "tensor_meta" in a.meta]
+    if name in ("aten.mm.default", "aten.addmm.default") and len(shapes) >= 2:
+        (m, k), n = shapes[-2], shapes[-1][-1]
+        return 2.0 * m * k * n
+    if name == "aten.bmm.default" and len(shapes) == 2:
+        b, m, k = shapes[0]
+        return 2.0 * b * m * k * shapes[1][-1]
+    if "scaled_dot_product" in name and len(shapes) >= 3:
+        q, k = shapes[0], shapes[1]
+        return 4.0 * q[0] * q[1] * q[2] * k[2] * q[3]
+    return 0.0
+
+
+_MATMULS = ("aten.bmm.default", "aten.matmul.default", "aten.mm.default")
+
+
+def core_attention(graph) -> set[str]:
+    """The nodes of softmax(QK^T)V: a fused attention op, or (eager attention) each softmax with what lies
+    between it and the products on either side (scale, mask, dropout, views), those products included."""
+    out = set()
+    for n in graph.nodes:
+        name = str(n.target)
+        if "scaled_dot_product" in name:
+            out.add(n.name)
+        if "softmax" not in name or "backward" in name:
+            continue
+        todo = [(n, "up"), (n, "down")]
+        while todo:
+            x, way = todo.pop()
+            if x.name in out and x is not n:
+                continue
+            out.add(x.name)
+            if x is not n and str(x.target) in _MATMULS:
+                continue
+            nxt = [a for a in x.args if hasattr(a, "op") and a.op == "call_function"] if way == "up" else list(x.users)
+            todo.extend((y, way) for y in nxt if y.op == "call_function")
+    return out
+
+
+def trace_block(*args, **kwargs) -> BlockTrace:
+    """Trace one block at a micro-batch of ``rows x seq`` tokens (see the module docstring); cached. Arguments:
+    ``arch, hidden, heads, kv_heads, ffn, vocab, rows, seq``; keywords ``dtype``, ``attn`` (the runtime's
+    attention implementation), ``flops_per_s``, ``bytes_per_s``, ``op_s`` (the rates op times are priced at)."""
+    import warnings
+
+    with warnings.catch_warnings():   # torch's pytree deprecation notes while tracing are not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        return _trace_block(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
+                *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9,
+                bytes_per_s: float = 8e9, op_s: float = 5e-6) -> BlockTrace:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx import Interpreter
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.shape_prop import ShapeProp
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    args, kwargs = _block_inputs(arch, attn)
+    p = _PROXY
+    dims = {p["rows"]: rows, p["seq"]: seq, p["heads"] * p["head_dim"]: hidden, p["head_dim"]: hidden // heads}
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    cfg = _hf_block(arch, hidden, heads, kv_heads, ffn, vocab, attn)
+    with torch.device("meta"):
+        if arch == "llama":
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+            block = LlamaDecoderLayer(cfg, layer_idx=0)
+        else:
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+            block = GPT2Block(cfg, layer_idx=0)
+    block.train()
+    fake = FakeTensorMode()
+    with fake:
+        state = {k: torch.empty(v.shape, dtype=torch_dtype) for k, v in
+                 list(block.named_parameters()) + list(block.named_buffers())}
+        inputs = []
+        for i in where:
+            t = flat[i]
+            shape = [dims.get(d, d) for d in t.shape]
+            dt = torch_dtype if t.is_floating_point() else t.dtype
+            inputs.append(torch.empty(shape, dtype=dt))
+
+        def run(state, *tensors):
+            vals = list(flat)
+            for i, t in zip(where, tensors):
+                vals[i] = t
+            a, k = tree_unflatten(vals, spec)
+            return torch.func.functional_call(block, state, a, k)
+
+        gm = make_fx(run)(state, *inputs)
+        flat_in = tree_flatten((state, *inputs))[0]
+        ShapeProp(gm).propagate(*flat_in)
+        # autograd on the traced ops: which storages backward keeps, and who allocated them
+        # the weights and the hidden states need gradients; rotary tables and masks do not (as at run time)
+        n_state = len(tree_flatten(state)[0])
+        grad_in = [t.detach().requires_grad_(t.is_floating_point() and i <= n_state) for i, t in enumerate(flat_in)]
+        owner = {StorageWeakRef(t.untyped_storage()).cdata: None for t in grad_in}
+        held, current, savers = [], [None], set()
+
+        class Owners(Interpreter):
+            def run_node(self, n):
+                current[0] = n.name
+                out = super().run_node(n)
+                if n.op == "call_function":
+                    for t in tree_flatten(out)[0]:
+                        if isinstance(t, torch.Tensor):
+                            held.append(t)
+                            owner.setdefault(StorageWeakRef(t.untyped_storage()).cdata, n.name)
+                return out
+
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            saved[StorageWeakRef(s).cdata] = s.nbytes()
+            savers.add(current[0])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            Owners(gm).run(*grad_in)
+        fresh: dict[str, int] = {}      # node -> bytes of the storages it allocated
+        needed: dict[str, int] = {}     # node -> bytes of those that autograd saved
+        counted: set[int] = set()
+        for t in held:
+            s = t.untyped_storage()
+            key = StorageWeakRef(s).cdata
+            name = owner.get(key)
+            if name is None or key in counted:
+                continue
+            counted.add(key)
+            fresh[name] = fresh.get(name, 0) + s.nbytes()
+            if key in saved:
+                needed[name] = needed.get(name, 0) + s.nbytes()
+    core = core_attention(gm.graph)
+    nodes = []
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not str(n.target).startswith("aten."):
+            continue
+        k = counts.get(str(n.target), 0)
+        counts[str(n.target)] = k + 1
+        name = str(n.target)[5:]
+        moved = _moved_bytes(n) if fresh.get(n.name, 0) else 0.0   # a view moves nothing
+        flops = _flops(n)
+        seconds = max(flops / flops_per_s, moved / bytes_per_s) + op_s
+        nodes.append(OpNode(n.name, f"{name}#{k}", fresh.get(n.name, 0), needed.get(n.name, 0), seconds, flops,
+                            n.name in core, n.name in savers))
+    input_bytes = rows * seq * hidden * torch.empty((), dtype=torch_dtype).element_size()
+    return BlockTrace(arch, rows, seq, tuple(nodes), sum(needed.values()), input_bytes,
+                      sum(x.seconds for x in nodes))
+
+
+def _moved_bytes(node) -> float:
+    total = 0.0
+    for m in [node.meta.get("tensor_meta")] + [a.meta.get("tensor_meta") for a in node.args if hasattr(a, "meta")]:
+        for t in (m if isinstance(m, (list, tuple)) and not hasattr(m, "shape") else [m]):
+            if t is not None and hasattr(t, "shape"):
+                n = 1
+                for d in t.shape:
+                    n *= int(d)
+                total += n * t.dtype.itemsize
+    return total
+
+
+def retime(trace: BlockTrace, seconds: dict[str, float]) -> BlockTrace:
+    """``trace`` with the op times measured on the device (``seconds`` by op key, e.g. from timing each aten
+    call of a real block forward: a profile); ops not measured keep their estimate."""
+    from dataclasses import replace
+
+    nodes = tuple(replace(n, seconds=float(seconds.get(n.key, n.seconds))) for n in trace.nodes)
+    return replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes))

@@ -1,0 +1,145 @@
+"""Recompute selection: the fx trace's estimate of what a block keeps for backward against what torch keeps,
+and gradients with every policy against those without recomputation (tiny llama / gpt2 blocks, fp32)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from rlhfc.passes import recompute_choice as choice
+from rlhfc.passes.recompute_trace import trace_block
+from rlhfc.runtime.models import build_model
+from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, saved_tensor_bytes
+
+ROWS, SEQ = 2, 24
+SPECS = {
+    "llama": dict(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=96),
+    "gpt2": dict(arch="gpt2", layers=2, hidden=64, heads=4, vocab=96, attn="eager"),
+}
+
+
+def _batch():
+    ids = torch.randint(3, 90, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+    mask[0, :3] = 0                                   # a left-padded row, as generation leaves them
+    return ids, mask
+
+
+def _trace(name):
+    m = build_model(SPECS[name]).spec
+    return trace_block(m["arch"], m["hidden"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"], ROWS, SEQ,
+                       attn=m["attn"])
+
+
+def _choices(trace):
+    """Every policy, and the budget policy at three budgets (fractions of what plain autograd keeps)."""
+    out = {"none": choice.choose(trace, "none"), "full": choice.choose(trace, "full"),
+           "selective": choice.choose(trace, "selective")}
+    for frac in (0.8, 0.5, 0.2):
+        out[f"budget{frac}"] = choice.choose(trace, "budget", frac * trace.autograd_bytes)
+    return out
+
+
+def _block_call(model):
+    """The first block of ``model`` and the (args, kwargs) the model calls it with on the test batch."""
+    block = blocks(model)[0]
+    seen = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        model(*_batch())
+    hook.remove()
+    x = seen["a"][0].detach().requires_grad_(True)
+    return block, (x, *seen["a"][1:]), seen["k"]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_recompute_saved_bytes_match_trace(name):
+    """What each policy keeps for backward, measured (storages allocated in the block's forward and alive after
+    it; saved_tensors_hooks for plain autograd), is the trace's estimate within 10 % (it is exact here), and
+    it drops as the budget drops while the recompute time grows."""
+    trace = _trace(name)
+    model = build_model(SPECS[name], seed=0)
+    model.train()
+    block, args, kwargs = _block_call(model)
+    inputs = [t for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    _, hooked = saved_tensor_bytes(block, *args, exclude=[*inputs, *block.parameters()], **kwargs)
+    assert hooked == pytest.approx(trace.autograd_bytes, rel=0.10)
+    measured = {}
+    for label, ch in _choices(trace).items():
+        apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
+        _, measured[label] = kept_activation_bytes(block, *args, **kwargs)
+        assert measured[label] == pytest.approx(ch.saved_bytes, rel=0.10, abs=64), label
+    assert measured["none"] == hooked
+    assert measured["full"] == 0
+    budgets = [_choices(trace)[k] for k in ("none", "budget0.8", "budget0.5", "budget0.2")]
+    kept = [measured[k] for k in ("none", "budget0.8", "budget0.5", "budget0.2")]
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1]
+    times = [c.recompute_s for c in budgets]
+    assert times == sorted(times) and times[-1] <= choice.full(trace).recompute_s
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_recompute_gradients_equal(name):
+    """Gradients under every policy equal those without recomputation (within 1e-6 relative; fp32 CPU
+    recomputation replays the same kernels, so they are bitwise equal)."""
+    trace = _trace(name)
+
+    def grads(decision):
+        model = build_model(SPECS[name], seed=0)
+        model.train()
+        assert apply_recompute(model, decision) == (decision or {}).get("policy", "none")
+        model(*_batch()).pow(2).mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    want = grads(None)
+    for label, ch in _choices(trace).items():
+        got = grads({"policy": ch.policy, "save": list(ch.save)})
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()), msg=label)
+
+
+def test_recompute_inference_unchanged_and_reversible():
+    """Forwards without a graph never checkpoint; applying ``none`` restores the plain block forward."""
+    model = build_model(SPECS["llama"], seed=0)
+    before = model(*_batch()).detach()
+    apply_recompute(model, {"policy": "full"})
+    with torch.no_grad():
+        assert torch.equal(model(*_batch()), before)
+    apply_recompute(model, {"policy": "none"})
+    assert all("_rlhfc_forward" not in b.__dict__ and "forward" not in b.__dict__ for b in blocks(model))
+    with pytest.raises(ValueError, match="recompute policy"):
+        apply_recompute(model, {"policy": "sometimes"})
+
+
+def test_worker_out_of_memory_names_the_stage(tmp_path):
+    """When the cost model was wrong and a worker runs out of memory, the job's error says so and names the
+    stage (a torch allocation failure raised in the worker, as Ray hands it to the driver)."""
+    from rlhfc.runtime.job import Job
+
+    job = Job.__new__(Job)
+    job.plan = {"graph": {"stages_by_name": {"actor_train": {"op": "train", "target": "actor"}}}}
+    job.out, job.last_checkpoint, job.resume_command = str(tmp_path), None, ["python", "main.py"]
+    err = job._ray_failure("actor_train", RuntimeError("[enforce fail at alloc_cpu.cpp:117] "
+                                                       "DefaultCPUAllocator: can't allocate memory"))
+    assert "stage %actor_train (train on model 'actor') failed: its worker ran out of memory" in str(err)
+    assert "memory check expected it to fit" in str(err)
+    other = job._ray_failure("actor_train", ValueError("bad value"))
+    assert "out of memory" not in str(other)
+
+
+def test_megatron_recompute_settings_nearest_the_decision():
+    """The megatron trainer expresses full and selective itself; a traced op set becomes full (keeps less)."""
+    pytest.importorskip("megatron.core")
+    from rlhfc.runtime.mcore_model import recompute_settings, transformer_config
+    from rlhfc.runtime.models import normalize_spec
+
+    assert recompute_settings(None) == {} == recompute_settings({"policy": "none"})
+    got = {}
+    for policy in ("full", "selective", "ops"):
+        spec = normalize_spec(dict(SPECS["llama"], recompute={"policy": policy, "save": ["mm.default#0"]}))
+        with warnings.catch_warnings():   # megatron notes that fused attention needs no core_attn recompute
+            warnings.simplefilter("ignore")
+            got[policy] = transformer_config(spec, 1, 1).recompute_granularity
+    assert got == {"full": "full", "selective": "selective", "ops": "full"}

@@ -1,0 +1,106 @@
+"""The ``recompute`` pass and the memory checks around it: a program over memory is rejected at -O0/-O1 (with
+a hint that recomputation would make it fit), compiles at -O2 because ``recompute`` keeps fewer activations,
+``explain`` says why, the decision round-trips through the IR text and reaches the job's plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfc.cli.optimise import optimise
+from rlhfc.codegen.plan import build_plan
+from rlhfc.cost import memory_issues
+from rlhfc.explain import build_report
+from rlhfc.frontend import compile_source
+from rlhfc.ir import CompileError, parse_ir, plan, print_module
+from rlhfc.passes import parse_pipeline
+
+#: one CPU device of 1.5 GB: the two train stages keep ~2 GiB of activations each without recomputation (a
+#: vocabulary of 512 rarely samples EOS, so responses run long and training cut into length groups does not fit
+#: either)
+OVER_MEMORY = """
+cluster local { devices = cpu:1; memory = "1.5GB" }
+
+model actor  = llama(layers = 4, hidden = 64, heads = 4, vocab = 512, max_seq = 512) trainable
+model critic = like(actor) head = value trainable
+model ref    = copy(actor) frozen
+
+data prompts = synthetic(count = 256, min_len = 4, max_len = 8)
+
+pipeline ppo(batch = 64) {
+  roll     = actor.generate(prompts, max_new_tokens = 400, temperature = 1.0)
+  logp     = actor.logprobs(roll)
+  ref_logp = ref.logprobs(roll)
+  values   = critic.values(roll)
+  scores   = rule("rlhfc.runtime.rewards:vowel_count", roll)
+  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.05)
+  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = 1e-3, epochs = 1, minibatches = 1)
+  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = 1e-3, epochs = 1, minibatches = 1)
+}
+
+run { steps = 1; seed = 0 }
+"""
+
+
+def _module():
+    module, diags = compile_source(OVER_MEMORY, "over_memory.rlhf")
+    assert not [d for d in diags if d.severity == "error"]
+    return module
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_over_memory_rejected_at_every_level(level):
+    """-O0/-O1 keep every activation: the memory check after the pipeline rejects the program, naming the
+    stage, the device, bytes needed vs available, and that recomputation would make it fit."""
+    with pytest.raises(CompileError) as err:
+        optimise(_module(), level, None)
+    text = str(err.value)
+    assert "stage %actor_train needs" in text and "on device 0 but it has 1.4 GiB" in text
+    assert "recomputing its activations makes it fit" in text and "recompute pass" in text
+
+
+def test_over_memory_fits_at_O2_thanks_to_recompute():
+    """The same program at -O2 compiles: the recompute pass keeps a chosen subset of each block's activations,
+    the plan fits, explain says what is kept and why, and the decision reaches plan.json for the trainers."""
+    done = optimise(_module(), "O2", None)
+    module = done.module
+    assert not memory_issues(module)
+    for name in ("actor_train", "critic_train"):
+        d = plan.recompute_decision(module.graph.stage(name))
+        assert d is not None and d.policy in ("ops", "full") and d.kept < d.autograd
+    again = parse_ir(print_module(module))            # the decision round-trips through the IR text
+    assert print_module(again) == print_module(module)
+    notes = " ".join(build_report(module, records=done.records, level="O2").notes)
+    assert "%actor_train keeps the outputs of" in notes or "%actor_train recomputes" in notes
+    assert "why: without it %actor_train needs" in notes
+    spec = build_plan(module, source=None, opt_level="O2", passes=done.passes)["models"]["actor"]["spec"]
+    assert spec["recompute"]["policy"] in ("ops", "full")
+    assert spec["recompute"].get("save", []) == list(plan.recompute_decision(module.graph.stage("actor_train")).save)
+
+
+def test_recompute_policies_order_memory_and_time():
+    """Forced policies on the same stage: full keeps least and costs most; a budget between lands between;
+    none removes the annotation."""
+    got = {}
+    for spec in ("recompute{policy=full}", "recompute{policy=selective}", "recompute{policy=none}",
+                 "recompute{policy=budget,budget=200000000}"):
+        module = _module()
+        parse_pipeline(spec)[0].run(module)
+        got[spec.split("=")[1].split(",")[0].rstrip("}")] = plan.recompute_decision(module.graph.stage("actor_train"))
+    assert got["none"] is None
+    full, budget = got["full"], got["budget"]
+    assert full.kept == 0 and full.seconds > budget.seconds > 0
+    assert budget.kept * 4 <= 200_000_000 < budget.autograd * 4      # 4 blocks fit the budget
+    assert got["selective"].policy == "ops" and got["selective"].seconds < full.seconds
+    with pytest.raises(CompileError, match="policy budget needs budget"):
+        parse_pipeline("recompute{policy=budget}")
+
+
+def test_untraceable_block_warns_with_its_location_and_keeps_the_coarse_policy():
+    """A model the pass cannot trace (here: one loaded from a folder) gets a located warning; the stage keeps
+    the coarse policy placement chose."""
+    module = _module()
+    module.models["actor"].source = "checkpoints/actor"
+    plan.set_recompute(module.graph.stage("actor_train"), plan.Recompute("full"))
+    with pytest.warns(UserWarning, match=r"over_memory.rlhf:17:3: warning: model 'actor' comes from a folder"):
+        parse_pipeline("recompute")[0].run(module)
+    assert plan.recompute_decision(module.graph.stage("actor_train")) == plan.Recompute("full")
