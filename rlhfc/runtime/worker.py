@@ -23,6 +23,7 @@ from .generation import (FinishedSample, PartialSample, collate, decode_response
 from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
 from .packing import bucketed
+from .precision import autocast, under_autocast
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
 
@@ -46,10 +47,12 @@ class ModelWorker:
     ``init``: ``{"kind": "random"}``, ``{"kind": "pretrained"}`` (``spec["source"]``) or
     ``{"kind": "copy", "from": NAME, "spec": SRC_SPEC}`` — start from the initial
     weights of model NAME (built here from the same seed, so no transfer is needed).
+    ``precision``: ``"fp32"``, or ``"bf16"`` — generation, forwards and the loss's forward run under bf16
+    autocast; the weights, gradients and optimizer state stay as built (float32).
     """
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, precision: str = "fp32"):
         if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -58,6 +61,8 @@ class ModelWorker:
         self.name = name
         self.device = device
         self.spec = spec
+        self.precision = precision
+        autocast(device, precision)   # a precision it does not know is a ValueError here
         if init.get("kind") == "copy":
             src_name = init["from"]
             src = build_model(init["spec"], seed=derive_seed(seed, src_name, "init"), device=device)
@@ -85,6 +90,10 @@ class ModelWorker:
 
     def get_version(self) -> int:
         return self.version
+
+    def _autocast(self):
+        """The arithmetic of this worker's forwards (:mod:`rlhfc.runtime.precision`)."""
+        return autocast(self.device, self.precision)
 
     def _check_tokens(self, rollout: Rollout) -> None:
         if rollout.tokenizer != self.tok_id:
@@ -137,7 +146,7 @@ class ModelWorker:
                                  budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
                                  stop_after=take, logprob_temperature=temperature if logprobs else None,
                                  resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)))
-        for item in stream:
+        for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
             if isinstance(item, PartialSample):
@@ -196,7 +205,9 @@ class ModelWorker:
         """``fn(batch)`` on the rollout; under ``unpad``, in groups of rows of similar length
         (:func:`rlhfc.runtime.packing.bucketed`: computed tokens follow the real ones)."""
         batch = rollout.batch.to(self.device)
-        return (bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)).cpu()
+        with self._autocast():
+            out = bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)
+        return out.cpu()
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
@@ -226,7 +237,8 @@ class ModelWorker:
         for i, x in enumerate(ids):
             input_ids[i, width - len(x):] = torch.tensor(x)
             mask[i, width - len(x):] = 1
-        return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
+        with self._autocast():
+            return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
 
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
               max_grad_norm: float, weight_decay: float, unpad: bool = False) -> dict[str, float]:
@@ -255,7 +267,8 @@ class ModelWorker:
         kind = "policy" if isinstance(loss, PolicyLossInput) else "value"
 
         def guarded(model, mb):
-            out, stats = fn(model, mb)
+            with self._autocast():   # the loss's forward; backward and the optimizer step run as built
+                out, stats = fn(model, mb)
             if not bool(torch.isfinite(out.detach()).all()):
                 raise NonFiniteError(f"the {kind} loss of '{self.name}' is {float(out.detach())} on a minibatch; the "
                                      "run stops before the optimizer step (nothing of this step is checkpointed)")
