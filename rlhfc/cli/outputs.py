@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from typing import Optional
 
 import typer
@@ -61,12 +62,15 @@ def export(
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         _fail(f"{output} exists and is not an empty folder; nothing was written",
               "choose a new folder with -o (export never writes over files)")
+    created = not os.path.exists(output)
     try:
         ckpt = find_checkpoint(run, step)
         name, spec, folder = find_model(run, ckpt, model, job)
         os.makedirs(output, exist_ok=True)
         auto = export_model(spec, folder, output)
     except ExportError as exc:
+        if created:   # leave nothing half-written behind
+            shutil.rmtree(output, ignore_errors=True)
         _fail(exc.message, exc.hint, exc.exit_code)
     typer.echo(f"exported model '{name}' of {os.path.basename(ckpt)} to {output}\n"
                f"  load it with: transformers.{auto}.from_pretrained({output!r})")

@@ -78,20 +78,24 @@ def _plan(run: str, job: str | None) -> dict | None:
 
 
 def find_model(run: str, checkpoint: str, name: str | None, job: str | None = None) -> tuple[str, dict, str]:
-    """(model name, its spec, its worker folder in ``checkpoint``); ``name`` None: the one model with an
-    lm head (the policy)."""
+    """(model name, its spec, its worker folder in ``checkpoint``); ``name`` None: the policy — the one
+    trained model with an lm head (a frozen reference copy is not it), or the one lm-head model."""
     plan = _plan(run, job)
+    manifest = read_meta(checkpoint).get("manifest", {})
     if plan is not None:
         specs = {m: entry["spec"] for m, entry in plan["models"].items()}
         workers = {w: entry.get("model", w) for w, entry in plan["placement"]["workers"].items()}
+        trained = {m for m, entry in plan["models"].items() if entry.get("trainable")}
     else:   # the manifest's shapes: enough to build config models
-        shapes = read_meta(checkpoint).get("manifest", {}).get("models", {})
-        specs = {m: {k: v for k, v in s.items() if k != "params"} for m, s in shapes.items()}
+        specs = {m: {k: v for k, v in s.items() if k != "params"} for m, s in manifest.get("models", {}).items()}
         workers = {m: m for m in specs}
-    if name is None:
-        policies = sorted(m for m, s in specs.items() if s.get("head", "lm") == "lm")
+        trained = set(manifest.get("algorithm", {}).get("train", {}))
+    if name is None:   # the policy: the trained model with an lm head (else the only lm-head model)
+        lm = sorted(m for m, s in specs.items() if s.get("head", "lm") == "lm")
+        policies = [m for m in lm if m in trained] or lm
         if len(policies) != 1:
-            raise ExportError(f"the run has {len(policies)} models with an lm head ({', '.join(policies) or 'none'})",
+            raise ExportError(f"the run has {len(policies)} {'trained ' if trained & set(lm) else ''}models with "
+                              f"an lm head ({', '.join(policies) or 'none'})",
                               f"choose one with --model (models: {', '.join(sorted(specs))})")
         name = policies[0]
     if name not in specs:
@@ -127,7 +131,7 @@ def export_model(spec: dict, worker_folder: str, out: str) -> str:
         hf.base_model.load_state_dict(model.trunk.state_dict())
         layer = _scalar_layer(hf, model.hidden_size)
         if layer.bias is None and model.head.bias is not None and bool(model.head.bias.ne(0).any()):
-            raise ExportError(f"the score head has a bias ({float(model.head.bias[0]):+.6g}), which "
+            raise ExportError(f"the score head has a bias ({float(model.head.bias.detach()[0]):+.6g}), which "
                               f"{type(hf).__name__}'s layer has not, so it would score otherwise",
                               "export the policy instead, or read weights.safetensors of the checkpoint directly")
         with torch.no_grad():
