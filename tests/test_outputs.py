@@ -213,3 +213,30 @@ def test_plot_draws_a_panel_per_metric_group(tmp_path, capsys):
                        and abs(px[x, y][2] - 180) < 30)
             assert blue > 20, (col, row, blue)
     assert cli(["plot", str(tmp_path)]) == 0 and (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+# -- the run settings -------------------------------------------------------------------------------
+def test_precision_and_log_samples_print_only_when_not_default_and_round_trip(tmp_path):
+    from rlhfc.frontend import load_file
+    from rlhfc.ir import parse_ir, print_module
+
+    program = (
+        'cluster local { devices = cpu:1 }\n'
+        'model actor = llama(layers = 1, hidden = 32, heads = 2, vocab = 64) trainable\n'
+        'data prompts = synthetic(count = 64, min_len = 4, max_len = 8)\n'
+        'pipeline grpo(batch = 4) {\n'
+        '  roll = actor.generate(prompts, n = 2, max_new_tokens = 8)\n'
+        '  actor.train(ppo_clip(roll, actor.logprobs(roll), group_advantages(roll, '
+        'rule("rlhfc.runtime.rewards:vowel_count", roll))), lr = 1e-3)\n'
+        '}\n')
+    texts = {}
+    for name, run in (("plain", ""), ("set", "run { precision = bf16; log_samples = 0 }\n"),
+                      ("defaults", "run { precision = fp32; log_samples = 4 }\n")):
+        (tmp_path / f"{name}.rlhf").write_text(program + run)
+        module, _, _ = load_file(str(tmp_path / f"{name}.rlhf"))
+        text = print_module(module)
+        assert print_module(parse_ir(text)) == text
+        texts[name] = next(x for x in text.splitlines() if x.strip().startswith("run {")).split(" loc(")[0]
+    assert 'precision = "bf16", log_samples = 0}' in texts["set"]
+    for name in ("plain", "defaults"):
+        assert "precision" not in texts[name] and "log_samples" not in texts[name]
