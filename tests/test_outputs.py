@@ -115,6 +115,7 @@ def test_char_tokenizer_json_encodes_and_decodes_as_the_runtime(tmp_path):
         for text in ("hello world", "Zebra, Quartz! 42", "tab\tand\nnewline", "café {~}", ""):
             ids = char.encode(text)
             assert hf.encode(text, add_special_tokens=False) == ids, text
+            assert hf(text).input_ids == [1, *ids]               # as the runtime encodes a prompt
             assert hf.decode([1, *ids, 2, 0], skip_special_tokens=True) == char.decode(ids)
 
 

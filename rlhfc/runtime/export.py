@@ -163,8 +163,9 @@ def char_tokenizer_fast(tok: CharTokenizer):
     """The built-in character tokenizer as a ``transformers.PreTrainedTokenizerFast``: ids 0/1/2 are
     ``<pad>``, ``<s>``, ``</s>``; each character of ``tok.chars`` is one token; unused ids up to the vocab
     are ``<unused_K>``. Normalisation does what :meth:`CharTokenizer.encode` does: an uppercase letter
-    outside the vocabulary becomes lowercase, any other character outside it a space (or nothing)."""
-    from tokenizers import Regex, Tokenizer, decoders, normalizers
+    outside the vocabulary becomes lowercase, any other character outside it a space (or nothing). With
+    special tokens (transformers' default) a text gets ``<s>`` in front, as the runtime encodes a prompt."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
@@ -180,6 +181,7 @@ def char_tokenizer_fast(tok: CharTokenizer):
     core = Tokenizer(BPE(vocab=vocab, merges=[]))   # no merges: one token per character, no pre-tokenizer
     core.normalizer = normalizers.Sequence(steps)
     core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     core.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    clean_up_tokenization_spaces=False)
