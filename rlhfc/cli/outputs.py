@@ -114,6 +114,7 @@ def plot_run(run: str, png: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = read_metrics(run)
     panels = [(t, y, [(k, *_series(rows, k)) for k in keys]) for t, y, keys in PANELS]
@@ -135,6 +136,7 @@ def plot_run(run: str, png: str) -> list[str]:
                                     alpha=0.2, label="± reward_std")
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

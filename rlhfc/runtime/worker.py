@@ -86,6 +86,7 @@ class ModelWorker:
 
         return {"name": self.name, "params": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
                 "threads": torch.get_num_threads(), "device": self.device, "cores": self.cores,
+                "precision": self.precision,
                 "node": ray.get_runtime_context().get_node_id()}
 
     def get_version(self) -> int:
