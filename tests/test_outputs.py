@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlhfc.cli import main as cli
+from rlhfc.runtime.checkpoint import SHAPE_KEYS
 from rlhfc.runtime.export import char_tokenizer_fast
 from rlhfc.runtime.generation import response_logprobs, response_values, sequence_scores
 from rlhfc.runtime.models import build_model, save_weights
@@ -30,9 +31,10 @@ SPECS = {
 }
 
 
-def fake_run(tmp_path, step=3, models=SPECS, seed=11, score_bias=0.0):
+def fake_run(tmp_path, step=3, models=SPECS, seed=11, score_bias=0.0, with_plan=False):
     """A run folder with one checkpoint laid out as workers write it (weights perturbed, as after training;
-    a score head's bias is ``score_bias``), and only the manifest to say what the models are (no job/plan.json)."""
+    a score head's bias is ``score_bias``); what the models are is in the checkpoint's manifest, and with
+    ``with_plan`` in ``RUN/job/plan.json`` too."""
     run = tmp_path / "run"
     folder = run / "checkpoints" / f"step_{step}"
     built = {}
@@ -46,8 +48,14 @@ def fake_run(tmp_path, step=3, models=SPECS, seed=11, score_bias=0.0):
         (folder / name).mkdir(parents=True)
         save_weights(model, str(folder / name / "weights.safetensors"))
         built[name] = model
-    meta = {"step": step, "manifest": {"step": step, "models": {n: {**s, "params": 0} for n, s in models.items()}}}
+    shapes = {n: {k: s.get(k) for k in SHAPE_KEYS} | {"params": 0} for n, s in models.items()}
+    meta = {"step": step, "manifest": {"step": step, "models": shapes}}
     (folder / "job.json").write_text(json.dumps(meta))
+    if with_plan:   # what `rlhfc run FILE` leaves in RUN/job
+        (run / "job").mkdir()
+        plan = {"models": {n: {"spec": s, "trainable": True} for n, s in models.items()},
+                "placement": {"workers": {n: {"model": n} for n in models}}}
+        (run / "job" / "plan.json").write_text(json.dumps(plan))
     (run / "checkpoints" / "latest").write_text(f"step_{step}\n")
     return run, built
 
@@ -241,3 +249,22 @@ def test_precision_and_log_samples_print_only_when_not_default_and_round_trip(tm
     assert 'precision = "bf16", log_samples = 0}' in texts["set"]
     for name in ("plain", "defaults"):
         assert "precision" not in texts[name] and "log_samples" not in texts[name]
+
+
+def test_export_of_an_hf_folder_model_copies_its_tokenizer_and_writes_the_checkpoints_weights(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tmp_path / "base"
+    base = build_model(SPECS["actor"], seed=2)
+    base.hf.save_pretrained(str(source))
+    char_tokenizer_fast(CharTokenizer(64)).save_pretrained(str(source))
+    (source / "README.md").write_text("not a tokenizer file")
+    run, built = fake_run(tmp_path, models={"actor": {"source": str(source), "head": "lm"}}, with_plan=True)
+    assert cli(["export", str(run), "-o", str(tmp_path / "o")]) == 0
+    files = set(os.listdir(tmp_path / "o"))
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= files and "README.md" not in files
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "o")).encode("abc", add_special_tokens=False) == [3, 4, 5]
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "o"))
+    trained = built["actor"].hf.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in hf.state_dict().items())            # the checkpoint's
+    assert not torch.equal(hf.state_dict()["lm_head.weight"], base.hf.state_dict()["lm_head.weight"])

@@ -67,6 +67,10 @@ def export(
         ckpt = find_checkpoint(run, step)
         name, spec, folder = find_model(run, ckpt, model, job)
         os.makedirs(output, exist_ok=True)
+        if not os.path.isfile(os.path.join(job or os.path.join(run, "job"), "plan.json")):
+            typer.echo(f"note: {run} has no job/plan.json: model '{name}' is built from the checkpoint's manifest "
+                       "(a config model with the built-in tokenizer); for a model loaded with hf(...) give the job "
+                       "folder that ran with --job", err=True)
         auto = export_model(spec, folder, output)
     except ExportError as exc:
         if created:   # leave nothing half-written behind
