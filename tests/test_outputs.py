@@ -268,3 +268,14 @@ def test_export_of_an_hf_folder_model_copies_its_tokenizer_and_writes_the_checkp
     trained = built["actor"].hf.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in hf.state_dict().items())            # the checkpoint's
     assert not torch.equal(hf.state_dict()["lm_head.weight"], base.hf.state_dict()["lm_head.weight"])
+
+
+def test_export_with_a_job_that_did_not_write_the_checkpoint_is_an_error(tmp_path, capsys):
+    run, _ = fake_run(tmp_path, models={"actor": SPECS["actor"]}, with_plan=True)
+    plan = json.loads((run / "job" / "plan.json").read_text())
+    plan["models"]["actor"]["spec"]["hidden"] = 64            # another program's actor
+    (run / "job" / "plan.json").write_text(json.dumps(plan))
+    assert cli(["export", str(run), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit the model the plan describes" in err and "--job" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -148,7 +148,7 @@ def plot_run(run: str, png: str) -> list[str]:
         ax.set_visible(False)
     fig.suptitle(f"{os.path.basename(os.path.normpath(run))}: steps {rows[0]['step']}..{rows[-1]['step']}")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=100, format="png")   # a PNG whatever the name ends with
     plt.close(fig)
     return [p[0] for p in panels]
 

@@ -118,8 +118,13 @@ def export_model(spec: dict, worker_folder: str, out: str) -> str:
     returns the ``transformers`` Auto class that loads it."""
     from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    model = build_model(spec, seed=0)
-    load_weights(model, os.path.join(worker_folder, "weights.safetensors"))
+    try:
+        model = build_model(spec, seed=0)
+        load_weights(model, os.path.join(worker_folder, "weights.safetensors"))
+    except (RuntimeError, ValueError, OSError) as exc:   # shapes or names that differ, a damaged file
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"the weights in {worker_folder} do not fit the model the plan describes: {first}",
+                          "export with the job folder that wrote the checkpoint (--job), or check the file") from None
     head = model.spec["head"]
     if head == "lm":
         hf, auto = model.hf, "AutoModelForCausalLM"
