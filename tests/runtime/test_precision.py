@@ -3,6 +3,7 @@ master weights and optimizer state (rlhfc.runtime.precision)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhfc.runtime.precision import autocast, under_autocast
@@ -54,3 +55,49 @@ def test_bf16_generation_runs_under_autocast_and_stops_between_items():
     assert list(under_autocast(iter([0, None, 2]), "cpu", "bf16")) == [0, None, 2]   # items may be falsy/None
     with autocast("cpu", "fp32"):
         assert not torch.is_autocast_enabled("cpu")
+
+
+def _fsdp_rank(store, spec, queue):
+    """One FSDP2 rank (a group of one) under bf16: generate, log-probs, one train step (a spawned process)."""
+    try:
+        from rlhfc.runtime.parallel import DataParallelWorker
+
+        torch.set_num_threads(1)
+        w = DataParallelWorker("actor", spec, {"kind": "random"}, seed=3, rank=0, world=1, store=store,
+                               precision="bf16")
+        roll = w.generate(["abc", "de"], max_new_tokens=4, temperature=1.0, top_p=1.0, n=2)
+        lp = w.logprobs(roll).values
+        adv = torch.linspace(-1.0, 1.0, lp.numel()).reshape(lp.shape)
+        stats = w.train(PolicyLossInput(roll, lp, adv, None, 0.2, 0.0, 0.0, "k3", 1.0), lr=1e-3, epochs=1,
+                        minibatches=2, max_grad_norm=1.0, weight_decay=0.0)
+        dtypes = sorted({str(t.dtype) for t in w.get_weights().values()})
+        queue.put({"roll": roll.batch.input_ids, "lp": lp, "loss": stats["pg_loss"], "dtypes": dtypes})
+    except BaseException:   # report, do not hang the parent
+        import traceback
+
+        queue.put(traceback.format_exc())
+
+
+@pytest.mark.slow
+def test_bf16_under_an_fsdp2_group_trains_as_the_single_process_worker(make_spec):
+    import torch.multiprocessing as mp
+
+    from rlhfc.runtime.parallel import open_store
+
+    spec = make_spec("llama", vocab=64)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_fsdp_rank, args=(open_store(), spec, queue))
+    proc.start()
+    got = queue.get(timeout=300)
+    proc.join(timeout=60)
+    assert isinstance(got, dict), got
+    one = _worker(make_spec, "bf16")
+    roll = one.generate(["abc", "de"], max_new_tokens=4, temperature=1.0, top_p=1.0, n=2)
+    assert torch.equal(got["roll"], roll.batch.input_ids)           # the same bf16 sampling
+    lp = one.logprobs(roll).values
+    torch.testing.assert_close(got["lp"], lp, rtol=0, atol=1e-2)    # bf16 products, FSDP's own kernels
+    adv = torch.linspace(-1.0, 1.0, lp.numel()).reshape(lp.shape)
+    stats = one.train(PolicyLossInput(roll, lp, adv, None, 0.2, 0.0, 0.0, "k3", 1.0), lr=1e-3, epochs=1,
+                      minibatches=2, max_grad_norm=1.0, weight_decay=0.0)
+    assert abs(got["loss"] - stats["pg_loss"]) < 0.02 and got["dtypes"] == ["torch.float32"]
