@@ -279,3 +279,12 @@ def test_export_with_a_job_that_did_not_write_the_checkpoint_is_an_error(tmp_pat
     err = capsys.readouterr().err
     assert "do not fit the model the plan describes" in err and "--job" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_folder_holding_samples_is_an_earlier_run(tmp_path):
+    from rlhfc.runtime.checkpoint import RunFolderError, check_fresh_run_folder, run_folder_contents
+
+    (tmp_path / "samples.jsonl").write_text('{"step": 0}\n')
+    assert run_folder_contents(str(tmp_path)) == ["samples.jsonl"]
+    with pytest.raises(RunFolderError, match="already holds a run: samples.jsonl; nothing was overwritten"):
+        check_fresh_run_folder(str(tmp_path), None, "rlhfc run p.rlhf --resume")
