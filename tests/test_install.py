@@ -56,9 +56,9 @@ def _wheel(folder, version: str) -> None:
 
 def _resolve(tmp_path, constraints: str) -> str:
     (tmp_path / "c.txt").write_text(constraints)
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--no-deps", "--ignore-installed",
-                           "--disable-pip-version-check", "--index-url", (tmp_path / "pypi").as_uri(),
-                           "-c", str(tmp_path / "c.txt"), "torch"],
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--no-deps",
+                           "--ignore-installed", "--disable-pip-version-check",
+                           "--index-url", (tmp_path / "pypi").as_uri(), "-c", str(tmp_path / "c.txt"), "torch"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PIP_RETRIES": "0"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return re.search(r"Would install (\S+)", proc.stdout).group(1)

@@ -180,7 +180,8 @@ def char_tokenizer_fast(tok: CharTokenizer):
     for i in range(len(vocab), tok.vocab_size):
         vocab[f"<unused_{i}>"] = i
     known = set(tok.chars)
-    steps = [normalizers.Replace(c, c.lower()) for c in map(chr, range(65, 91)) if c not in known and c.lower() in known]
+    steps = [normalizers.Replace(c, c.lower()) for c in map(chr, range(65, 91))
+             if c not in known and c.lower() in known]
     other = " " if " " in known else ""
     steps.append(normalizers.Replace(Regex("[^" + "".join(re.escape(c) for c in tok.chars) + "]"), other))
     core = Tokenizer(BPE(vocab=vocab, merges=[]))   # no merges: one token per character, no pre-tokenizer
