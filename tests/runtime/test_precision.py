@@ -3,6 +3,8 @@ master weights and optimizer state (rlhfc.runtime.precision)."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -71,7 +73,8 @@ def _fsdp_rank(store, spec, queue):
         stats = w.train(PolicyLossInput(roll, lp, adv, None, 0.2, 0.0, 0.0, "k3", 1.0), lr=1e-3, epochs=1,
                         minibatches=2, max_grad_norm=1.0, weight_decay=0.0)
         dtypes = sorted({str(t.dtype) for t in w.get_weights().values()})
-        queue.put({"roll": roll.batch.input_ids, "lp": lp, "loss": stats["pg_loss"], "dtypes": dtypes})
+        # bytes, not tensors: torch shares tensors through file descriptors that die with this process
+        queue.put(pickle.dumps({"roll": roll.batch.input_ids, "lp": lp, "loss": stats["pg_loss"], "dtypes": dtypes}))
     except BaseException:   # report, do not hang the parent
         import traceback
 
@@ -91,7 +94,8 @@ def test_bf16_under_an_fsdp2_group_trains_as_the_single_process_worker(make_spec
     proc.start()
     got = queue.get(timeout=300)
     proc.join(timeout=60)
-    assert isinstance(got, dict), got
+    assert isinstance(got, bytes), got   # else the child's traceback
+    got = pickle.loads(got)
     one = _worker(make_spec, "bf16")
     roll = one.generate(["abc", "de"], max_new_tokens=4, temperature=1.0, top_p=1.0, n=2)
     assert torch.equal(got["roll"], roll.batch.input_ids)           # the same bf16 sampling
