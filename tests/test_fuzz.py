@@ -440,6 +440,9 @@ def _option_values(world: Path) -> dict[str, list[str]]:
         "--steps": ["1", "2", "0", "-1", "abc", "1e3", "99999999999999999999", "50", "51", ""],
         "--ray-address": ["auto", "127.0.0.1:1", ""],
         "--format": list(FORMATS) + ["x", ""],
+        "run": ["trained", "missing", "folder", "job", "prog.rlhf", ""],   # export and plot
+        "--step": ["2", "1", "0", "-1", "x", ""], "--model": ["actor", "ref", "nope", ""],
+        "--job": ["job", "folder", "missing", "trained"],
         "--profile": ["missing.json", "prompts.jsonl", "folder", "empty.jsonl", ""],
         "--response-lengths": ["auto", "max", "geometric:0.5", "geometric:x", "geometric:0", "geometric:1.5",
                                "lognormal:0.25:1.0", "lognormal:", "lognormal:1:-1", "x", ""],
@@ -503,11 +506,25 @@ def cli_world(world, monkeypatch):
     assert code == 0, err
     (world / "prog.rlir").write_text(ir)
     assert run_cli(["compile", "prog.rlhf", "-O1", "--emit", "job", "-o", "job"])[0] == 0
+    _trained_run(world / "trained")
     calls = []
     monkeypatch.setattr(rlhfc.runtime.job, "run_job", lambda job_dir, **kw: calls.append((job_dir, kw)) or [])
     monkeypatch.setattr(rlhfc.calibrate, "run_profile", lambda module, **kw: _FakeProfile())
     monkeypatch.setenv("RLHFC_CACHE_DIR", str(world / "cache"))
     return world, calls
+
+
+def _trained_run(run: Path) -> None:
+    """A run folder ``export`` and ``plot`` can read: metrics and a checkpoint of one tiny policy."""
+    from rlhfc.runtime.models import build_model, save_weights
+
+    spec = {"arch": "llama", "layers": 1, "hidden": 8, "heads": 2, "vocab": 16, "max_seq": 16, "head": "lm"}
+    (run / "checkpoints" / "step_2" / "actor").mkdir(parents=True)
+    save_weights(build_model(spec), str(run / "checkpoints" / "step_2" / "actor" / "weights.safetensors"))
+    (run / "checkpoints" / "step_2" / "job.json").write_text(json.dumps(
+        {"step": 2, "manifest": {"models": {"actor": spec}, "algorithm": {"train": {"actor": []}}}}))
+    (run / "checkpoints" / "latest").write_text("step_2\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.1 * s}) + "\n" for s in range(2)))
 
 
 def test_fuzz_command_lines(cli_world, request):

@@ -7,13 +7,14 @@ Layers, each importing only those before it (no cycle):
 - :mod:`.optimise`: the pass pipeline of ``--passes`` / ``-O`` (levels named by :func:`rlhfc.ir.plan.opt_level`).
 - :mod:`.compile`: ``check``, ``compile``, ``run``, ``passes``.
 - :mod:`.explain`: ``explain`` and ``profile``.
+- :mod:`.outputs`: ``export`` and ``plot`` (read a run folder; import only :mod:`.app`).
 
 Importing this package registers every command on :data:`app`.
 """
 
 from __future__ import annotations
 
-from . import compile, explain  # noqa: F401  (register the commands)
+from . import compile, explain, outputs  # noqa: F401  (register the commands)
 from .app import _entry, app, main, print_diagnostics
 
 __all__ = ["app", "main", "print_diagnostics", "_entry"]

@@ -160,7 +160,12 @@ class RunConfig:
     built-in rewards (``reward_modules``; printed only when not empty), and the trainer that runs the
     models' layouts (``trainer``: ``torch`` runs each model on one process per mesh, ``fsdp`` runs dp
     ranks sharded with FSDP2, ``megatron`` runs dp × tp × pp megatron-core ranks, ``auto`` picks one per
-    model from its layout — :func:`rlhfc.ir.plan.resolve_trainer`; printed only when not ``torch``)."""
+    model from its layout — :func:`rlhfc.ir.plan.resolve_trainer`; printed only when not ``torch``).
+
+    ``precision`` (``fp32`` | ``bf16``): the arithmetic of forwards, generation and training; ``bf16``
+    runs them under bf16 autocast while weights and optimizer state stay float32 (printed only when not
+    ``fp32``). ``log_samples``: samples per step written to the run folder's ``samples.jsonl`` and
+    TensorBoard text (0 = none; printed only when not the default 4)."""
 
     steps: int = 10
     seed: int = 0
@@ -169,6 +174,8 @@ class RunConfig:
     placement: str = "auto"
     reward_modules: list = field(default_factory=list)
     trainer: str = "torch"
+    precision: str = "fp32"
+    log_samples: int = 4
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
@@ -180,6 +187,10 @@ class RunConfig:
             out["reward_modules"] = self.reward_modules
         if self.trainer != "torch":
             out["trainer"] = self.trainer
+        if self.precision != "fp32":
+            out["precision"] = self.precision
+        if self.log_samples != 4:
+            out["log_samples"] = self.log_samples
         return out
 
 

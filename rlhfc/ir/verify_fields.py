@@ -25,10 +25,13 @@ from .ops import OpSpec
 from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, TRAINERS
 from .plan import describe as _describe
 
+#: the arithmetic a run may choose (``run { precision = ... }``)
+PRECISIONS = ("fp32", "bf16")
+
 #: the example value a hint suggests for each integer setting
 EXAMPLES = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 256, "vocab": 96, "max_seq": 64,
             "nodes": 2, "batch": 8, "count": 1024, "min_len": 4, "max_len": 16, "seed": 0, "steps": 100,
-            "checkpoint_every": 10}
+            "checkpoint_every": 10, "log_samples": 4}
 
 
 def is_positive_int(value) -> bool:
@@ -294,7 +297,7 @@ RESERVED_FIELDS = ("prompt", "response", "prompts", "responses")
 def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
     """Check the run settings; False if anything was reported."""
     f = _Fields(r, "run settings", sink)
-    for key, lo in (("steps", 1), ("seed", 0), ("checkpoint_every", 0)):
+    for key, lo in (("steps", 1), ("seed", 0), ("checkpoint_every", 0), ("log_samples", 0)):
         value = getattr(r, key)
         if not _is_int(value) or value < lo:
             f.error(key, f"{key} must be an integer >= {lo}, got {show(value)}", f"e.g. {key} = {EXAMPLES[key]}")
@@ -310,6 +313,11 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
                                       "as FSDP2 ranks; megatron runs dp x tp x pp megatron-core ranks; auto picks "
                                       "per model"]))
         f.error("trainer", f"trainer must be one of {', '.join(TRAINERS)}, got {_name(r.trainer)}", hint)
+    if r.precision not in PRECISIONS:
+        f.error("precision", f"precision must be one of {', '.join(PRECISIONS)}, got {_name(r.precision)}",
+                " ".join(filter(None, [did_you_mean(str(r.precision), PRECISIONS),
+                                       "fp32 computes in float32; bf16 runs forwards, generation and training "
+                                       "under bf16 autocast with float32 weights"])))
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         f.error("reward_modules", f"reward_modules must be a list of module names, got {show(mods)}",

@@ -19,7 +19,11 @@ Running a compiled job (imported by the generated ``main.py``, not re-exported h
 * ``group``      ``WorkerGroup``, the handle ``w.<worker>`` (one rank today).
 * ``worker``     ``ModelWorker``, the Ray actor hosting one model.
 * ``checkpoint`` atomic save / resume; ``metrics``: metrics.jsonl, TensorBoard, progress.
+* ``samples``    samples.jsonl and TensorBoard text: a few samples per step.
+* ``precision``  bf16 autocast of forwards (``run { precision = bf16 }``).
 * ``compute``    driver-side stages (GAE, losses, ...).
+
+Reading a run folder (``rlhfc export``): ``export``, a checkpoint's model as a Hugging Face folder.
 """
 
 from .data import JsonlPrompts, PromptSource, SyntheticPrompts, prompt_source_from_spec, repeat_each

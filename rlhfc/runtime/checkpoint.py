@@ -133,7 +133,8 @@ def write_atomic(path: str, text: str) -> None:
 # -- the run folder ------------------------------------------------------------------------------
 def run_folder_contents(out: str, job_dir: str | None = None) -> list[str]:
     """What an earlier run left in ``out`` that a new run would write over (``job/`` counts unless it is
-    ``job_dir``, the job about to run): ``job/``, ``metrics.jsonl``, ``checkpoints/``, TensorBoard events."""
+    ``job_dir``, the job about to run): ``job/``, ``metrics.jsonl``, ``samples.jsonl``, ``checkpoints/``,
+    TensorBoard events."""
     if not os.path.isdir(out):
         return []
     found = []
@@ -141,9 +142,10 @@ def run_folder_contents(out: str, job_dir: str | None = None) -> list[str]:
     if os.path.isdir(job) and os.listdir(job) and (
             job_dir is None or os.path.abspath(job) != os.path.abspath(job_dir)):
         found.append("job/")
-    metrics = os.path.join(out, "metrics.jsonl")
-    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-        found.append("metrics.jsonl")
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(out, log)
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
+            found.append(log)
     ckpts = checkpoint_root(out)
     if os.path.isdir(ckpts) and os.listdir(ckpts):
         latest = latest_checkpoint(ckpts)

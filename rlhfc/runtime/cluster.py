@@ -122,14 +122,15 @@ class Cluster:
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w["bundle"])
             args = (model_name, model["spec"], model["init"], self.seed)
             device = "cuda" if use_gpu else "cpu"
+            precision = self.plan["run"].get("precision", "fp32")
             if trainer == "torch" and ranks == 1:
                 actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
                                        max_restarts=0)(ModelWorker)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
-                    *args, w.get("threads", 1), device, w.get("cores"))]
+                    *args, w.get("threads", 1), device, w.get("cores"), precision)]
             else:   # the ranks share the worker's devices: one core (or GPU) each, round robin
                 store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
-                worker_cls, extra = _group_class(trainer, w)
+                worker_cls, extra = _group_class(trainer, w, precision)
                 actor_cls = ray.remote(num_cpus=w["num_cpus"] / ranks, num_gpus=w.get("num_gpus", 0) / ranks,
                                        max_restarts=0)(worker_cls)
                 cores = w.get("cores") or []
@@ -152,21 +153,25 @@ class Cluster:
                 remove_ray_temp(self.ray_temp)
 
 
-def _group_class(trainer: str, w: dict) -> tuple[type, dict]:
-    """The worker class of a multi-rank group and its extra keyword arguments."""
+def _group_class(trainer: str, w: dict, precision: str = "fp32") -> tuple[type, dict]:
+    """The worker class of a multi-rank group and its extra keyword arguments (the megatron trainer runs
+    fp32 only: ``check`` refuses bf16 with it)."""
     if trainer == "megatron":
         import importlib.util
 
         from .mcore_model import INSTALL_HINT
         from .megatron import MegatronWorker
 
+        if precision != "fp32":
+            raise JobError(f"model '{w.get('model')}' runs under trainer = megatron, which runs fp32 only, but the "
+                           f"plan asks for precision = {precision}", "compile with precision = fp32, or another trainer")
         if importlib.util.find_spec("megatron.core") is None:
             raise JobError(f"model '{w.get('model')}' runs under trainer = megatron but megatron-core is not "
                            "installed", INSTALL_HINT)
         return MegatronWorker, {"tp": int(w.get("tp", 1)), "pp": int(w.get("pp", 1))}
     from .parallel import DataParallelWorker
 
-    return DataParallelWorker, {}
+    return DataParallelWorker, {"precision": precision}
 
 
 def _free_port() -> tuple[str, int]:

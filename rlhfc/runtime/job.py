@@ -17,6 +17,7 @@ The runtime around one job, by concern:
 Run folder layout (``--out``, default ``runs/<module>``)::
 
     metrics.jsonl          one JSON object per step
+    samples.jsonl          run { log_samples = N } samples per step: prompt, response, reward (samples.py)
     events.out.tfevents.*  TensorBoard scalars
     errors.log             remote tracebacks of failed stages
     checkpoints/step_K/    per model: weights.safetensors, state.safetensors, state.json; job.json
@@ -49,6 +50,7 @@ from .data import PromptSource, prompt_source_from_spec
 from .errors import JobError
 from .group import WorkerGroup
 from .metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
+from .samples import DEFAULT_LOG_SAMPLES, SampleLog
 
 __all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
 
@@ -373,14 +375,17 @@ class Job:
             for note in checkpoint.check_resume(existing, self.plan, self.plan["placement"]["workers"]):
                 print(f"note: {note}", file=sys.stderr)
         log = MetricsLog(self.out)
+        samples = SampleLog(self.out, self.plan["run"].get("log_samples", DEFAULT_LOG_SAMPLES))
         self.start()
-        kept = None
+        kept = kept_samples = None
         if self.resume:
             start_step = self.load_checkpoint(existing)
             kept, notes = log.trim(start_step)
-            for note in notes:
+            kept_samples, more = samples.trim(start_step)
+            for note in notes + more:
                 print(f"note: {note}", file=sys.stderr)
         log.open_tensorboard(replay=kept)
+        samples.open(log.tb, replay=kept_samples)
         history: list[dict[str, float]] = []
         try:
             with Progress(self.show_progress, self.steps, start_step, self.plan) as bar:
@@ -393,6 +398,10 @@ class Job:
                     m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
                     m["ranks"] = model_ranks(self.plan["placement"]["workers"])   # processes per model
                     log.write(m)
+                    roles = self.plan["metrics"]
+                    roll = values.get(roles.get("rollout"))
+                    samples.write(step, roll, values, roles.get("reward"),      # with its prompt's data fields
+                                  fields=roll.fields if roll is not None and any(roll.fields) else None)
                     history.append(m)
                     bar.update(m)
                     done = step + 1

@@ -150,42 +150,49 @@ class MetricsLog:
 
     def trim(self, upto: int) -> tuple[list[dict], list[str]]:
         """On resume: keep the rows of steps before ``upto`` (later ones will be recomputed); returns the
-        kept rows and notes on what was dropped that was not a complete row. The file is replaced
-        atomically, so a crash here loses nothing."""
-        if not os.path.isfile(self.path):
-            return [], []
-        with open(self.path, "rb") as fh:
-            data = fh.read()
-        lines = data.split(b"\n")
-        tail = lines.pop()   # b"" when the file ends with a newline; else a line cut off mid-write
-        if _parse_row(tail) is not None:   # only its newline is missing: a complete row
-            lines.append(tail)
-            tail = b""
-        kept, rows, notes = [], [], []
-        for i, raw in enumerate(lines, 1):
-            row = _parse_row(raw)
-            if row is None:
-                if raw.strip():
-                    notes.append(f"dropped line {i} of {self.path}: not a metrics row ({_clip(raw)})")
-                continue
-            if row["step"] < upto:
-                kept.append(raw + b"\n")
-                rows.append(row)
-        if tail.strip():
-            notes.append(f"dropped the partial last line of {self.path} (cut off by a crash while it was "
-                         f"written): {_clip(tail)}")
-        tmp = self.path + ".tmp"
-        with open(tmp, "wb") as fh:
-            fh.writelines(kept)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        return rows, notes
+        kept rows and notes on what was dropped that was not a complete row (:func:`trim_jsonl`)."""
+        return trim_jsonl(self.path, upto, "metrics row")
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def trim_jsonl(path: str, upto: int, what: str = "row") -> tuple[list[dict], list[str]]:
+    """Keep the rows of a run folder's JSON-lines log (``metrics.jsonl``, ``samples.jsonl``: one object with
+    an int ``step`` a line) whose step is before ``upto``; returns the kept rows and notes on dropped lines
+    that were not a complete ``what`` (a partial last line a crash left mid-write). The file is replaced
+    atomically, so a crash here loses nothing."""
+    if not os.path.isfile(path):
+        return [], []
+    with open(path, "rb") as fh:
+        data = fh.read()
+    lines = data.split(b"\n")
+    tail = lines.pop()   # b"" when the file ends with a newline; else a line cut off mid-write
+    if _parse_row(tail) is not None:   # only its newline is missing: a complete row
+        lines.append(tail)
+        tail = b""
+    kept, rows, notes = [], [], []
+    for i, raw in enumerate(lines, 1):
+        row = _parse_row(raw)
+        if row is None:
+            if raw.strip():
+                notes.append(f"dropped line {i} of {path}: not a {what} ({_clip(raw)})")
+            continue
+        if row["step"] < upto:
+            kept.append(raw + b"\n")
+            rows.append(row)
+    if tail.strip():
+        notes.append(f"dropped the partial last line of {path} (cut off by a crash while it was "
+                     f"written): {_clip(tail)}")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:
+        fh.writelines(kept)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return rows, notes
 
 
 def _parse_row(raw: bytes) -> dict | None:

@@ -127,8 +127,8 @@ class DataParallelWorker(ModelWorker):
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
                  cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int],
-                 backend: str = "gloo"):
-        super().__init__(name, spec, init, seed, threads, device, cores)
+                 backend: str = "gloo", precision: str = "fp32"):
+        super().__init__(name, spec, init, seed, threads, device, cores, precision)
         self.rank, self.world = int(rank), int(world)
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
         tcp = dist.TCPStore(store[0], int(store[1]), self.world, self.rank == 0, timeout=timeout)

@@ -25,6 +25,7 @@ from .models import build_model, copy_weights, get_weights, set_weights
 from .data import prompt_parts
 from .packing import bucketed
 from .recompute import apply_recompute
+from .precision import autocast, under_autocast
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
 from .collective import GROUP_TIMEOUT_S, CollectiveSync  # noqa: F401 - GROUP_TIMEOUT_S re-exported
@@ -47,10 +48,12 @@ class ModelWorker(CollectiveSync):
     ``init``: ``{"kind": "random"}``, ``{"kind": "pretrained"}`` (``spec["source"]``) or
     ``{"kind": "copy", "from": NAME, "spec": SRC_SPEC}`` — start from the initial
     weights of model NAME (built here from the same seed, so no transfer is needed).
+    ``precision``: ``"fp32"``, or ``"bf16"`` — generation, forwards and the loss's forward run under bf16
+    autocast; the weights, gradients and optimizer state stay as built (float32).
     """
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, precision: str = "fp32"):
         if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -60,6 +63,8 @@ class ModelWorker(CollectiveSync):
         self.name = name
         self.device = device
         self.spec = spec
+        self.precision = precision
+        autocast(device, precision)   # a precision it does not know is a ValueError here
         if init.get("kind") == "copy":
             src_name = init["from"]
             src = build_model(init["spec"], seed=derive_seed(seed, src_name, "init"), device=device)
@@ -84,10 +89,15 @@ class ModelWorker(CollectiveSync):
 
         return {"name": self.name, "params": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
                 "threads": torch.get_num_threads(), "device": self.device, "cores": self.cores,
+                "precision": self.precision,
                 "node": ray.get_runtime_context().get_node_id()}
 
     def get_version(self) -> int:
         return self.version
+
+    def _autocast(self):
+        """The arithmetic of this worker's forwards (:mod:`rlhfc.runtime.precision`)."""
+        return autocast(self.device, self.precision)
 
     def _check_tokens(self, rollout: Rollout) -> None:
         if rollout.tokenizer != self.tok_id:
@@ -150,7 +160,7 @@ class ModelWorker(CollectiveSync):
                                  stop_after=take, logprob_temperature=temperature if logprobs else None,
                                  resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)),
                                  slots=slots)
-        for item in stream:
+        for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
             if isinstance(item, PartialSample):
@@ -212,7 +222,9 @@ class ModelWorker(CollectiveSync):
         """``fn(batch)`` on the rollout; under ``unpad``, in groups of rows of similar length
         (:func:`rlhfc.runtime.packing.bucketed`: computed tokens follow the real ones)."""
         batch = rollout.batch.to(self.device)
-        return (bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)).cpu()
+        with self._autocast():
+            out = bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)
+        return out.cpu()
 
     @stage_call
     @torch.no_grad()
@@ -245,7 +257,8 @@ class ModelWorker(CollectiveSync):
         for i, x in enumerate(ids):
             input_ids[i, width - len(x):] = torch.tensor(x)
             mask[i, width - len(x):] = 1
-        return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
+        with self._autocast():
+            return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
 
     @stage_call
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
@@ -289,7 +302,8 @@ class ModelWorker(CollectiveSync):
         kind = "policy" if isinstance(loss, PolicyLossInput) else "value"
 
         def guarded(model, mb):
-            out, stats = fn(model, mb)
+            with self._autocast():   # the loss's forward; backward and the optimizer step run as built
+                out, stats = fn(model, mb)
             if not bool(torch.isfinite(out.detach()).all()):
                 raise NonFiniteError(f"the {kind} loss of '{self.name}' is {float(out.detach())} on a minibatch; the "
                                      "run stops before the optimizer step (nothing of this step is checkpointed)")

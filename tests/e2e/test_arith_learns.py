@@ -72,3 +72,7 @@ def test_arith_tiny_learns_by_more_than_3_standard_errors(tmp_path):
     with open(os.path.join(str(tmp_path / "run"), "metrics.jsonl")) as fh:
         assert len([json.loads(line) for line in fh]) == len(rows) == 60
 
+    # samples.jsonl shows each logged sample with its prompt's data fields
+    with open(os.path.join(str(tmp_path / "run"), "samples.jsonl")) as fh:
+        logged = [json.loads(line) for line in fh]
+    assert logged and all(r["fields"] == {"answer": str(int(r["prompt"].split()[0]) + 1)} for r in logged)

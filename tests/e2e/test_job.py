@@ -33,6 +33,11 @@ def _metrics(run_dir):
         return [json.loads(line) for line in fh]
 
 
+def _samples(run_dir):
+    with open(os.path.join(run_dir, "samples.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
 def _strip(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
@@ -62,6 +67,11 @@ def test_run_writes_metrics_checkpoints_and_tensorboard(full_run):
         assert os.path.getsize(os.path.join(folder, "weights.safetensors")) > 1000
         assert os.path.isfile(os.path.join(folder, "state.safetensors"))
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(out))
+    samples = _samples(out)                                   # run { log_samples } defaults to 4: the batch
+    assert [(r["step"], r["row"]) for r in samples] == [(s, i) for s in range(4) for i in range(4)]
+    rewards = [r["reward"] for r in samples]
+    assert all(isinstance(x, float) for x in rewards) and all(r["prompt"] and "scores" in r for r in samples)
+    assert abs(sum(rewards[:4]) / 4 - rows[0]["reward_mean"]) < 1e-6   # the reward the metrics average
 
 
 def test_same_seed_same_metrics_and_resume_matches_uninterrupted(full_run, tmp_path):
@@ -71,6 +81,30 @@ def test_same_seed_same_metrics_and_resume_matches_uninterrupted(full_run, tmp_p
     assert _strip(first) == _strip(_metrics(full_out))[:2]          # deterministic run to run
     run_job(job_dir, out=out, resume=True, progress=False)           # continues from step_2 to 4
     assert _strip(_metrics(out)) == _strip(_metrics(full_out))       # bitwise-equal metrics on CPU
+    assert _samples(out) == _samples(full_out)                       # no sample lost or written twice
+
+
+def test_export_of_the_trained_policy_gives_its_logprobs_and_plot_draws_the_run(full_run, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhfc.runtime.models import build_model, load_weights
+
+    job_dir, out = full_run
+    assert cli(["export", out, "--job", job_dir, "-o", str(tmp_path / "hf")]) == 0
+    with open(os.path.join(job_dir, "plan.json")) as fh:
+        spec = json.load(fh)["models"]["actor"]["spec"]
+    trained = build_model(spec)
+    load_weights(trained, os.path.join(out, "checkpoints", "step_4", "actor", "weights.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
+    ids = torch.tensor([[1, 10, 7, 14, 14, 17, 3, 5, 2], [1, 20, 21, 22, 23, 24, 25, 26, 27]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = torch.log_softmax(trained.forward_logits(ids, mask), -1)   # the trainer's forward
+        got = torch.log_softmax(hf(ids).logits.float(), -1)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert cli(["plot", out, "-o", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
 def test_existing_run_is_never_overwritten(full_run):

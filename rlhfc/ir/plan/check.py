@@ -90,6 +90,13 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
                        where(module.run, "trainer") if trainer == "megatron" else where(m, "layout"),
                        f"install the extra: {MEGATRON_INSTALL}")
         _verify_megatron(module, m, Parallel(w.dp, w.tp, w.pp), w.mesh.count, sink)
+    if module.run.precision != "fp32":
+        on_megatron = sorted({w.model for w in workers(module).values() if w.trainer == "megatron"})
+        if on_megatron:
+            sink.error(f"precision = {module.run.precision} is not supported by the megatron trainer yet (it runs "
+                       f"{', '.join('@' + n for n in on_megatron)})", where(module.run, "precision"),
+                       "use precision = fp32 with trainer = megatron, or trainer = torch or fsdp for bf16 "
+                       "(auto runs a layout with tp = pp = 1 on them)")
 
 
 def _verify_megatron(module: Module, m: Model, par: Parallel, count: int, sink: DiagnosticSink) -> None:

@@ -1,0 +1,73 @@
+"""The README's install command gives PyTorch's CPU build wherever it runs (issue #19): ``constraints.txt``
+adds PyTorch's CPU-only index, whose ``2.13.0+cpu`` pip prefers to PyPI's CUDA ``2.13.0``. Checked offline:
+pip resolves the repository's own constraints file against two local indexes standing in for PyPI and
+PyTorch's CPU index (fake wheels of a few bytes), as it would on a machine whose default index serves the
+CUDA build."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(ROOT, *parts), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def test_constraints_pin_torch_and_add_the_cpu_index_and_ci_installs_as_the_readme():
+    lines = [x.strip() for x in _read("constraints.txt").splitlines() if x.strip() and not x.startswith("#")]
+    assert lines == [f"--extra-index-url {CPU_INDEX}", "torch==2.13.0"]
+    assert '"torch==2.13.0"' in _read("pyproject.toml")                 # the same pin as the package's
+    first = next(x for x in _read("README.md").splitlines() if "pip install" in x)
+    readme = re.search(r"pip install (-c constraints\.txt -e '\.\[[a-z,]+\]')", first)
+    assert readme, first
+    ci = re.search(r"pip install -q (-c constraints\.txt -e '\.\[[a-z,]+\]')", _read(".ci", "run"))
+    assert ci and ci.group(1).split("[")[0] == readme.group(1).split("[")[0]
+
+
+def test_a_local_cpu_label_satisfies_the_pin_and_sorts_above_the_plain_release():
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    assert Version("2.13.0+cpu") in SpecifierSet("==2.13.0") and Version("2.13.0+cu130") in SpecifierSet("==2.13.0")
+    assert Version("2.13.0+cpu") > Version("2.13.0") and Version("2.14.0") not in SpecifierSet("==2.13.0")
+
+
+def _wheel(folder, version: str) -> None:
+    """A wheel of package ``torch`` at ``version`` holding only its metadata, in a PEP 503 index folder."""
+    os.makedirs(folder / "torch", exist_ok=True)
+    name = f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    with zipfile.ZipFile(folder / "torch" / name, "w") as z:
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    (folder / "torch" / "index.html").write_text(f'<html><body><a href="{name}">{name}</a></body></html>')
+
+
+def _resolve(tmp_path, constraints: str) -> str:
+    (tmp_path / "c.txt").write_text(constraints)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--no-deps",
+                           "--ignore-installed", "--disable-pip-version-check",
+                           "--index-url", (tmp_path / "pypi").as_uri(), "-c", str(tmp_path / "c.txt"), "torch"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PIP_RETRIES": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return re.search(r"Would install (\S+)", proc.stdout).group(1)
+
+
+def test_pip_takes_the_cpu_build_through_the_repositorys_constraints_file(tmp_path):
+    pytest.importorskip("pip")
+    _wheel(tmp_path / "pypi", "2.13.0")          # PyPI: the plain version (the CUDA build on Linux)
+    _wheel(tmp_path / "cpu", "2.13.0+cpu")       # PyTorch's CPU index
+    ours = _read("constraints.txt").replace(CPU_INDEX, (tmp_path / "cpu").as_uri())
+    assert _resolve(tmp_path, ours) == "torch-2.13.0+cpu"
+    assert _resolve(tmp_path, "torch==2.13.0\n") == "torch-2.13.0"   # without the index line: PyPI's build
