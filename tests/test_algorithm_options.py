@@ -53,3 +53,15 @@ def test_a_schedule_spans_the_runs_steps():
     assert train.attrs["lr_schedule"] == "linear" and train.attrs["total_steps"] == 40
     text = print_module(module)
     assert 'lr_schedule = "linear", total_steps = 40}' in text
+
+
+def test_micro_batch_reaches_the_workers_train_call():
+    from rlhfc.codegen.emitter import PythonEmitter
+
+    module, _ = compile_source(GRPO.replace("minibatches = 2)", "minibatches = 2, micro_batch = 4)"), "grpo.rlhf")
+    train = next(s for s in module.graph.stages if s.op == "train")
+    assert train.attrs["micro_batch"] == 4
+    code = PythonEmitter(module, source=None, opt_level="O0", passes=[]).emit()
+    assert "micro_batch=4" in next(line for line in code.splitlines() if ".train.remote(" in line)
+    plain, _ = compile_source(GRPO, "grpo.rlhf")
+    assert "micro_batch" not in next(s for s in plain.graph.stages if s.op == "train").attrs

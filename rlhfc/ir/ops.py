@@ -332,7 +332,9 @@ register_op(OpSpec(
           doc="lr over the run's train steps after warmup: constant, linear or cosine decay to 0"),
      Attr("warmup_steps", "int", 0, min=0, omit_default=True, doc="train steps of linear lr warmup"),
      Attr("total_steps", "int", 0, min=0, omit_default=True,
-          doc="train steps of the schedule; set from the run's steps")),
+          doc="train steps of the schedule; set from the run's steps"),
+     Attr("micro_batch", "int", 0, min=0, omit_default=True,
+          doc="rows per forward/backward within a minibatch, gradients accumulated (0 = the whole minibatch)")),
     ("Metrics",), model="model", trains=True, pure=False, batch_from="none", internal_attrs=("total_steps",),
     emit=Emit("worker", "train", flags=("unpad",)), doc="update the model's weights on a loss"))
 

@@ -27,8 +27,10 @@ from .generation import RolloutBatch
 GROUP_COST_TOKENS = 128
 
 
-def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> list[list[int]]:
-    """Rows (indices into ``lengths``) in groups of similar length, minimising Σ rows·width + cost per group.
+def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS,
+                  max_rows: int | None = None) -> list[list[int]]:
+    """Rows (indices into ``lengths``) in groups of similar length, minimising Σ rows·width + cost per group,
+    with at most ``max_rows`` rows a group (a training micro-batch) when given.
 
     Rows are sorted by length (ties by index); groups are contiguous runs of that order, so a group's width
     is its last row's length. Exact dynamic programming, O(B²)."""
@@ -38,7 +40,7 @@ def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS) -> li
     cut = [0] * (n + 1)
     for end in range(1, n + 1):
         width = lengths[order[end - 1]]
-        for start in range(end):
+        for start in range(max(0, end - max_rows) if max_rows else 0, end):
             cost = best[start] + (end - start) * width + group_cost
             if cost < best[end]:
                 best[end], cut[end] = cost, start
@@ -75,6 +77,12 @@ def crop_rows(batch: RolloutBatch, index: list[int]) -> RolloutBatch:
     return RolloutBatch(input_ids=sub.input_ids[:, start:end], attention_mask=sub.attention_mask[:, start:end],
                         response_mask=sub.response_mask[:, :end - sub.prompt_len], prompt_len=p,
                         response_lengths=sub.response_lengths, prompt_lengths=sub.prompt_lengths, eos=sub.eos)
+
+
+def _rows_of(part: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
+    """Rows ``index`` of a training minibatch dict, at its full width."""
+    rows = torch.as_tensor(index, dtype=torch.long)
+    return {k: v[rows.to(v.device)] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in part.items()}
 
 
 def crop_part(part: Mapping[str, Any], index: list[int]) -> dict[str, Any]:
@@ -153,21 +161,45 @@ def crop_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def packed_backward(model: torch.nn.Module, part: Mapping[str, Any], loss_fn: Callable, scale: float = 1.0
+def accumulate(model: torch.nn.Module, part: Mapping[str, Any], loss_fn: Callable, scale: float = 1.0, *,
+               packed: bool = False, micro_batch: int = 0, pieces: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward and backward of one training minibatch (its gradients accumulate in the parameters).
+
+    ``packed``: in length groups each cut to its own width (:func:`packed_backward`), at most ``micro_batch``
+    rows a group when given; otherwise, with ``micro_batch`` smaller than the minibatch, in ``pieces``
+    consecutive micro-batches of about that many rows (gradient accumulation: every rank of a data-parallel
+    group must run the same number, so the caller says how many; default ⌈rows / micro_batch⌉). Otherwise
+    the whole minibatch at once: ``loss_fn``, then backward of the loss times ``scale``."""
+    rows = int(part["response_mask"].shape[0])
+    if packed:
+        groups = length_groups(row_lengths(RolloutBatch.from_dict(part)), max_rows=micro_batch or None)
+        return packed_backward(model, part, loss_fn, scale, groups)
+    if micro_batch and micro_batch < rows:
+        n = max(1, min(rows, pieces or -(-rows // micro_batch)))
+        groups = [c.tolist() for c in torch.tensor_split(torch.arange(rows), n)]
+        return packed_backward(model, part, loss_fn, scale, groups, crop=False)
+    loss, metrics = loss_fn(model, part)
+    (loss * scale if scale != 1.0 else loss).backward()
+    return loss, metrics
+
+
+def packed_backward(model: torch.nn.Module, part: Mapping[str, Any], loss_fn: Callable, scale: float = 1.0,
+                    groups: list[list[int]] | None = None, crop: bool = True
                     ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Forward and backward of one minibatch as groups of rows of similar length, each cut to its own
-    width (:mod:`rlhfc.runtime.packing`). The losses are token means, so each group's loss is weighted by
-    its share of the minibatch's response tokens and the gradients accumulate: the gradient, loss and
-    metrics of the whole minibatch (up to rounding)."""
+    """Forward and backward of one minibatch as groups of rows (default: of similar length,
+    :func:`length_groups`), each cut to its own width unless ``crop`` is False. Each group's loss is weighted
+    by its share of the minibatch's loss units (response tokens under a token mean, rows under a sequence
+    mean) and the gradients accumulate: the gradient, loss and metrics of the whole minibatch (up to
+    rounding)."""
     from .algorithms import loss_units
 
-    groups = length_groups(row_lengths(RolloutBatch.from_dict(part)))
+    groups = groups if groups is not None else length_groups(row_lengths(RolloutBatch.from_dict(part)))
     how = part.get("loss_agg", "token_mean")   # a seq-mean loss weighs each group by its share of rows
     tokens = loss_units(part["response_mask"], how).clamp(min=1)
     totals: dict[str, float] = {}
     loss_sum = 0.0
     for index in groups:
-        piece = crop_part(part, index)
+        piece = crop_part(part, index) if crop else _rows_of(part, index)
         share = float(loss_units(piece["response_mask"], how) / tokens) if len(groups) > 1 else 1.0
         loss, metrics = loss_fn(model, piece)
         (loss * (share * scale) if (share, scale) != (1.0, 1.0) else loss).backward()

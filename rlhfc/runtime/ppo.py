@@ -350,6 +350,7 @@ def train_epochs(
     backward: Callable[..., tuple[torch.Tensor, Mapping[str, float]]] | None = None,
     clip: Callable[[list[torch.Tensor], float], torch.Tensor] | None = None,
     pack: bool = True,
+    micro_batch: int = 0,
 ) -> dict[str, float]:
     """Run ``epochs`` passes over ``batch`` in ``minibatches`` optimizer steps each.
 
@@ -362,7 +363,8 @@ def train_epochs(
     clipping) and ``loss``. The model is put in train mode and left in eval mode.
     ``unpad``: each minibatch runs as groups of rows of similar length, each cut to its own width
     (:func:`rlhfc.runtime.packing.packed_backward`); with a ``backward`` hook or ``pack = False`` (FSDP ranks must all run the
-    same number of forwards), the minibatch is cut to its longest response instead.
+    same number of forwards), the minibatch is cut to its longest response instead. ``micro_batch = K``:
+    gradient accumulation over pieces of at most about K rows (length groups of at most K rows under unpad).
 
     Data parallel (``shard = (rank, world)``, every rank calling with the same batch and generator
     state): each rank takes its contiguous share of every minibatch and weights its loss by its share
@@ -393,22 +395,21 @@ def train_epochs(
 
                     how = batch.get("loss_agg", "token_mean")
                     tokens = loss_units(batch["response_mask"][index], how)
-                    index = torch.tensor_split(index, world)[rank]
+                    full, index = len(index), torch.tensor_split(index, world)[rank]
                     weight = float(loss_units(batch["response_mask"][index], how) / tokens.clamp(min=1))
                 part = _take(batch, index)
-                if unpad and pack and backward is None:
-                    from .packing import packed_backward
-
-                    loss, metrics = packed_backward(model, part, loss_fn, weight * shard[1] if shard is not None
-                                                    else 1.0)
-                elif backward is not None:
+                scale = weight * shard[1] if shard is not None else 1.0
+                if backward is not None:
                     from .packing import crop_padding
 
                     part = crop_padding(part) if unpad else part
-                    loss, metrics = backward(model, part, loss_fn, weight * shard[1] if shard is not None else 1.0)
-                else:
-                    loss, metrics = loss_fn(model, part)
-                    (loss * (weight * shard[1]) if shard is not None else loss).backward()
+                    loss, metrics = backward(model, part, loss_fn, scale)
+                else:   # one forward, length groups (unpad) or micro-batches (the same count on every rank)
+                    from .packing import accumulate
+
+                    pieces = -(-(full // shard[1]) // micro_batch) if shard is not None and micro_batch else 0
+                    loss, metrics = accumulate(model, part, loss_fn, scale, packed=unpad and pack,
+                                               micro_batch=micro_batch, pieces=pieces)
                 limit = max_grad_norm if max_grad_norm is not None else math.inf
                 if clip is not None:
                     grad_norm = clip(params, limit)

@@ -263,7 +263,7 @@ class ModelWorker(CollectiveSync):
     @stage_call
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
               max_grad_norm: float, weight_decay: float, unpad: bool = False, lr_schedule: str = "constant",
-              warmup_steps: int = 0, total_steps: int = 0) -> dict[str, float]:
+              warmup_steps: int = 0, total_steps: int = 0, micro_batch: int = 0) -> dict[str, float]:
         """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are
         padding in all of its rows (the ``unpad`` pass). A non-finite loss or gradient stops it before the
         optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch.
@@ -311,7 +311,7 @@ class ModelWorker(CollectiveSync):
 
         metrics = self._train_epochs(self.model, self.optimizer, batch, guarded, epochs=epochs, minibatches=minibatches,
                                      max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad,
-                                     pack=self._pack)
+                                     pack=self._pack, micro_batch=micro_batch)
         self.version += 1
         metrics.update(getattr(loss, "stats", {}), lr=step_lr, version=float(self.version))
         return metrics

@@ -113,3 +113,65 @@ def _padded(model, part, loss_fn):
     loss, metrics = loss_fn(model, part)
     loss.backward()
     return loss.detach(), metrics
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batches_accumulate_the_whole_minibatchs_gradient(long_tailed, loss_agg, packed):
+    """``train(micro_batch = K)``: pieces of at most K rows (length groups of at most K rows under unpad),
+    gradients accumulated: the loss, metrics and gradient of the minibatch in one piece, up to rounding."""
+    from rlhfc.runtime.packing import accumulate, length_groups, row_lengths
+
+    policy, batch = long_tailed
+    g = torch.Generator().manual_seed(2)
+    part = batch.as_dict()
+    part["old_logp"] = (torch.randn(batch.response_mask.shape, generator=g) * 0.1 - 2.0) * batch.response_mask
+    part["advantages"] = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    part["loss_agg"] = loss_agg
+    loss_fn = ppo.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
+    sizes = []
+
+    def counted(model, piece):
+        sizes.append(int(piece["response_mask"].shape[0]))
+        return loss_fn(model, piece)
+
+    def grads(**kw):
+        policy.zero_grad(set_to_none=True)
+        loss, metrics = accumulate(policy, part, counted, **kw)
+        return float(loss.detach()), metrics, {n: p.grad.clone() for n, p in policy.named_parameters()
+                                               if p.grad is not None}
+
+    loss_a, m_a, g_a = grads()
+    sizes.clear()
+    loss_b, m_b, g_b = grads(packed=packed, micro_batch=3)
+    assert len(sizes) >= -(-batch.batch_size // 3) and max(sizes) <= 3
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+    for k in m_a:
+        assert m_b[k] == pytest.approx(m_a[k], rel=1e-5, abs=1e-7), k
+    for n in g_a:
+        torch.testing.assert_close(g_b[n], g_a[n], rtol=1e-5, atol=1e-6 * float(g_a[n].abs().max()) + 1e-9)
+    policy.zero_grad(set_to_none=True)
+    assert all(len(x) <= 2 for x in length_groups(row_lengths(batch), max_rows=2))
+
+
+def test_every_data_parallel_rank_runs_as_many_micro_batches():
+    """FSDP ranks must make the same number of forward/backward calls: with ``pieces`` from the smallest
+    share, every rank's share of every minibatch runs in that many micro-batches."""
+    from rlhfc.runtime.packing import accumulate
+
+    def calls(rows, micro, pieces):
+        n = []
+
+        def loss_fn(model, piece):
+            n.append(int(piece["response_mask"].shape[0]))
+            return torch.zeros((), requires_grad=True), {}
+
+        accumulate(None, {"response_mask": torch.ones(rows, 2)}, loss_fn, micro_batch=micro, pieces=pieces)
+        return len(n)
+
+    for full in range(2, 13):
+        for world in range(1, min(full, 4) + 1):
+            for micro in range(1, 7):
+                shares = [len(x) for x in torch.tensor_split(torch.arange(full), world)]
+                pieces = -(-(full // world) // micro)
+                assert len({calls(s, micro, pieces) for s in shares}) == 1, (full, world, micro)
