@@ -28,7 +28,7 @@ from rlhfc.runtime.job import run_job
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
 GRPO = os.path.join(ROOT, "examples", "grpo_tiny.rlhf")
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks"}
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}
 
 #: the README's figures (seed 0, this repository's 2-core VM): mean reward of the first and of the last
 #: 5 steps, and the band each must hold within on any machine. Another CPU's float kernels can flip a

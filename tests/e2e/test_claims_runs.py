@@ -27,7 +27,7 @@ from rlhfc.runtime.job import run_job
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")          # batch 4, max_new_tokens 6
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")        # batch 8, long-tailed lengths up to 48 tokens
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks"}
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}
 MODELS = ("actor", "critic", "ref", "reward")
 
 pytestmark = pytest.mark.e2e

@@ -23,7 +23,7 @@ from rlhfc.runtime.job import run_job
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")   # long-tailed lengths: unpad really cuts columns
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks"}   # ranks: processes per model, a layout fact
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}   # ranks: processes per model, a layout fact
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
 from rlhfc.runtime.job import run_job
 
 HERE = os.path.dirname(__file__)
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks"}   # ranks: processes per model, a layout fact
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}   # ranks: processes per model, a layout fact
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
