@@ -410,7 +410,7 @@ def test_verify_missing_attribute():
 
 @pytest.mark.parametrize("key,value,message,hint", [
     ("temperature", 1, "expects a float, got int 1", "write it as a float: temperature = 1.0"),
-    ("n", 2.0, "expects an int, got float 2.0", "samples per prompt (GRPO/RLOO groups) (an integer >= 1); e.g. n = 1"),
+    ("n", 2.0, "expects an int, got float 2.0", "samples per prompt (GRPO/RLOO groups) (an integer >= 1 and <= 4096); e.g. n = 1"),
     ("top_p", 1.5, "must be <= 1.0, got 1.5", "nucleus sampling mass (a number >= 0.0 and <= 1.0); e.g. top_p = 1.0"),
     ("max_new_tokens", 0, "must be >= 1, got 0", "longest response (an integer >= 1); e.g. max_new_tokens = 32"),
 ])

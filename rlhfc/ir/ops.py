@@ -211,7 +211,7 @@ register_op(OpSpec(
     (Attr("max_new_tokens", "int", 32, min=1, doc="longest response"),
      Attr("temperature", "float", 1.0, min=0.0, doc="sampling temperature (0 = greedy)"),
      Attr("top_p", "float", 1.0, min=0.0, max=1.0, doc="nucleus sampling mass"),
-     Attr("n", "int", 1, min=1, doc="samples per prompt (GRPO/RLOO groups)"),
+     Attr("n", "int", 1, min=1, max=4096, doc="samples per prompt (GRPO/RLOO groups)"),
      Attr("chat", "bool", False, omit_default=True,
           doc="wrap each prompt as a user turn in the model's chat template (its local HF tokenizer's)")),
     ("Rollout",), model="model", head="lm", batch_from="operand0*attr:n",

@@ -360,7 +360,14 @@ def check_params(g: Graph, sink: DiagnosticSink) -> bool:
     if "batch" in g.params and not is_positive_int(g.params["batch"]):
         f.error("batch", f"batch must be a positive integer, got {show(g.params['batch'])}",
                 "the number of prompts per step, e.g. pipeline ppo(batch = 32)")
+    elif "batch" in g.params and g.params["batch"] > MAX_BATCH:
+        f.error("batch", f"batch {g.params['batch']} is more prompts per step than rlhfc plans for (at most "
+                f"{MAX_BATCH})", "split the work over more steps, e.g. pipeline ppo(batch = 1024)")
     return f.ok
+
+
+#: the most prompts a step may take (plans price every sample of a step; a million is far past any real job)
+MAX_BATCH = 2**20
 
 
 def check_attr_values(stage: Stage, spec: OpSpec, sink: DiagnosticSink) -> bool:
@@ -371,6 +378,10 @@ def check_attr_values(stage: Stage, spec: OpSpec, sink: DiagnosticSink) -> bool:
             why = check_attr_value(a, stage.attrs[a.name])
             if why:
                 f.error(a.name, f"'{a.name}' {why}", attr_hint(a, stage.attrs[a.name]))
+    rows = stage.outputs[0].type.batch if stage.op == "generate" and stage.outputs else None
+    if f.ok and isinstance(rows, int) and rows > MAX_BATCH:
+        f.error("n", f"this generate makes {rows} samples a step (batch x n), more than rlhfc plans for (at most "
+                f"{MAX_BATCH})", "fewer samples per prompt or a smaller batch")
     return f.ok
 
 

@@ -15,7 +15,7 @@ from rlhfc.runtime.job import Job
 
 pytestmark = pytest.mark.e2e
 HERE = os.path.dirname(__file__)
-TIMING = {"step_time_s", "samples_per_s", "wait_s"}
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 
 
 def _compile(tmp_path, passes: str, name: str) -> str:

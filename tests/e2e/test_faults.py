@@ -41,7 +41,7 @@ from rlhfc.runtime import cluster as cluster_mod
 from rlhfc.runtime.job import JobError, run_job
 
 HERE = Path(__file__).resolve().parent
-TIMING = {"step_time_s", "samples_per_s", "wait_s"}
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 STEPS = 5
 
 pytestmark = pytest.mark.e2e

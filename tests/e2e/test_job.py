@@ -16,7 +16,7 @@ from rlhfc.runtime.job import JobError, run_job
 
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
-TIMING = {"step_time_s", "samples_per_s", "wait_s"}
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ from rlhfc.runtime.job import run_job
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
 HERE = os.path.dirname(__file__)
-TIMING = {"step_time_s", "samples_per_s", "wait_s"}
+TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: what the plan must run: (trainer, dp, tp, pp) per model
