@@ -170,7 +170,7 @@ def accumulate(model: torch.nn.Module, part: Mapping[str, Any], loss_fn: Callabl
     consecutive micro-batches of about that many rows (gradient accumulation: every rank of a data-parallel
     group must run the same number, so the caller says how many; default ⌈rows / micro_batch⌉). Otherwise
     the whole minibatch at once: ``loss_fn``, then backward of the loss times ``scale``."""
-    rows = int(part["response_mask"].shape[0])
+    rows = next((int(v.shape[0]) for v in part.values() if isinstance(v, torch.Tensor) and v.ndim > 0), 0)
     if packed:
         groups = length_groups(row_lengths(RolloutBatch.from_dict(part)), max_rows=micro_batch or None)
         return packed_backward(model, part, loss_fn, scale, groups)
