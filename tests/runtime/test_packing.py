@@ -84,11 +84,7 @@ def test_grouped_forwards_equal_padded_ones(long_tailed, make_spec):
 def test_packed_training_step_equals_padded(long_tailed, loss_agg):
     """Also under a sequence-mean loss (DAPO/GRPO aggregations), where each group weighs by its rows."""
     policy, batch = long_tailed
-    g = torch.Generator().manual_seed(1)
-    part = batch.as_dict()
-    part["old_logp"] = (torch.randn(batch.response_mask.shape, generator=g) * 0.1 - 2.0) * batch.response_mask
-    part["advantages"] = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
-    part["loss_agg"] = loss_agg
+    part = _policy_part(batch, loss_agg, seed=1)
     loss_fn = ppo.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
     assert crop_part(part, [1, 2])["old_logp"].shape[1] <= batch.response_width
 
@@ -109,6 +105,16 @@ def test_packed_training_step_equals_padded(long_tailed, loss_agg):
     policy.zero_grad(set_to_none=True)
 
 
+def _policy_part(batch, loss_agg: str, seed: int) -> dict:
+    """A policy-training minibatch of ``batch``: seeded old log-probs and advantages on its response tokens."""
+    g = torch.Generator().manual_seed(seed)
+    part = batch.as_dict()
+    part["old_logp"] = (torch.randn(batch.response_mask.shape, generator=g) * 0.1 - 2.0) * batch.response_mask
+    part["advantages"] = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    part["loss_agg"] = loss_agg
+    return part
+
+
 def _padded(model, part, loss_fn):
     loss, metrics = loss_fn(model, part)
     loss.backward()
@@ -123,11 +129,7 @@ def test_micro_batches_accumulate_the_whole_minibatchs_gradient(long_tailed, los
     from rlhfc.runtime.packing import accumulate, length_groups, row_lengths
 
     policy, batch = long_tailed
-    g = torch.Generator().manual_seed(2)
-    part = batch.as_dict()
-    part["old_logp"] = (torch.randn(batch.response_mask.shape, generator=g) * 0.1 - 2.0) * batch.response_mask
-    part["advantages"] = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
-    part["loss_agg"] = loss_agg
+    part = _policy_part(batch, loss_agg, seed=2)
     loss_fn = ppo.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
     sizes = []
 
