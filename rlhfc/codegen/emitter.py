@@ -150,6 +150,9 @@ class PythonEmitter:
             return f"{outs} = job.next_prompts({s.target!r}, {s.attrs['batch']})"
         if e.kind == "sync":
             sync = plan.Sync.of(s)
+            if plan.is_reshard(self.m, s):
+                return (f"{outs} = job.reshard({name!r}, {self.worker(s)}, bucket_mb={sync.bucket_mb}, "
+                        f"after={py_name(s.inputs[0].name)})")
             dst = plan.worker_name(self.m, s.target, sync.dest)
             how = f", transport={sync.transport!r}" if sync.transport != "object_store" else ""
             return (f"{outs} = job.sync({name!r}, {self.worker(s)}, w.{dst}, "

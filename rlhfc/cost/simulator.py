@@ -54,7 +54,7 @@ from rlhfc.ir.schedule import build_schedule
 
 from .model import CostConfig, CostModel, StageCost
 from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared
-from .sync import host_copy_time, sync_time
+from .sync import host_copy_time, reshard_time, sync_time
 
 
 @dataclass
@@ -109,6 +109,8 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
       moves the trained weights from the train stage's layout to its destination mesh (``to_first``,
       ``to_count``; the layout of the model's stage there), in buckets of ``bucket_mb``; on GPUs the
       ``object_store`` transport also crosses host memory twice (``collective`` goes device to device);
+    - a ``sync`` onto its own mesh reshards a worker group's training layout into full copies on every rank
+      (:func:`rlhfc.cost.sync.reshard_time`);
     - it has no sync stage: the weights move between consecutive stages whose layouts differ (ReaL's
       reallocation; cyclically, the first stage of a step follows the last one of the step before), and the
       time is charged to the later stage.
@@ -135,6 +137,13 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
                     continue
                 dest = mesh.pair()
                 covered.add(dest)
+                if plan.is_reshard(cm.module, sy):   # the group gathers its pieces into full copies
+                    trainer, par = plan.worker_layout(cm.module, name, mesh)
+                    held = 1.0 / (par.size if trainer == "fsdp" else par.tp * par.pp)
+                    carried[sy.name] = carried.get(sy.name, 0.0) + reshard_time(
+                        nbytes, held, float(sy.attrs.get("bucket_mb", 64)), src, cm.spec, per_node)
+                    sync_devices[sy.name] = list(src.devices)
+                    continue
                 there = next((x for x in compute if (cm.layout(x).first, cm.layout(x).count) == dest), None)
                 dst = cm.layout(there) if there is not None else Layout(dest[0], dest[1], dest[1], 1, 1)
                 seconds = sync_time(nbytes, src, dst, cm.spec, per_node)

@@ -11,6 +11,7 @@ over ranks) plus a fixed start-up per transfer (ReaL measured ~0.03 s).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .hardware import DeviceSpec
@@ -66,3 +67,17 @@ def sync_time(weight_bytes: float, src: Layout, dst: Layout, spec: DeviceSpec, p
 def host_copy_time(nbytes: float, spec: DeviceSpec) -> float:
     """Offload/onload of ``nbytes`` per device over the host link (all devices in parallel)."""
     return nbytes / (spec.host_bw * spec.net_eff)
+
+
+def reshard_time(weight_bytes: float, held: float, bucket_mb: float, layout: Layout, spec: DeviceSpec,
+                 per_node: int) -> float:
+    """Seconds for a worker group on ``layout`` to gather full copies of a model of ``weight_bytes`` on every
+    rank, each rank holding the fraction ``held`` (1/(tp·pp) of tensor/pipeline pieces, 1/ranks of FSDP
+    shards): all-gathers in buckets of ``bucket_mb`` MiB, each rank receiving the ``1 - held`` it lacks
+    (ring all-gather: every byte it lacks crosses its link once), over the node's links or the network."""
+    lacking = weight_bytes * max(0.0, 1.0 - held)
+    if lacking <= 0:
+        return 0.0
+    bw = (spec.inter_bw if len(layout.nodes(per_node)) > 1 else spec.intra_bw) * spec.net_eff
+    buckets = math.ceil(weight_bytes * held / (bucket_mb * 2 ** 20))
+    return buckets * spec.latency + lacking / bw

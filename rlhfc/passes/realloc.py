@@ -17,6 +17,19 @@ broadcasts each flat bucket: NCCL between GPUs, the default on GPU clusters;
 gloo on CPU, where it is tested). Frozen models need no sync: every copy is built
 from the same initial weights.
 
+**Resharding for generation** (verl's 3D-HybridEngine idea). A model that trains as a
+worker group of several ranks (``fsdp`` shards, ``megatron`` tensor/pipeline pieces) and
+generates on the same mesh gets a ``sync`` onto its own mesh after its train stage::
+
+    %actor_sync = sync @actor(%actor_train) {bucket_mb = 64, to_first = 0, to_count = 2,
+                                             transport = "collective"} annot {mesh = {first = 0, count = 2}} : Metrics
+
+The group's ranks all-gather their pieces in buckets of ``bucket_mb`` (gloo on CPU, NCCL on
+GPUs) into the generation layout: a full copy on every rank, each rank decoding its share
+of the rows (dp = ranks). The simulator prices the gather (:func:`rlhfc.cost.sync.sync_time`
+from the training layout to that one). Without the stage the ranks would gather lazily at
+the first generate, unpriced.
+
 Exact: the copy holds bit-identical weights before it is used again.
 """
 
@@ -25,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Module, Stage, Value, ValueType
-from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_mesh
+from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_mesh, worker_ranks
 
 from .base import Pass, register_pass
 
@@ -60,6 +73,14 @@ class Realloc(Pass):
                 if s.op != "sync" and mesh != home and mesh not in others:
                     others.append(mesh)
             at = g.stages.index(train) + 1
+            generates_here = any(s.op == "generate" and stage_mesh(module, s) == home
+                                 for s in g.stages_on(train.target))
+            if generates_here and worker_ranks(module, train.target, home) > 1:
+                out = Value(g.fresh_name(f"{train.target}_reshard"), ValueType("Metrics"))
+                sync = Stage("sync", train.target, [train.outputs[0]], [out],
+                             Sync(home, self.bucket_mb, "collective").attrs(), {Mesh.key: home.print()}, train.loc)
+                g.insert(at, sync)
+                at += 1
             for dest in others:
                 out = Value(g.fresh_name(f"{train.target}_sync"), ValueType("Metrics"))
                 sync = Stage("sync", train.target, [train.outputs[0]], [out],

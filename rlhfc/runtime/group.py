@@ -31,7 +31,7 @@ DP_RULES: dict[str, str] = {
     "logprobs": "split", "values": "split", "score": "split",
     "generate": "all", "train": "all", "ready": "all", "load": "all", "save": "all", "set_weights": "all",
     "get_weights": "all", "sync_import": "all", "sync_export": "all", "set_version": "all",
-    "get_version": "all",
+    "get_version": "all", "reshard": "all",
     "generate_chunks": "stream",
 }
 

@@ -227,6 +227,19 @@ class Job:
         self._timed(stage, t0)
         return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
 
+    def reshard(self, stage: str, group, *, bucket_mb: int, after=None) -> dict[str, float]:
+        """Reshard a worker group's training layout into its generation layout (every rank all-gathers a
+        full copy of the weights, in buckets of ``bucket_mb``) right after training, so generation finds it."""
+        ray = _ray()
+        self.current_stage = stage
+        t0 = time.perf_counter()
+        try:
+            nbytes, buckets = ray.get(group.reshard.remote(bucket_mb))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise self._ray_failure(stage, exc) from None
+        self._timed(stage, t0)
+        return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
+
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):
         """Run a driver-side compute stage, naming it if it fails."""
         self.current_stage = stage

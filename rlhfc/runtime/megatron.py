@@ -104,7 +104,7 @@ class MegatronWorker(ModelWorker):
         """Whether this rank answers its data-parallel share (tp rank 0 of the last stage)."""
         return self.tp_rank == 0 and self.pp_rank == self.pp - 1
 
-    def _pieces(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _pieces(self, local: dict[str, torch.Tensor], bucket_mb: int = GATHER_BUCKET_MB) -> dict[str, torch.Tensor]:
         """Every model-parallel rank's local tensors gathered and put together in the Hugging Face layout (a
         collective of the whole group; each data-parallel replica gathers its own, identical, pieces).
 
@@ -117,7 +117,7 @@ class MegatronWorker(ModelWorker):
             torch.zeros(0, dtype=dtype)
         layouts = self._rank_shapes()
         longest = max(sum(math.prod(sh) for sh in shapes.values()) for shapes in layouts.values())
-        step = max(1, GATHER_BUCKET_MB * 2**20 // max(1, mine.element_size()))
+        step = max(1, bucket_mb * 2**20 // max(1, mine.element_size()))
         mp_world = self.tp * self.pp
         flats = [torch.empty(longest, dtype=dtype, device=mine.device) for _ in range(mp_world)]
         padded = torch.zeros(longest, dtype=dtype, device=mine.device)
@@ -128,6 +128,7 @@ class MegatronWorker(ModelWorker):
             dist.all_gather(parts, padded[lo:hi].contiguous(), group=group)
             for flat, part in zip(flats, parts):
                 flat[lo:hi] = part
+        self.gathered = (longest * mine.element_size() * (mp_world - 1), math.ceil(longest / step))
         pieces = {}
         ranks = dist.get_process_group_ranks(group)
         for i, global_rank in enumerate(ranks):
@@ -352,11 +353,18 @@ class MegatronWorker(ModelWorker):
         return norm
 
     # -- generation: rank 0 samples every row on the single-rank copy -----------------------------
-    def _refresh(self) -> None:
-        """Bring every rank's single-rank copy up to date (a collective; nothing to do when unchanged)."""
-        if not self._fresh:
-            self.replica.load_state_dict(self._pieces(local_state(self.model)))
-            self._fresh = True
+    def _refresh(self, bucket_mb: int = GATHER_BUCKET_MB) -> tuple[int, int]:
+        """Bring every rank's single-rank copy up to date (a collective; nothing to do when unchanged).
+        Returns (bytes this rank received, buckets)."""
+        if self._fresh:
+            return 0, 0
+        self.replica.load_state_dict(self._pieces(local_state(self.model), bucket_mb))
+        self._fresh = True
+        return self.gathered
+
+    def reshard(self, bucket_mb: int) -> tuple[int, int]:
+        """The plan's reshard stage: every rank gathers the full weights into its generation copy now."""
+        return self._refresh(bucket_mb)
 
     @stage_call
     def generate(self, prompts: list[str], **kwargs):

@@ -137,6 +137,7 @@ class DataParallelWorker(ModelWorker):
         self._tcp = tcp   # the store must outlive the group
         shard_model(self.model, device)
         self._replica: nn.Module | None = None
+        self._replica_version: int | None = None   # the weights version the gathered copy holds
 
     # -- forwards: each rank its share of the rows ------------------------------------------------
     def _mine(self, rollout: Rollout) -> Rollout:
@@ -180,13 +181,29 @@ class DataParallelWorker(ModelWorker):
 
     # -- generation: rank 0 samples every row on a gathered copy ------------------------------------
     def _generation_model(self) -> nn.Module:
+        """The unsharded copy, gathered (a collective of every rank) unless it holds the current weights."""
         from .models import build_model
 
+        if self._replica is not None and self._replica_version == self.version:
+            return self._replica
         state = full_state(self.model)
         if self._replica is None:
             self._replica = build_model(self.model.spec, seed=0, device=self.device)
         self._replica.load_state_dict(state)
+        self._replica_version = self.version
+        self.gathered = (sum(t.numel() * t.element_size() for t in state.values()) * (self.world - 1) // self.world,
+                         len(state))
         return self._replica
+
+    def reshard(self, bucket_mb: int) -> tuple[int, int]:
+        """The plan's reshard stage: every rank gathers the full weights into its generation copy now (FSDP
+        gathers tensor by tensor, so ``bucket_mb`` does not apply). Returns (bytes received, gathers)."""
+        fresh = self._replica is not None and self._replica_version == self.version
+        self._generation_model()
+        return (0, 0) if fresh else self.gathered
+
+    def _weights_changed(self) -> None:
+        self._replica_version = None
 
     @stage_call
     def generate(self, prompts: list[str], **kwargs):
@@ -208,6 +225,7 @@ class DataParallelWorker(ModelWorker):
 
     def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
         load_full_state(self.model, weights)
+        self._weights_changed()
         if version is not None:
             self.version = version
         return self.version
@@ -223,6 +241,7 @@ class DataParallelWorker(ModelWorker):
 
     def sync_import(self, bucket: dict) -> int:
         load_full_state(self.model, {k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
+        self._weights_changed()
         return len(bucket)
 
     # -- checkpoints: full tensors (layout-free), written by rank 0 ---------------------------------------
@@ -245,6 +264,10 @@ class DataParallelWorker(ModelWorker):
     def save(self, folder: str) -> None:
         super().save(folder)
         dist.barrier()   # the checkpoint is complete on disk when any rank returns
+
+    def load(self, folder: str) -> int:
+        self._weights_changed()
+        return super().load(folder)
 
 
 @contextmanager

@@ -371,6 +371,10 @@ class ModelWorker(CollectiveSync):
                 current[name].copy_(torch.from_numpy(array))
         return len(bucket)
 
+    def reshard(self, bucket_mb: int) -> tuple[int, int]:
+        """Gather the training layout into the generation layout: one rank holds the whole model already."""
+        return 0, 0
+
     def set_version(self, version: int) -> int:
         self.version = int(version)
         return self.version

@@ -265,3 +265,33 @@ def test_gpu_sync_through_the_object_store_pays_two_host_copies():
     m = annotate(gpu_ppo(), {"roll": mesh(0, 4, tp=4), "actor_train": mesh(4, 4, tp=4)})
     m = PassManager(parse_pipeline("realloc")).run(m)
     assert m.graph.stage("actor_sync").attrs["transport"] == "collective"
+
+
+def test_a_multi_rank_generator_reshards_after_training_and_the_simulator_prices_the_gather():
+    """``realloc`` gives a model that trains as a group of ranks and generates on the same mesh a ``sync``
+    onto its own mesh (a reshard into full copies); the simulator charges the group's all-gather of the
+    weights each rank lacks (tp2: half), and a one-process model gets no reshard."""
+    import os
+    import re
+
+    from rlhfc.cost.sync import reshard_time
+    from rlhfc.frontend import compile_source
+    from rlhfc.ir import plan
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    path = os.path.join(os.path.dirname(__file__), "..", "e2e", "mixed_layouts.rlhf")
+    text = open(path).read().replace("layout(dp = 2) trainable", "layout(tp = 2) trainable")
+    m, _ = compile_source(text, path)
+    m = PassManager(parse_pipeline("dce,realloc")).run(m)
+    syncs = [s for s in m.graph.stages if s.op == "sync"]
+    assert [(s.target, plan.is_reshard(m, s)) for s in syncs] == [("actor", True)]
+    assert m.graph.stages.index(syncs[0]) == m.graph.stages.index(m.graph.stage("actor_train")) + 1
+    r = simulate(m, CFG, steps=2)
+    cm = CostModel(m, CFG)
+    nbytes = cm.spec.bytes_per_param * m.models["actor"].params
+    src = cm.layout(m.graph.stage("actor_train"))
+    want = reshard_time(nbytes, 0.5, 64, src, cm.spec, m.cluster.per_node)
+    assert r.sync_s[syncs[0].name] == pytest.approx(want, rel=1e-9) and want > 0
+    one, _ = compile_source(re.sub(r" layout\([^)]*\)", "", text).replace("; trainer = auto", ""), path)
+    one = PassManager(parse_pipeline("dce,realloc")).run(one)
+    assert not [s for s in one.graph.stages if s.op == "sync"]

@@ -1,7 +1,9 @@
 """Mixed trainers in one job (``trainer = auto`` and a ``layout(...)`` per model): the actor as two FSDP2
 ranks, the critic as two tensor-parallel and the reference as two pipeline-parallel megatron-core ranks,
 the reward model as one process — seven processes on ``cpu:4`` — train like the same job with every model
-in one process: the same sampled tokens and every metric of the first two steps within 1e-3 relative."""
+in one process: the same sampled tokens and every metric of the first two steps within 1e-3 relative. The
+actor's group reshards into full copies after each train stage (``realloc``'s reshard sync), and
+generates on them."""
 
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ def _job(tmp_path, name: str, layouts: bool) -> str:
     if not layouts:   # the same job, every model in one process
         text = re.sub(r" layout\([^)]*\)", "", text).replace("; trainer = auto", "")
     module, _ = compile_source(text, os.path.join(HERE, f"mixed_{name}.rlhf"))
-    module = PassManager(parse_pipeline(",".join(PIPELINES["O1"]))).run(module)
+    passes = PIPELINES["O1"] + ["realloc"]   # realloc: the generating actor's group reshards after training
+    module = PassManager(parse_pipeline(",".join(passes))).run(module)
     job = str(tmp_path / name)
-    emit_job(module, job, source_path="mixed_layouts.rlhf", opt_level="O1", passes=PIPELINES["O1"])
+    emit_job(module, job, source_path="mixed_layouts.rlhf", opt_level="O1", passes=passes)
+    main = open(os.path.join(job, "main.py")).read()
+    assert ("job.reshard('actor_reshard'" in main) == layouts, main
     workers = json.load(open(os.path.join(job, "plan.json")))["placement"]["workers"]
     for w in workers.values():
         want = LAYOUTS[w["model"]] if layouts else ("torch", 1, 1, 1)

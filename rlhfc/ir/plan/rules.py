@@ -189,6 +189,13 @@ def sync_destination(module: Module, stage: Stage) -> Mesh | None:
     return Mesh(sy.dest.first, max(1, min(sy.dest.count, total - sy.dest.first)))
 
 
+def is_reshard(module: Module, stage: Stage) -> bool:
+    """Whether ``stage`` is a ``sync`` onto its own mesh: the worker group reshards its training layout (tp/pp
+    pieces, FSDP shards) into its generation layout, a full copy of the weights on every rank."""
+    dest = sync_destination(module, stage)
+    return dest is not None and dest == stage_mesh(module, stage)
+
+
 def stream_source(graph: Graph, stage: Stage) -> Stage | None:
     """The streamed generate a consumer takes its chunks from (its ``stream_from`` annotation)."""
     name = stage.annotations.get("stream_from")
