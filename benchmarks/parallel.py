@@ -9,13 +9,16 @@ and the benchmark times, per layout (median of ``--rounds`` interleaved rounds):
 
 Communication is counted on every rank by wrapping ``torch.distributed``'s collectives and point-to-point
 calls (bytes each rank sends into them: an all-reduce of n bytes counts n) during the timed calls; the
-table shows the busiest rank. The prediction is rlhfc's cost model for the same stage and layout
-(``CostModel.stage_cost``); its communication volume is the formulas' own: two all-reduces of the
-activations per layer forward (four in training) within a tensor-parallel group, the activations once
-per stage boundary and microbatch (twice in training), and the gradients once over data-parallel ranks.
+table shows the busiest rank (megatron binds ``all_gather_into_tensor`` at import, so the vocabulary-parallel
+logits gather escapes the count). The prediction is rlhfc's cost model for the same stage and layout
+(``CostModel.stage_cost`` under ``run { trainer = megatron }``: the formulas see the layout's dp, tp and pp
+as processes of one core each, from an ``rlhfc profile`` of the same program at one thread taken first);
+its communication volume is the formulas' own: two all-reduces of the activations per layer forward (four
+in training) and one for the input embedding within a tensor-parallel group, the logits gather, the
+activations once per stage boundary (twice in training), and the gradients once over data-parallel ranks.
 
 Processes may outnumber cores (a 4-rank layout on 2 cores): that is measured as it is and printed
-with the machine's core count. Run: ``python benchmarks/parallel.py [--rounds 3] [--quick]``.
+with the machine's core count. Run: ``python benchmarks/parallel.py [--rounds 3] [--quick] [--no-profile]``.
 """
 
 from __future__ import annotations
@@ -135,19 +138,38 @@ def measure(layout, rounds: int) -> dict:
             "train_bytes": max(p["train_bytes"] for p in parsed.values())}
 
 
-def predict(layout) -> dict:
-    """The cost model's stage times for the same model, workload and layout, and the formulas' bytes."""
-    from rlhfc.cost.model import CostModel
-    from rlhfc.frontend import compile_source
+def predict(layout, profile=None) -> dict:
+    """The cost model's stage times for the same model, workload and layout (the ``megatron`` trainer's
+    ranks: the formulas see dp, tp and pp as processes), and the formulas' bytes."""
+    from rlhfc.cost.model import CostConfig, CostModel
     from rlhfc.ir.plan import Layout
 
+    module = _module()
+    cm = CostModel(module, CostConfig(profile=profile, dispatch_s=0.0))
     s = SPEC
-    text = f"""cluster local {{ devices = cpu:4 }}
-model actor = llama(layers = {s['layers']}, hidden = {s['hidden']}, heads = {s['heads']}, kv_heads = {s['kv_heads']}, ffn = {s['ffn']}, vocab = {s['vocab']}, max_seq = {s['max_seq']}) trainable
+    dp, tp, pp = layout
+    lay = Layout(0, dp * tp * pp, dp=dp, tp=tp, pp=pp)   # megatron cuts its own pipeline micro-batches
+    fwd = next(st for st in module.graph.stages if st.op.startswith("forward") and st.target == "actor")
+    train = next(st for st in module.graph.stages if st.op.startswith("train") and st.target == "actor")
+    rows = BATCH / dp
+    seq = PROMPT + RESPONSE
+    act = rows * seq * s["hidden"] * 4
+    boundary = (pp - 1) * act           # each boundary carries every row's activations once
+    ar = 2 * (tp - 1) / tp * act if tp > 1 else 0.0
+    logits = rows * seq * s["vocab"] * 4 / tp if tp > 1 else 0.0   # the last stage's vocab-parallel all-gather
+    params = sum(p.numel() for p in _params())
+    return {"forward": cm.stage_cost(fwd, lay).time_s, "train": cm.stage_cost(train, lay).time_s,
+            "forward_bytes": ((s["layers"] / pp) * 2 + 1) * ar + boundary + logits,
+            "train_bytes": ((s["layers"] / pp) * 4 + 1) * ar + 2 * boundary + logits
+            + (2 * (dp - 1) / dp * 4 * params / (tp * pp) if dp > 1 else 0.0)}
+
+
+PROGRAM = """cluster local {{ devices = cpu:4 }}
+model actor = llama(layers = {s[layers]}, hidden = {s[hidden]}, heads = {s[heads]}, kv_heads = {s[kv_heads]}, ffn = {s[ffn]}, vocab = {s[vocab]}, max_seq = {s[max_seq]}) trainable
 model critic = like(actor) head = value trainable
 model ref = copy(actor) frozen
 model reward = like(actor) head = score frozen
-data prompts = synthetic(count = 64, min_len = {PROMPT - 1}, max_len = {PROMPT - 1})
+data prompts = synthetic(count = 64, min_len = {P1}, max_len = {P1})
 pipeline p(batch = {BATCH}) {{
   roll = actor.generate(prompts, max_new_tokens = {RESPONSE})
   logp = actor.logprobs(roll)
@@ -158,29 +180,33 @@ pipeline p(batch = {BATCH}) {{
   actor.train(ppo_clip(roll, logp, adv), lr = 1e-4, minibatches = 1)
   critic.train(value_loss(roll, values, ret), lr = 1e-4, minibatches = 1)
 }}
+run {{ trainer = megatron }}
 """
-    module, _ = compile_source(text, "parallel_bench.rlhf")
-    cm = CostModel(module)
-    dp, tp, pp = layout
-    lay = Layout(0, dp * tp * pp, dp=dp, tp=tp, pp=pp, microbatches=_microbatches(pp))
-    fwd = next(st for st in module.graph.stages if st.op.startswith("forward") and st.target == "actor")
-    train = next(st for st in module.graph.stages if st.op.startswith("train") and st.target == "actor")
-    rows = BATCH / dp
-    seq = PROMPT + RESPONSE
-    act = rows * seq * s["hidden"] * 4
-    boundary = (pp - 1) * act           # each boundary carries every row's activations once
-    ar = 2 * (tp - 1) / tp * act if tp > 1 else 0.0
-    params = sum(p.numel() for p in _params())
-    return {"forward": cm.stage_cost(fwd, lay).time_s, "train": cm.stage_cost(train, lay).time_s,
-            "forward_bytes": (s["layers"] / pp) * 2 * ar + boundary,
-            "train_bytes": (s["layers"] / pp) * 4 * ar + 2 * boundary
-            + (2 * (dp - 1) / dp * 4 * params / (tp * pp) if dp > 1 else 0.0)}
 
 
-def _microbatches(pp: int) -> int:
-    if pp == 1:
-        return 1
-    return max(m for m in range(1, min(BATCH, 2 * pp) + 1) if BATCH % m == 0)
+def _module():
+    from rlhfc.frontend import compile_source
+
+    s = SPEC
+    text = PROGRAM.format(s=s, BATCH=BATCH, P1=PROMPT - 1, RESPONSE=RESPONSE)
+    return compile_source(text, "parallel_bench.rlhf")[0]
+
+
+def _profile(quick: bool):
+    """Profile this machine for the benchmark's model at one thread (a group's rank runs on one core):
+    ``rlhfc profile`` of the same program, into a temporary file."""
+    import subprocess
+    import tempfile
+
+    from rlhfc.cost import load_profile
+
+    folder = tempfile.mkdtemp(prefix="rlhfc-parallel-")
+    prog, out = os.path.join(folder, "bench.rlhf"), os.path.join(folder, "profile.json")
+    with open(prog, "w") as fh:
+        fh.write(PROGRAM.format(s=SPEC, BATCH=BATCH, P1=PROMPT - 1, RESPONSE=RESPONSE))
+    cmd = [sys.executable, "-m", "rlhfc.cli", "profile", prog, "--threads", "1", "-o", out] + (["--quick"] if quick else [])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return load_profile(out)
 
 
 def _params():
@@ -193,7 +219,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="two-rank layouts only, one round")
+    ap.add_argument("--no-profile", action="store_true", help="predict with the analytical formulas only")
     args = ap.parse_args(argv)
+    profile = None if args.no_profile else _profile(args.quick)
     layouts = [lay for lay in LAYOUTS if not args.quick or lay[0] * lay[1] * lay[2] <= 2]
     rounds = 1 if args.quick else args.rounds
     print(f"model {SPEC['arch']} {SPEC['layers']}x{SPEC['hidden']} (vocab {SPEC['vocab']}), batch {BATCH} x "
@@ -201,7 +229,7 @@ def main(argv=None) -> int:
     print(f"{'layout':<10} {'ranks':>5} | {'fwd meas':>9} {'fwd pred':>9} | {'train meas':>10} {'train pred':>10} |"
           f" {'fwd MB meas':>11} {'pred':>7} | {'train MB meas':>13} {'pred':>7}")
     for layout in layouts:
-        m, p = measure(layout, rounds), predict(layout)
+        m, p = measure(layout, rounds), predict(layout, profile)
         name = "dp{}·tp{}·pp{}".format(*layout)
         print(f"{name:<10} {layout[0] * layout[1] * layout[2]:>5} | {m['forward']:>8.3f}s {p['forward']:>8.3f}s | "
               f"{m['train']:>9.3f}s {p['train']:>9.3f}s | {m['forward_bytes'] / 1e6:>11.2f} "

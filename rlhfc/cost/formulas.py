@@ -54,6 +54,30 @@ def allreduce(xp, nbytes, group, bw, latency):
 # ----------------------------------------------------------------------------------------- time
 
 
+def _pipeline(xp, pp, rows):
+    """A pipeline of ``pp`` stages over megatron's up to 2·pp micro-batches: (the factor by which the slowest
+    stage's share of the work stretches, bubbles included: (M + pp - 1) / M; the factor on the fixed cost
+    per call: each stage makes M calls of 1/pp of the model, one slot after another)."""
+    m = xp.where(pp > 1, xp.minimum(2.0 * pp, xp.maximum(rows, 1.0)), 1.0)
+    return (m + pp - 1.0) / m, (m + pp - 1.0) / pp
+
+
+def rank_comm(xp, hw, arch, lay, tokens, passes):
+    """A worker group's collectives in one forward (``passes`` = 1) or forward+backward (2) of ``tokens``
+    tokens per data-parallel replica: two activation all-reduces per layer and pass within a
+    tensor-parallel group (its layers, one pipeline stage's share) and one for the vocabulary-parallel input
+    embedding, the vocabulary-parallel logits
+    all-gathered on the last stage (an lm head), and the activations sent across each stage boundary."""
+    tp, pp = lay["tp"], lay["pp"]
+    act = tokens * arch["h"] * hw["bpp"]
+    # per layer two all-reduces a pass; the vocabulary-parallel input embedding one more in the forward
+    layers = ((arch["L"] / pp) * 2.0 * passes + 1.0) * allreduce(xp, act, tp, lay["bw_tp"], hw["latency"])
+    logits = tokens * arch["vocab"] * hw["bpp"] if arch["lm"] else 0.0 * tokens
+    gather = xp.where(tp > 1, passes * (hw["latency"] + (tp - 1) / tp * logits / lay["bw_tp"]), 0.0)
+    bounds = xp.where(pp > 1, passes * (pp - 1) * (hw["latency"] + act / lay["bw_dp"]), 0.0)
+    return layers + gather + bounds
+
+
 def grid_ratio(xp, grid, b, s):
     """Bilinear interpolation of a profile's measured/fitted ratio at (b, s) (held at the grid's edges)."""
     if not grid:
@@ -71,10 +95,15 @@ def forward_time(xp, hw, arch, work, lay, fit=None, grid=None):
     if fit is not None:
         a, b1, b2 = fit
         k = lay["thread_factor"]
-        per = B / mb
+        per = B / (dp * mb)
         calls = work.get("calls", 1.0)    # length groups of an unpadded rollout: one call each
-        total = mb * (calls * a + k * (b1 * per * S + b2 * per * S * S)) * grid_ratio(xp, grid, per, S)
-        return {"total": total, "compute": total - mb * calls * a, "memory": 0.0 * total, "comm": 0.0 * total,
+        ratio = grid_ratio(xp, grid, per, S)
+        bubble, split = _pipeline(xp, pp, per)
+        work_t = mb * k * (b1 * per * S + b2 * per * S * S) * ratio / (tp * pp) * bubble
+        fixed = mb * calls * a * ratio * split
+        comm = mb * rank_comm(xp, hw, arch, lay, per * S, passes=1.0)
+        total = work_t + fixed + comm
+        return {"total": total, "compute": total - comm - mb * calls * a, "memory": 0.0 * total, "comm": comm,
                 "overhead": mb * calls * a + 0.0 * total}
     b = B / (dp * mb)
     flops = 2.0 * arch["mm"] * b * S + 2.0 * arch["L"] * arch["h"] * b * S * S
@@ -101,13 +130,20 @@ def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None, grid=None):
         k = lay["thread_factor"]
         opt = min(opt_fit if opt_fit is not None else 0.0, a)
         rcf = _rc_factor(xp, lay["rc"]) / 3.0
-        micro = per_step / mb
+        micro = per_step / (dp * mb)
         ratio = grid_ratio(xp, grid, micro, S)
         calls = work.get("calls", 1.0)    # length groups of an unpadded minibatch: one forward+backward each
-        fwd_bwd = (calls * (a - opt) + k * rcf * (b1 * micro * S + b2 * micro * S * S)) * ratio
-        total = steps * (mb * fwd_bwd + opt * ratio)
-        overhead = steps * (mb * calls * (a - opt) + opt) * ratio + 0.0 * total
-        return {"total": total, "compute": total - overhead, "memory": 0.0 * total, "comm": 0.0 * total,
+        bubble, split = _pipeline(xp, pp, micro)
+        work_t = k * rcf * (b1 * micro * S + b2 * micro * S * S) * ratio / (tp * pp) * bubble
+        fwd_bwd = calls * (a - opt) * ratio * split + work_t
+        # the optimizer on this rank's pieces: 1/(tp·pp) of the model, and 1/dp more under FSDP (tp = pp = 1)
+        shard = tp * pp * xp.where(tp * pp > 1, 1.0, dp)
+        step_opt = opt * ratio / shard
+        grad_sync = allreduce(xp, hw["bpp"] * arch["N"] / (tp * pp), dp, lay["bw_dp"], hw["latency"])
+        comm = steps * (mb * rank_comm(xp, hw, arch, lay, micro * S, passes=2.0) + grad_sync)
+        total = steps * (mb * fwd_bwd + step_opt) + comm
+        overhead = steps * (mb * calls * (a - opt) * ratio * split + step_opt) + 0.0 * total
+        return {"total": total, "compute": steps * mb * work_t, "memory": 0.0 * total, "comm": comm,
                 "overhead": overhead}
     b = per_step / (dp * mb)
     flops = _rc_factor(xp, lay["rc"]) * (2.0 * arch["mm"] * b * S + 2.0 * arch["L"] * arch["h"] * b * S * S)
@@ -144,12 +180,13 @@ def generate_time(xp, hw, arch, work, lay, fit=None):
         k = lay["thread_factor"]
         steps = xp.sum(w) + 0.0 * k
         mean_ctx = P + steps / 2.0
-        rows = xp.minimum(work.get("decode_rows", B), B)   # rows in the decode batch per step (finished rows leave)
-        work_terms = k * (c_pf * B * P + steps * (c_step_b * rows + c_step_ctx * rows * mean_ctx))
+        rows = xp.minimum(work.get("decode_rows", B), B) / dp   # decode batch per step (finished rows leave)
+        mine = B / dp   # a group's ranks decode their shares of the rows on full copies
+        work_terms = k * (c_pf * mine * P + steps * (c_step_b * rows + c_step_ctx * rows * mean_ctx))
         fixed = a + steps * c_step
         m = lay["mb"]   # waves of `rows` prompts, one after another
         total = m * (fixed + work_terms)
-        prefill = m * (k * c_pf * B * P + a)
+        prefill = m * (k * c_pf * mine * P + a)
         return {"total": total, "compute": m * work_terms, "memory": 0.0 * total, "comm": 0.0 * total,
                 "overhead": m * fixed, "prefill": prefill, "decode": total - prefill}
     b_rep = B / dp

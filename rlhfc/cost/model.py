@@ -36,6 +36,7 @@ from rlhfc.ir import plan
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
+from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the formulas' inputs; re-exported)
 
 #: the torch engine drops finished rows from the decode batch once a quarter of it has finished, so a decode
 #: step carries, on average, about an eighth more rows than are live (between none and a quarter)
@@ -106,52 +107,6 @@ class StageCost:
     @property
     def total_bytes(self) -> float:
         return self.weights_bytes + self.state_bytes + self.transient_bytes
-
-
-def arch_numbers(model) -> dict:
-    """The architecture quantities the formulas use (see :mod:`rlhfc.cost.formulas`)."""
-    h, L, f, V = model.hidden, model.layers, model.ffn, model.vocab
-    kv_dim = model.kv_heads * (h // model.heads)
-    if model.arch == "gpt2":
-        per_layer = h * (h + 2 * kv_dim) + h * h + 2 * h * f
-    else:
-        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * f
-    out = V * h if model.head == "lm" else h
-    return {"N": float(model.params), "mm": float(L * per_layer + out), "L": float(L), "h": float(h),
-            "heads": float(model.heads), "ffn": float(f), "vocab": float(V), "kv_tok": float(2 * L * kv_dim),
-            "lm": model.head == "lm"}
-
-
-def hw_numbers(spec: DeviceSpec) -> dict:
-    """Effective rates the formulas use (per device; on CPU per thread, see ``f_scale``)."""
-    return {"F_inf": spec.peak_flops * spec.infer_eff, "F_train": spec.peak_flops * spec.train_eff,
-            "BW": spec.hbm_bw * spec.mem_eff, "bpp": float(spec.bytes_per_param), "latency": spec.latency,
-            "layer_overhead": spec.layer_overhead, "step_overhead": spec.step_overhead, "flash": spec.flash,
-            "cpu": spec.is_cpu}
-
-
-def layout_arrays(layouts: list[Layout], spec: DeviceSpec, per_node: int, prof_threads: int | None = None) -> dict:
-    """The per-candidate arrays the formulas take (1-D, one entry per layout)."""
-    cpu = spec.is_cpu
-    rc = {p: i for i, p in enumerate(RECOMPUTE_POLICIES)}
-
-    def col(fn, dtype=np.float64):
-        return np.asarray([fn(l) for l in layouts], dtype=dtype)
-
-    intra, inter = spec.intra_bw * spec.net_eff, spec.inter_bw * spec.net_eff
-    out = {
-        "dp": col(lambda l: 1 if cpu else l.dp), "tp": col(lambda l: 1 if cpu else l.tp),
-        "pp": col(lambda l: 1 if cpu else l.pp), "mb": col(lambda l: l.microbatches),
-        "rc": col(lambda l: rc[l.recompute]), "threads": col(lambda l: l.count),
-        "bw_tp": col(lambda l: inter if l.tp_inter_node(per_node) else intra),
-        "bw_dp": col(lambda l: inter if l.dp_inter_node(per_node) else intra),
-    }
-    if cpu and prof_threads:
-        out["thread_factor"] = col(lambda l: spec.speedup(prof_threads) / spec.speedup(l.count))
-    else:
-        out["thread_factor"] = np.ones(len(layouts))
-    out["f_scale"] = col(lambda l: spec.speedup(l.count)) if cpu else np.ones(len(layouts))
-    return out
 
 
 @dataclass
@@ -353,6 +308,19 @@ class CostModel:
         trainer, _ = plan.worker_layout(self.module, stage.target, plan.stage_mesh(self.module, stage))
         return trainer == "torch"
 
+    def _processes(self, stage: Stage, layout: Layout):
+        """The (dp, tp, pp) processes that run ``stage`` under ``layout`` on a CPU cluster, or None for one
+        process: the model's fixed layout or the candidate's split, under the run's trainer. A group
+        generates on full copies, each rank its share of the rows (dp = ranks); a streamed generate is
+        decoded by rank 0 alone (one process on one core)."""
+        fixed = plan.fixed_layout(self.module.models.get(stage.target or ""))
+        par = fixed or plan.Parallel(layout.dp, layout.tp, layout.pp)
+        if plan.resolve_trainer(self.module.run.trainer, par) == "torch":
+            return None
+        if stage.op == "generate":
+            return plan.Parallel(1, 1, 1) if plan.stream(stage) is not None else plan.Parallel(par.size, 1, 1)
+        return par
+
     # -- pricing -----------------------------------------------------------------------------------
     def layout(self, stage: Stage) -> Layout:
         return plan.stage_layout(self.module, stage)
@@ -403,7 +371,8 @@ class CostModel:
         family = stage.op.split(".", 1)[0]
         key = model_key(model)
         prof_threads = self.profile.model_threads(key) if self.profile is not None else None
-        lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads)
+        lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads,
+                            [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None)
         opt_fit = None
         if family == "generate":
             micro = {l.microbatches for l in layouts}

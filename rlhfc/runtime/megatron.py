@@ -25,8 +25,10 @@ How each stage runs:
 - **training**: gradients are summed over data-parallel ranks, the tied GPT-2 embedding's over its two stages, and
   clipped by the norm over all pieces; AdamW steps on each rank's pieces (element-wise, so the result
   is the single-rank step up to the rounding of the sums).
-- **generation**: the ranks gather the full weights into a single-rank copy each (resharding into a
-  tensor-parallel generation layout is not built); every rank decodes its share of the rows, each row
+- **generation**: the ranks gather the full weights into a single-rank copy each — at the plan's reshard
+  stage right after training (:meth:`MegatronWorker.reshard`, buckets of the stage's ``bucket_mb``), or
+  lazily at the first generate after the weights changed (a tensor-parallel generation layout is not
+  built); every rank decodes its share of the rows, each row
   from its own random stream, so the group samples the tokens one rank samples; rank 0 answers.
   Streamed generation is decoded by rank 0 alone (as under FSDP).
 - **weights out** and **checkpoints**: gathered in Hugging Face layout (tensor all-gathers within each

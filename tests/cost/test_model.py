@@ -166,3 +166,36 @@ def test_importing_the_cost_model_imports_neither_torch_nor_jax():
     code = "import sys, rlhfc.cost, rlhfc.explain; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_cpu_worker_groups_are_priced_as_processes_with_their_collectives():
+    """On a CPU cluster, a layout the run's trainer runs as a group of processes (fsdp, megatron) is priced
+    as dp × tp × pp ranks of one core each, with their gloo collectives; under ``trainer = torch`` the same
+    layout is one process whose threads are the mesh's cores (no collectives)."""
+    import os
+    import re
+
+    from rlhfc.frontend import compile_source
+
+    path = os.path.join(os.path.dirname(__file__), "..", "e2e", "mixed_layouts.rlhf")
+    text = open(path).read()
+    groups, _ = compile_source(text.replace("trainer = auto", "trainer = megatron"), path)
+    torch_, _ = compile_source(re.sub(r" layout\([^)]*\)", "", text).replace("; trainer = auto", ""), path)
+    fwd, train = groups.graph.stage("logp"), groups.graph.stage("actor_train")
+    for stage in (fwd, train):   # the actor's fixed layout is dp2: two processes, one core each
+        assert CostModel(groups, CostConfig(dispatch_s=0.0))._processes(stage, Layout(0, 2, 2)).size == 2
+        assert CostModel(torch_, CostConfig(dispatch_s=0.0))._processes(
+            torch_.graph.stage(stage.name), Layout(0, 2, 2)) is None
+    from dataclasses import replace
+
+    cm, one = CostModel(groups, CostConfig(dispatch_s=0.0)), CostModel(torch_, CostConfig(dispatch_s=0.0))
+    one.spec = replace(one.spec, thread_speedup=(1.0, 2.0))   # two threads twice one's speed
+    tp2 = Layout(0, 2, 1, 2, 1)
+    critic = groups.graph.stage("values")   # critic: layout(tp = 2) under megatron
+    assert cm.stage_cost(critic, tp2).parts["comm"] > 0
+    assert one.stage_cost(torch_.graph.stage("values"), tp2).parts["comm"] == 0
+    dp2_train = cm.stage_cost(train, Layout(0, 2, 2))
+    assert dp2_train.parts["comm"] > 0   # the gradient all-reduce over the two ranks
+    # each rank computes half the rows on one core: the work matches one process on two perfectly scaling cores
+    assert dp2_train.parts["compute"] == pytest.approx(one.stage_cost(torch_.graph.stage("actor_train"),
+                                                                      Layout(0, 2, 2)).parts["compute"], rel=1e-6)
