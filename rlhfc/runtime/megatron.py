@@ -108,17 +108,21 @@ class MegatronWorker(ModelWorker):
 
     def _pieces(self, local: dict[str, torch.Tensor], bucket_mb: int = GATHER_BUCKET_MB) -> dict[str, torch.Tensor]:
         """Every model-parallel rank's local tensors gathered and put together in the Hugging Face layout (a
-        collective of the whole group; each data-parallel replica gathers its own, identical, pieces).
+        collective of the whole group; each data-parallel replica gathers its own, identical, pieces)."""
+        return self._pieces_of([local], bucket_mb)[0]
 
-        Each rank flattens its tensors (by name) and the ranks all-gather them in buckets of at most
-        ``GATHER_BUCKET_MB``; a rank knows every other rank's names and shapes from the spec (the
+    def _pieces_of(self, locals_: list[dict[str, torch.Tensor]], bucket_mb: int = GATHER_BUCKET_MB) -> list[dict]:
+        """:meth:`_pieces` of several same-shaped states (the weights, or Adam's two moments) in one gather.
+
+        Each rank flattens its tensors (by name, state after state) and the ranks all-gather them in buckets
+        of at most ``bucket_mb``; a rank knows every other rank's names and shapes from the spec (the
         converter run on shapes only), so nothing but the numbers travels."""
         group = self.ps.get_model_parallel_group()
-        dtype = next(iter(local.values())).dtype
-        mine = torch.cat([local[k].detach().reshape(-1).to(dtype) for k in sorted(local)]) if local else \
-            torch.zeros(0, dtype=dtype)
+        dtype = next(iter(locals_[0].values())).dtype
+        mine = torch.cat([local[k].detach().reshape(-1).to(dtype) for local in locals_ for k in sorted(local)]) \
+            if locals_[0] else torch.zeros(0, dtype=dtype)
         layouts = self._rank_shapes()
-        longest = max(sum(math.prod(sh) for sh in shapes.values()) for shapes in layouts.values())
+        longest = len(locals_) * max(sum(math.prod(sh) for sh in shapes.values()) for shapes in layouts.values())
         step = max(1, bucket_mb * 2**20 // max(1, mine.element_size()))
         mp_world = self.tp * self.pp
         flats = [torch.empty(longest, dtype=dtype, device=mine.device) for _ in range(mp_world)]
@@ -131,18 +135,23 @@ class MegatronWorker(ModelWorker):
             for flat, part in zip(flats, parts):
                 flat[lo:hi] = part
         self.gathered = (longest * mine.element_size() * (mp_world - 1), math.ceil(longest / step))
-        pieces = {}
+        out = []
         ranks = dist.get_process_group_ranks(group)
-        for i, global_rank in enumerate(ranks):
-            coords = self._coords(global_rank)
-            at, state = 0, {}
-            for name in sorted(layouts[coords]):
-                shape = layouts[coords][name]
-                n = math.prod(shape)
-                state[name] = flats[i][at:at + n].view(shape).cpu()
-                at += n
-            pieces[coords] = state
-        return conv.from_megatron(conv.unshard(pieces, self.spec, self.tp, self.pp), self.spec, self.tp)
+        per_rank = {i: 0 for i in range(len(ranks))}   # where the next state starts in each rank's flat
+        for _ in locals_:
+            pieces = {}
+            for i, global_rank in enumerate(ranks):
+                coords = self._coords(global_rank)
+                state, at = {}, per_rank[i]
+                for name in sorted(layouts[coords]):
+                    shape = layouts[coords][name]
+                    n = math.prod(shape)
+                    state[name] = flats[i][at:at + n].view(shape).cpu()
+                    at += n
+                per_rank[i] = at
+                pieces[coords] = state
+            out.append(conv.from_megatron(conv.unshard(pieces, self.spec, self.tp, self.pp), self.spec, self.tp))
+        return out
 
     def _coords(self, global_rank: int) -> tuple[int, int]:
         """(tp_rank, pp_rank) of a rank of this group (megatron's order: tensor-parallel ranks fastest, then
@@ -427,14 +436,11 @@ class MegatronWorker(ModelWorker):
         for p, state in self.optimizer.state.items():
             for key, t in state.items():
                 per_key.setdefault(key, {})[names[id(p)]] = t
-        out = {}
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            local = per_key.get(key, {})
-            if key == "step":   # a scalar per tensor: the same count everywhere
-                steps = [float(t) for t in local.values()]
-                out[key] = {n: torch.tensor(steps[0] if steps else 0.0) for n in self.hf_params}
-                continue
-            out[key] = self._pieces({n: local.get(n, torch.zeros_like(p)) for n, p in self.model.named_parameters()})
+        steps = [float(t) for t in per_key.get("step", {}).values()]   # a scalar per tensor: the same count everywhere
+        out = {"step": {n: torch.tensor(steps[0] if steps else 0.0) for n in self.hf_params}}
+        moments = [{n: per_key.get(k, {}).get(n, torch.zeros_like(p)) for n, p in self.model.named_parameters()}
+                   for k in ("exp_avg", "exp_avg_sq")]
+        out["exp_avg"], out["exp_avg_sq"] = self._pieces_of(moments)   # both moments in one gather
         return out
 
     def save(self, folder: str) -> None:
@@ -458,8 +464,7 @@ class MegatronWorker(ModelWorker):
         tensors, meta = self._read_files(folder)
         opt = meta.get("optimizer")
         if opt is not None:
-            groups = opt["param_groups"]
-            self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
+            groups = self._optimizer_from(opt)
             params = list(self.model.named_parameters())
             local: dict[str, dict[str, torch.Tensor]] = {}
             for key in ("exp_avg", "exp_avg_sq"):

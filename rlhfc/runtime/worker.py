@@ -432,12 +432,17 @@ class ModelWorker(CollectiveSync):
         self.version = int(meta["version"])
         return tensors, meta
 
+    def _optimizer_from(self, opt: dict) -> list[dict]:
+        """A fresh optimizer with a checkpoint's hyper-parameters (its ``optimizer`` entry); its param groups."""
+        groups = opt["param_groups"]
+        self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
+        return groups
+
     def load(self, folder: str) -> int:
         tensors, meta = self._read_files(folder)
         opt = meta.get("optimizer")
         if opt is not None:
-            groups = opt["param_groups"]
-            self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
+            groups = self._optimizer_from(opt)
             state = {int(i): {k: self._placed(int(i), tensors[f"opt.{i}.{k}"]) for k in keys}
                      for i, keys in opt["state_keys"].items()}
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})

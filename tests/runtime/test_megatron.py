@@ -85,6 +85,9 @@ def _steps(worker, head: str, roll, save_to: str | None, load_from: str | None) 
     out["train"] = worker.train(_loss(head, roll), **TRAIN)
     out["weights"] = worker.get_weights()
     if head == "lm":
+        if hasattr(worker, "replica"):   # the plan's reshard stage: full copies, here in 1 MiB buckets
+            out["reshard"] = worker.reshard(1)
+            out["replica"] = {k: v.clone() for k, v in worker.replica.state_dict().items()}
         out["sample"] = worker.generate(PROMPTS[:4], **GEN)
     if save_to:
         worker.save(save_to)
@@ -177,6 +180,9 @@ def test_megatron_layout_matches_one_rank(arch, head, dp, tp, pp, tmp_path, make
     _same_weights(ranks[0]["weights"], want["weights"])
     # 3. rank 0 samples on the gathered weights: the single rank's tokens
     if head == "lm":
+        for r in ranks:   # 3a. every rank's reshard gathered the weights it lacked, in buckets, exactly
+            assert r["reshard"][0] > 0 if tp * pp > 1 else r["reshard"] == (0, 0)
+            assert all(torch.equal(r["replica"][k], v) for k, v in ranks[0]["weights"].items())
         assert torch.equal(ranks[0]["sample"].batch.input_ids, want["sample"].batch.input_ids)
         assert all(r["sample"] is None for r in ranks[1:])
     # 4. the group's checkpoint loads into one rank: weights and optimizer state
