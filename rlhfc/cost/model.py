@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rlhfc.ir import Module, Stage
+from rlhfc.ir.lora import lora_params
 
 from . import formulas as F
 from .hardware import DeviceSpec, device_spec
@@ -117,7 +118,8 @@ def arch_numbers(model) -> dict:
     else:
         per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * f
     out = V * h if model.head == "lm" else h
-    return {"N": float(model.params), "mm": float(L * per_layer + out), "L": float(L), "h": float(h),
+    trained = lora_params(model) or model.params   # LoRA: gradients and optimizer state for the adapters only
+    return {"N": float(model.params), "Nt": float(trained), "mm": float(L * per_layer + out), "L": float(L), "h": float(h),
             "heads": float(model.heads), "ffn": float(f), "vocab": float(V), "kv_tok": float(2 * L * kv_dim),
             "lm": model.head == "lm"}
 
