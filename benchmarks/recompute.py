@@ -8,8 +8,11 @@ them) — the benchmark measures:
 - the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
   :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
 - the median forward+backward time of the whole model, and its overhead over ``none``, against the predicted
-  overhead (the trace's per-op recompute seconds x blocks, the op rates calibrated by one measured forward of
-  a block: predicted/measured is what the cost model would get from a profile).
+  overhead (the trace's per-op recompute seconds x blocks) priced two ways: **per op kind** (what the
+  recompute pass does: matmul FLOP/s and the bytes/s of softmax, elementwise and copy ops, each rate fitted
+  from one profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates`) and, for
+  comparison, **one rate** (the catalog rates scaled by one measured block forward, as before per-kind
+  pricing). rlhfc's choices are made on the per-kind prices.
 
 With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
 ``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
@@ -29,7 +32,7 @@ import time
 import torch
 
 from rlhfc.passes import recompute_choice as choice
-from rlhfc.passes.recompute_trace import retime, trace_block
+from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, retime, trace_block
 from rlhfc.runtime.models import build_model
 from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
 
@@ -126,9 +129,14 @@ def main() -> None:
             block(*bargs, **bkw)
         fwd = (clock() - t) / 3
     calib = fwd / trace.forward_s
-    if args.profile:   # the op times measured on this machine instead of the catalog rates
-        trace = retime(trace, _op_seconds(block, bargs, bkw, 3, args.cuda))
-        calib = 1.0
+    one_rate = trace
+    op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
+    flops_per_s, kind_bw = fit_kind_rates(trace, op_times)
+    trace = reprice(trace, flops_per_s, kind_bw)          # per op kind, as the recompute pass prices
+    if args.profile:   # each op at its own measured time instead
+        trace = retime(trace, op_times)
+    print("# per-kind rates fitted from one profiled block forward: matmul "
+          f"{flops_per_s / 1e9:.1f} GFLOP/s; " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(kind_bw.items())))
     sel = choice.selective(trace)
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
     for frac in (1.0, 0.5, 0.25):
@@ -139,10 +147,10 @@ def main() -> None:
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
           + (f"op times profiled (block forward {fwd * 1e3:.1f} ms, ops sum to {trace.forward_s * 1e3:.1f} ms)"
-             if args.profile else f"op-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)"))
-    print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | overhead predicted |"
-          + (" cuda peak |" if args.cuda else ""))
-    print("|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
+             if args.profile else f"one-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)"))
+    print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | "
+          "predicted per kind | predicted one rate |" + (" cuda peak |" if args.cuda else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
     for label, ch in runs:
         apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
@@ -156,9 +164,10 @@ def main() -> None:
     base = min(steps["none"])
     for label, ch in runs:
         step = min(steps[label])
-        predicted = ch.recompute_s * calib * spec["layers"]
+        predicted = ch.recompute_s * spec["layers"]
+        old = (choice.price(one_rate, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * calib * spec["layers"]
         print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} | "
-              f"{(step - base) * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms |"
+              f"{(step - base) * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms | {old * 1e3:+.0f} ms |"
               + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
     apply_recompute(model, None)
 

@@ -65,6 +65,7 @@ def measure_host(threads: int, device: str = "cpu") -> dict:
         y = torch.empty_like(x)
         sec = _timeit(lambda: y.copy_(x), 10)
         out["copy_bw"] = 2 * x.numel() * 4 / sec
+        out["kind_bw"] = measure_kinds(torch.float32, "cpu")
         return out
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -83,7 +84,24 @@ def measure_host(threads: int, device: str = "cpu") -> dict:
         torch.cuda.synchronize()
 
     out["copy_bw"] = 2 * x.numel() * 2 / _timeit(cp, 10)
+    out["kind_bw"] = measure_kinds(torch.bfloat16, device)
     return out
+
+
+def measure_kinds(dtype, device: str = "cpu") -> dict[str, float]:
+    """Bytes/s of the memory-bound op kinds the recompute pass prices (rlhfc.passes.recompute_trace.op_kind),
+    on a tensor the size of a block's attention scores (8 heads x 512 x 512): a softmax, an elementwise
+    product and a copy (bytes read + written over seconds)."""
+    import torch
+
+    x = torch.randn(8, 512, 512, device=device).to(dtype)
+    y = torch.randn_like(x)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    size = x.numel() * x.element_size()
+    probes = {"softmax": (lambda: (torch.softmax(x, -1), sync()), 2 * size),
+              "elementwise": (lambda: (torch.mul(x, y), sync()), 3 * size),
+              "copy": (lambda: (x.clone(), sync()), 2 * size)}
+    return {k: moved / _timeit(fn, 10) for k, (fn, moved) in probes.items()}
 
 
 def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):

@@ -17,7 +17,7 @@ from rlhfc.ir import Module, Stage, get_op, plan
 from rlhfc.ir.ops import COMPUTE_MODULE
 from rlhfc.ir.schedule import Entry, build_schedule, stage_threads
 
-_RESERVED = {"job", "w", "compute", "step", "main", "sys", "ray", "torch"}
+_RESERVED = {"job", "w", "compute", "step", "main", "sys", "ray", "torch", "sample_round"}
 
 
 def py_name(name: str) -> str:
@@ -90,22 +90,66 @@ class PythonEmitter:
             f'    """One step of pipeline \'{g.name}\' ({", ".join(f"{k} = {v}" for k, v in g.params.items())})."""',
         ]
         results = []
-        group = None
+        refill = self.schedule.refill
+        if refill is None:
+            lines += self.entry_lines(self.schedule.entries)
+        else:   # dynamic sampling: the sampling round is a nested function the driver calls until it has enough
+            in_round = set(refill.round)
+            before = self.ancestors(in_round) - in_round
+            lines += self.entry_lines([e for e in self.schedule.entries if e.name in before])
+            lines += self.refill_lines([self.schedule[n] for n in refill.round])
+            lines += self.entry_lines([e for e in self.schedule.entries if e.name not in before | in_round],
+                                      resolved={v.name for n in refill.round for v in self.m.graph.stage(n).outputs})
         for e in self.schedule.entries:
-            s = e.stage
-            overlap = plan.overlap_group(s)
-            if overlap is not None and overlap != group:
-                lines.append(f"    # overlap group {overlap}: launched together, awaited where the driver needs them")
-            group = overlap
-            wait = self.wait_line(e)
-            if wait:
-                lines.append(f"    {wait}")
-            lines.append(f"    {self.stage_line(s)}")
-            results.extend(v.name for v in s.outputs if v.type.kind != "Prompts")
+            results.extend(v.name for v in e.stage.outputs if v.type.kind != "Prompts")
         pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in results)
         lines.append(f"    return {{{pairs}}}")
         lines += ["", "", 'if __name__ == "__main__":', "    sys.exit(main(__file__))", ""]
         return "\n".join(lines)
+
+    def entry_lines(self, entries: list[Entry], indent: str = "    ", resolved: set[str] = frozenset()) -> list[str]:
+        """The lines of ``entries`` in order; ``resolved``: values already awaited (a refill round's results)."""
+        lines, group = [], None
+        for e in entries:
+            s = e.stage
+            overlap = plan.overlap_group(s)
+            if overlap is not None and overlap != group:
+                lines.append(f"{indent}# overlap group {overlap}: launched together, awaited where the driver needs them")
+            group = overlap
+            wait = self.wait_line(e, skip=resolved)
+            if wait:
+                lines.append(f"{indent}{wait}")
+            lines.append(indent + self.stage_line(s).replace("\n    ", "\n" + indent))
+        return lines
+
+    def refill_lines(self, entries: list[Entry]) -> list[str]:
+        """DAPO's dynamic sampling: the sampling round as a nested ``sample_round`` function and the
+        ``job.refill`` call that runs it until enough groups with unequal scores are in hand."""
+        r = self.schedule.refill
+        names = [v.name for e in entries for v in e.stage.outputs]
+        pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in names)
+        targets = ", ".join(py_name(n) for n in names) + ("," if len(names) == 1 else "")
+        return [
+            "    def sample_round(job, w):",
+            f'        """One round of sampling: the next prompts up to the filter %{r.filter} (dynamic sampling)."""',
+            *self.entry_lines(entries, indent="        "),
+            f"        return {{{pairs}}}",
+            "",
+            f"    # dynamic sampling: rounds of sample_round until {r.groups} groups of {r.group} with unequal scores, "
+            f"at most {r.max_rounds} rounds",
+            f"    {targets} = job.refill({r.filter!r}, sample_round, w, groups={r.groups}, group={r.group}, "
+            f"max_rounds={r.max_rounds})",
+        ]
+
+    def ancestors(self, names: set[str]) -> set[str]:
+        """The stages ``names`` depend on within the step (themselves included)."""
+        g, seen, todo = self.m.graph, set(), [self.m.graph.stage(n) for n in names]
+        while todo:
+            s = todo.pop()
+            if s.name not in seen:
+                seen.add(s.name)
+                todo += [g.producer(v) for v in s.inputs]
+        return seen
 
     def imports(self) -> list[str]:
         """``import`` lines for the modules of compute rules other than the runtime's own (plugin ops)."""
@@ -206,10 +250,11 @@ class PythonEmitter:
                         f"{roll.type.batch} to finish, the rest carry over (changes training)")
         return "# stream: " + "; ".join(what) + "\n    " + "\n".join(lines)
 
-    def wait_line(self, e: Entry) -> str | None:
+    def wait_line(self, e: Entry, skip: set[str] = frozenset()) -> str | None:
         """Await the futures a driver-side stage or a sync reads (remote stages take futures as arguments)."""
-        if not e.awaits:
+        awaits = [n for n in e.awaits if n not in skip]
+        if not awaits:
             return None
-        names = ", ".join(py_name(n) for n in e.awaits) + ("," if len(e.awaits) == 1 else "")
-        pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in e.awaits)
+        names = ", ".join(py_name(n) for n in awaits) + ("," if len(awaits) == 1 else "")
+        pairs = ", ".join(f"{n!r}: {py_name(n)}" for n in awaits)
         return f"{names} = job.wait({{{pairs}}})"

@@ -18,9 +18,12 @@ from rlhfc.ir import Module, plan, print_module
 
 
 def model_spec(m) -> dict:
-    return {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
+    spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
             "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head,
             "source": os.path.abspath(m.source) if m.source else None}
+    if m.lora:   # adapters (rlhfc.runtime.lora): only they train
+        spec["lora"] = dict(m.lora)
+    return spec
 
 
 def _trained_spec(module: Module, m) -> dict:

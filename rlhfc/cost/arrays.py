@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rlhfc.ir.lora import lora_params
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout
 
 from .hardware import DeviceSpec
@@ -19,8 +20,9 @@ def arch_numbers(model) -> dict:
     else:
         per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * f
     out = V * h if model.head == "lm" else h
-    return {"N": float(model.params), "mm": float(L * per_layer + out), "L": float(L), "h": float(h),
-            "heads": float(model.heads), "ffn": float(f), "vocab": float(V), "kv_tok": float(2 * L * kv_dim),
+    trained = lora_params(model) or model.params   # LoRA: gradients and optimizer state for the adapters only
+    return {"N": float(model.params), "Nt": float(trained), "mm": float(L * per_layer + out), "L": float(L),
+            "h": float(h),            "heads": float(model.heads), "ffn": float(f), "vocab": float(V), "kv_tok": float(2 * L * kv_dim),
             "lm": model.head == "lm"}
 
 

@@ -228,9 +228,10 @@ def train_state_bytes(xp, hw, arch, lay):
 
     GPU: bf16 gradients (2N/(tp*pp)) + fp32 master weights and Adam moments
     sharded over data parallel ranks (12N/(tp*pp*dp), a distributed optimizer).
-    CPU (the torch backend, float32, one process): gradients 4N + moments 8N.
+    CPU (the torch backend, float32, one process): gradients 4N + moments 8N. Under LoRA, N is the
+    adapters' parameter count (``Nt``; the frozen base has neither gradients nor optimizer state).
     """
-    shard = arch["N"] / (lay["tp"] * lay["pp"])
+    shard = arch.get("Nt", arch["N"]) / (lay["tp"] * lay["pp"])
     if hw["cpu"]:
         return hw["bpp"] * shard + 8.0 * shard + 0.0 * lay["dp"]
     return hw["bpp"] * shard + 12.0 * shard / lay["dp"]

@@ -63,6 +63,9 @@ class DeviceSpec:
     source: str = "catalog"
     #: measured speed-up over one thread for 1..n threads (cpu only; from a profile)
     thread_speedup: tuple = field(default=(1.0,))
+    #: memory-bound op kinds that run at another fraction of ``hbm_bw`` than a copy, ``((kind, fraction), ...)``
+    #: (rlhfc.passes.recompute_trace.op_kind): what the recompute pass prices a recomputed op at
+    kind_eff: tuple = field(default=())
 
     @property
     def is_cpu(self) -> bool:
@@ -92,7 +95,9 @@ CATALOG: dict[str, DeviceSpec] = {
     # the torch backend pays ~0.2 ms of Python/dispatch per layer call and ~1 ms per sampled token step.
     "cpu": DeviceSpec("cpu", 50e9, 8 * GB, DEVICE_MEMORY["cpu"], 8 * GB, 1 * GB, 8 * GB, latency=50e-6,
                       train_eff=0.5, infer_eff=0.5, mem_eff=1.0, net_eff=1.0, layer_overhead=2e-4,
-                      step_overhead=1e-3, bytes_per_param=4, flash=False, source="uncalibrated"),
+                      step_overhead=1e-3, bytes_per_param=4, flash=False, source="uncalibrated",
+                      # softmax's exponentials: ~0.3 of the copy bandwidth on a 2-core EPYC VM (a profile measures it)
+                      kind_eff=(("softmax", 0.3),)),
 }
 
 
@@ -111,8 +116,10 @@ def device_spec(kind: str, profile=None) -> DeviceSpec:
     host = profile.host
     if kind == "cpu":
         flops = host.get("matmul_flops_1") or spec.peak_flops
-        return replace(spec, peak_flops=float(flops), hbm_bw=float(host.get("copy_bw") or spec.hbm_bw),
-                       train_eff=1.0, infer_eff=1.0, mem_eff=1.0,
+        bw = float(host.get("copy_bw") or spec.hbm_bw)
+        kinds = host.get("kind_bw") or {}
+        return replace(spec, peak_flops=float(flops), hbm_bw=bw, train_eff=1.0, infer_eff=1.0, mem_eff=1.0,
+                       kind_eff=tuple(sorted((k, float(v) / bw) for k, v in kinds.items())) or spec.kind_eff,
                        thread_speedup=tuple(float(x) for x in host.get("thread_speedup", (1.0,))),
                        source=f"profile {profile.path or ''}".strip())
     flops, bw = host.get("matmul_flops"), host.get("copy_bw")

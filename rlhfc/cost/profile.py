@@ -23,8 +23,10 @@ bilinearly (held at the grid's edges): small CPU kernels do not scale smoothly.
 Fits are non-negative least squares on relative error (every point counts the
 same whatever its size); :func:`merge_profiles` combines passes taken at
 different times. The host section holds a float32 matmul probe at
-1..threads threads (the CPU's FLOP/s and thread scaling) and a memory-copy
-bandwidth, which price models the profile did not measure.
+1..threads threads (the CPU's FLOP/s and thread scaling), a memory-copy
+bandwidth, which price models the profile did not measure, and ``kind_bw``:
+the bytes/s of a softmax, an elementwise op and a copy on a tensor the size
+of a block's attention scores (what the recompute pass prices op kinds at).
 
 The profile is JSON (``Profile.save``/``load_profile``); the default location is
 ``~/.cache/rlhfc/profile-<device>.json`` (``RLHFC_CACHE_DIR`` overrides the

@@ -32,6 +32,11 @@ starting when its samples have finished (expected order statistics of the
 response lengths) and the previous chunk is done. Overcommitment prices the
 generate as B+delta prompts stopping when B have finished.
 
+Dynamic sampling with refill (``group_advantages(filter_groups = true, max_refill = K)``): the step is
+priced with one sampling round, as if every group of the batch's prompts had unequal scores — the best
+case. How many rounds a step needs depends on the rewards, which the compiler cannot know; ``rlhfc
+explain`` notes the round's stages and what each further round (up to K) adds.
+
 Parameter reallocation: when consecutive stages on a model (cyclically across
 steps) use different placements, the weights move between the layouts
 (:func:`rlhfc.cost.sync.sync_time`): a ``sync`` stage on the model

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
 from rlhfc.ir import Module, print_module
 from rlhfc.ir.plan import overcommit_delta, overlap_group, stream_chunk, workers
+from rlhfc.ir.schedule import build_schedule
 
 
 @dataclass
@@ -73,6 +74,13 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     for s in module.graph.stages:
         if stream_chunk(s):
             notes.append(f"%{s.name} streams chunks of {stream_chunk(s)} finished samples to its forwards")
+    refill = build_schedule(module).refill
+    if refill is not None:   # the simulation prices one sampling round
+        extra = sum(sim.costs[n].time_s for n in refill.round if n in sim.costs)
+        notes.append(f"%{refill.filter} refills (dynamic sampling): the step time above assumes one sampling round "
+                     f"(every group of the first {refill.groups} prompts has unequal scores); each further round "
+                     f"runs {', '.join('%' + n for n in refill.round)} again, about {extra:.3g} s more, up to "
+                     f"{refill.max_refill} more rounds (+{refill.max_refill * extra:.3g} s at worst)")
     from .recompute import recompute_notes
 
     notes += recompute_notes(module, cm)

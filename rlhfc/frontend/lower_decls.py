@@ -28,6 +28,7 @@ from rlhfc.ir import arch as archs
 from rlhfc.ir.core import RUN_KEYS, Cluster, DataSource, Model, Module, RunConfig, Symbol
 from rlhfc.ir.devices import GPU_KINDS
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
+from rlhfc.ir.lora import DEFAULT_TARGETS, LORA_KEYS
 from rlhfc.ir.plan import LAYOUT_FACTORS
 from rlhfc.ir.verify_fields import EXAMPLES, check_cluster, check_data, check_model, check_run, is_positive_int
 
@@ -377,9 +378,13 @@ class Declarations:
         factor left out is 1); the verifier checks the values, the plan what the trainer can run."""
         ok = True
         for clause in d.clauses:
+            if clause.name == "lora":
+                ok = self.lora(clause, m) and ok
+                continue
             problem = None if clause.name == "layout" else (
                 f"unknown model clause '{clause.name}(...)'", clause.name_loc,
-                did_you_mean(clause.name, ["layout"]) or "clauses: layout(dp = D, tp = T, pp = P)")
+                did_you_mean(clause.name, ["layout", "lora"]) or
+                "clauses: layout(dp = D, tp = T, pp = P), lora(rank = R, alpha = A, targets = [...])")
             if problem is None and m.layout is not None:
                 problem = ("'layout' given twice", clause.name_loc, "a model has one layout; remove one")
             if problem is None and clause.args:
@@ -404,6 +409,31 @@ class Declarations:
                     layout[kw.name] = value_of(kw.value)
                     m.field_locs[f"layout.{kw.name}"] = kw.value.loc
             m.layout = layout
+        return ok
+
+    def lora(self, clause, m: Model) -> bool:
+        """``lora(rank = 8, alpha = 16, targets = [q_proj, v_proj])``: LoRA adapters on the policy (defaults:
+        rank 8, alpha 16, the attention's query and value projections); the verifier checks the values."""
+        problem = ("'lora' given twice", clause.name_loc, "a model has one set of adapters; remove one") \
+            if m.lora is not None else ("lora() takes keyword settings", getattr(clause.args[0], "loc", clause.loc),
+                                        "e.g. lora(rank = 8, alpha = 16, targets = [q_proj, v_proj])") \
+            if clause.args else None
+        if problem is not None:
+            self.sink.error(*problem)
+            return False
+        lora, ok = {"alpha": 16, "rank": 8, "targets": list(DEFAULT_TARGETS.get(m.arch, ["q_proj"]))}, True
+        m.field_locs["lora"] = clause.name_loc
+        for kw in clause.kwargs:
+            if kw.name not in LORA_KEYS or f"lora.{kw.name}" in m.field_locs:
+                self.sink.error(f"'{kw.name}' given twice" if kw.name in LORA_KEYS else
+                                f"unknown LoRA setting '{kw.name}'", kw.loc, "remove one" if kw.name in LORA_KEYS
+                                else did_you_mean(kw.name, LORA_KEYS) or "settings: rank, alpha, targets")
+                ok = False
+                continue
+            value = value_of(kw.value)
+            lora[kw.name] = [value] if kw.name == "targets" and isinstance(value, str) else value
+            m.field_locs[f"lora.{kw.name}"] = kw.value.loc
+        m.lora = lora
         return ok
 
     # -- data --------------------------------------------------------------------------------

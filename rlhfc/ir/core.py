@@ -97,6 +97,9 @@ class Model:
     init: object = "random"
     source: str = ""
     layout: dict | None = None
+    #: LoRA adapters of a policy, ``{"alpha": A, "rank": R, "targets": [module names]}`` (the ``lora(...)``
+    #: clause; :mod:`rlhfc.ir.lora`), or None: every weight trains
+    lora: dict | None = None
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
@@ -111,6 +114,8 @@ class Model:
         out.update(head=self.head, trainable=self.trainable, init=self.init, source=self.source)
         if self.layout is not None:   # printed only when the program fixes it
             out["layout"] = self.layout
+        if self.lora is not None:     # printed only when the program asks for adapters
+            out["lora"] = self.lora
         return out
 
     @property

@@ -280,7 +280,10 @@ register_op(OpSpec(
      Attr("estimator", "str", "k1", choices=("k1", "k2", "k3"), omit_default=True,
           doc="KL estimator of the reward's KL term (reinforce_pp)"),
      Attr("filter_groups", "bool", False, omit_default=True,
-          doc="DAPO's dynamic-sampling filter: drop the groups whose scores are all equal (no signal)")),
+          doc="DAPO's dynamic-sampling filter: drop the groups whose scores are all equal (no signal)"),
+     Attr("max_refill", "int", 0, min=0, max=64, omit_default=True,
+          doc="with filter_groups: up to this many extra rounds of sampling (next prompts, generate, rewards) "
+              "per step until the batch holds `batch` groups with unequal scores (DAPO's refill); 0: no refill")),
     _TF, doc="group-relative advantages (GRPO / RLOO / REINFORCE++), broadcast to response tokens",
     internal_attrs=("group",)))
 

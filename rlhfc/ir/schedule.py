@@ -53,13 +53,37 @@ class Entry:
         return self.stage.name
 
 
+@dataclass(frozen=True)
+class Refill:
+    """DAPO's dynamic sampling with refill (``group_advantages(filter_groups = true, max_refill = K)``).
+
+    The driver runs the stages of one sampling ``round`` — from drawing prompts to the filtering stage
+    ``filter`` — again, on the next prompts, until ``groups`` groups with unequal scores are in hand or
+    ``1 + max_refill`` rounds have run; the step's later stages see the first ``groups`` kept groups
+    (``group`` samples each). ``round`` is in schedule order: the stages that descend from the prompts and
+    lead to ``filter``, and those a streamed generate of the round computes inside its call.
+    """
+
+    filter: str
+    round: tuple[str, ...]
+    groups: int
+    group: int
+    max_refill: int
+
+    @property
+    def max_rounds(self) -> int:
+        return 1 + self.max_refill
+
+
 @dataclass
 class Schedule:
-    """The step's entries in launch (graph) order, and the futures resolved at the end of the step."""
+    """The step's entries in launch (graph) order, the futures resolved at the end of the step, and the
+    sampling round that dynamic sampling repeats (``refill``, None when no stage refills)."""
 
     entries: list[Entry]
     at_end: tuple[str, ...] = ()
     by_name: dict = field(default_factory=dict)
+    refill: Refill | None = None
 
     def __post_init__(self) -> None:
         self.by_name = {e.name: e for e in self.entries}
@@ -135,7 +159,33 @@ def build_schedule(module: Module) -> Schedule:
     launched = {e.name: e.after for e in entries if e.kind == "stream"}
     entries = [Entry(e.stage, e.kind, group=e.group, within=e.within, source=e.source, after=launched[e.within])
                if e.kind == "in_stream" else e for e in entries]   # a stage inside a stream launches with it
-    return Schedule(entries, tuple(pending))
+    return Schedule(entries, tuple(pending), refill=_refill(module, entries))
+
+
+def _refill(module: Module, entries: list[Entry]) -> Refill | None:
+    """The sampling round of a refilling ``group_advantages`` (see :class:`Refill`); None when none refills."""
+    g = module.graph
+    stage = next((s for s in g.stages if s.op == "compute.group_advantages" and s.attrs.get("max_refill")), None)
+    if stage is None:
+        return None
+    ancestors, todo = set(), [stage]
+    while todo:
+        s = todo.pop()
+        if s.name not in ancestors:
+            ancestors.add(s.name)
+            todo += [g.producer(v) for v in s.inputs]
+    loads = [g.stage(n) for n in ancestors if g.stage(n).op == "load"]
+    below, todo = set(), list(loads)
+    while todo:
+        s = todo.pop()
+        if s.name not in below:
+            below.add(s.name)
+            todo += [u for v in s.outputs for u in g.users(v)]
+    members = ancestors & below
+    members |= {e.name for e in entries if e.kind == "in_stream" and e.within in members}
+    groups = sum(int(s.attrs["batch"]) for s in loads)
+    return Refill(stage.name, tuple(e.name for e in entries if e.name in members), groups,
+                  int(stage.attrs.get("group", 1)), int(stage.attrs["max_refill"]))
 
 
 def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str, int]:
@@ -162,4 +212,4 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     return out
 
 
-__all__ = ["Entry", "Schedule", "build_schedule", "stage_threads"]
+__all__ = ["Entry", "Refill", "Schedule", "build_schedule", "stage_threads"]

@@ -301,6 +301,10 @@ def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:
             sink.error("filter_groups drops the groups whose samples all score the same; with 1 sample per prompt "
                        "that is every group", where(s, "filter_groups"),
                        "generate several samples per prompt (actor.generate(prompts, n = 4)), or drop filter_groups")
+        if s.op == "compute.group_advantages" and s.attrs.get("max_refill") and not s.attrs.get("filter_groups"):
+            sink.error("max_refill samples more prompts until enough groups survive filter_groups, which this "
+                       "stage does not set", where(s, "max_refill"),
+                       "add filter_groups = true, or drop max_refill")
         if s.op == "compute.group_advantages" and len(s.inputs) > 2:
             if len(s.inputs) == 3:
                 sink.error("group_advantages() takes logp and ref_logp together (the KL in the reward)", where(s),

@@ -21,6 +21,7 @@ from .arch import ARCH_FIELDS, ARCHS, HEADS
 from .core import DATA_OPTIONS, TRUNCATE_POLICIES, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
+from .lora import lora_problems
 from .ops import OpSpec
 from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, TRAINERS
 from .plan import describe as _describe
@@ -178,6 +179,9 @@ def check_model(m: Model, models: dict[str, Model], sink: DiagnosticSink) -> boo
                 'set source = "path/to/hf_folder", or use init = "random"')
     if m.layout is not None:
         _check_layout(m, f)
+    if m.lora is not None:
+        for fields, message, hint in lora_problems(m):
+            f.error((fields, "lora") if fields != "lora" else fields, message, hint)
     return f.ok
 
 

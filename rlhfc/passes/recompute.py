@@ -100,9 +100,10 @@ def stage_trace(module: Module, stage, cm=None):
     seq = max(2, math.ceil(work["seq"]))
     hw = hw_numbers(cm.spec)
     scale = float(lay["f_scale"][0])
+    bw = hw["BW"] * min(scale, 4.0)
     trace = trace_block(model.arch, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab, rows, seq,
-                        dtype="float32" if cm.spec.is_cpu else "bfloat16",
-                        flops_per_s=hw["F_train"] * scale, bytes_per_s=hw["BW"] * min(scale, 4.0))
+                        dtype="float32" if cm.spec.is_cpu else "bfloat16", flops_per_s=hw["F_train"] * scale,
+                        bytes_per_s=bw, kind_bw=tuple((k, bw * eff) for k, eff in cm.spec.kind_eff))
     return trace, cm, inp
 
 

@@ -10,7 +10,12 @@ model's config, as the runtime does; weights on no device) and traces its forwar
   :func:`torch.autograd.graph.saved_tensors_hooks`: every tensor autograd saves is attributed to the node that
   allocated its storage, so each node knows the bytes backward *needs* of it (views share their base's
   storage; the block's inputs and the weights are not activations);
-- each node gets a time to recompute it: ``max(FLOPs / peak, bytes moved / bandwidth)`` plus a per-op cost.
+- each node gets a time to recompute it by its *kind* (:func:`op_kind`): a matrix product (``matmul``) its
+  FLOPs at the matmul rate; a ``softmax``, an ``elementwise`` op (arithmetic, activations, reductions) or a
+  ``copy`` (clones, concatenations, casts) the bytes it moves at that kind's bandwidth (``kind_bw``; the
+  one ``bytes_per_s`` where a kind has none) — softmax's exponentials make it several times slower per
+  byte than an add on a CPU — plus a per-op cost. :func:`reprice` prices a trace again at other rates (a
+  profile's, or rates fitted from a measured block forward: :func:`fit_kind_rates`).
 
 The node keys (``mm.default#3``: the 4th ``aten.mm`` call) are the names the runtime's selective checkpoint
 policy counts (:mod:`rlhfc.runtime.recompute`). :mod:`rlhfc.passes.recompute_choice` chooses from this.
@@ -32,7 +37,8 @@ class OpNode:
     ``key``: ``<op>.<overload>#<k>``; ``bytes``: bytes of the storages it allocates (0 for views/aliases);
     ``needed``: of those, the bytes autograd saves for backward; ``seconds``: its time to (re)compute;
     ``core_attention``: part of softmax(QK^T)V (what Megatron's ``selective`` recomputes); ``saves``: whether
-    its backward keeps any tensor (a checkpoint's recompute runs until the last op that does)."""
+    its backward keeps any tensor (a checkpoint's recompute runs until the last op that does); ``kind``: its
+    op kind (:func:`op_kind`), ``moved``: bytes it reads and writes (what a memory-bound kind is priced by)."""
 
     name: str
     key: str
@@ -42,6 +48,8 @@ class OpNode:
     flops: float
     core_attention: bool
     saves: bool = False
+    kind: str = "elementwise"
+    moved: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,32 @@ def _flops(node) -> float:
 
 _MATMULS = ("aten.bmm.default", "aten.matmul.default", "aten.mm.default")
 
+#: op kinds a recompute is priced by (see the module docstring)
+OP_KINDS = ("matmul", "softmax", "elementwise", "copy", "view")
+_COPIES = ("clone", "_to_copy", "copy", "cat", "index", "gather", "embedding", "expand_copy", "slice_scatter")
+
+
+def op_kind(name: str, flops: float, fresh: int) -> str:
+    """The kind of aten op ``name`` (``"aten.add.Tensor"``): ``matmul`` (it has FLOPs), ``softmax``, ``copy``,
+    ``view`` (allocates nothing) or ``elementwise`` (the rest: arithmetic, activations, norms' reductions)."""
+    base = name[5:].split(".")[0] if name.startswith("aten.") else name
+    if flops:
+        return "matmul"
+    if not fresh:
+        return "view"
+    if "softmax" in base:
+        return "softmax"
+    if base in _COPIES:
+        return "copy"
+    return "elementwise"
+
+
+def _seconds(kind: str, flops: float, moved: float, flops_per_s: float, bytes_per_s: float, kind_bw: dict,
+             op_s: float) -> float:
+    if kind == "matmul":
+        return max(flops / flops_per_s, moved / kind_bw.get("matmul", bytes_per_s)) + op_s
+    return moved / kind_bw.get(kind, bytes_per_s) + op_s
+
 
 def core_attention(graph) -> set[str]:
     """The nodes of softmax(QK^T)V: a fused attention op, or (eager attention) each softmax with what lies
@@ -142,7 +176,9 @@ def core_attention(graph) -> set[str]:
 def trace_block(*args, **kwargs) -> BlockTrace:
     """Trace one block at a micro-batch of ``rows x seq`` tokens (see the module docstring); cached. Arguments:
     ``arch, hidden, heads, kv_heads, ffn, vocab, rows, seq``; keywords ``dtype``, ``attn`` (the runtime's
-    attention implementation), ``flops_per_s``, ``bytes_per_s``, ``op_s`` (the rates op times are priced at)."""
+    attention implementation), ``flops_per_s``, ``bytes_per_s``, ``kind_bw`` (``((kind, bytes/s), ...)``: the
+    bandwidth of each memory-bound op kind, ``bytes_per_s`` for the others), ``op_s`` (the rates op times are
+    priced at)."""
     import warnings
 
     with warnings.catch_warnings():   # torch's pytree deprecation notes while tracing are not the user's business
@@ -153,7 +189,7 @@ def trace_block(*args, **kwargs) -> BlockTrace:
 @functools.lru_cache(maxsize=64)
 def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
                 *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9,
-                bytes_per_s: float = 8e9, op_s: float = 5e-6) -> BlockTrace:
+                bytes_per_s: float = 8e9, kind_bw: tuple = (), op_s: float = 5e-6) -> BlockTrace:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx import Interpreter
@@ -250,9 +286,10 @@ def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vo
         name = str(n.target)[5:]
         moved = _moved_bytes(n) if fresh.get(n.name, 0) else 0.0   # a view moves nothing
         flops = _flops(n)
-        seconds = max(flops / flops_per_s, moved / bytes_per_s) + op_s
+        kind = op_kind(str(n.target), flops, fresh.get(n.name, 0))
+        seconds = _seconds(kind, flops, moved, flops_per_s, bytes_per_s, dict(kind_bw), op_s)
         nodes.append(OpNode(n.name, f"{name}#{k}", fresh.get(n.name, 0), needed.get(n.name, 0), seconds, flops,
-                            n.name in core, n.name in savers))
+                            n.name in core, n.name in savers, kind, moved))
     input_bytes = rows * seq * hidden * torch.empty((), dtype=torch_dtype).element_size()
     return BlockTrace(arch, rows, seq, tuple(nodes), sum(needed.values()), input_bytes,
                       sum(x.seconds for x in nodes))
@@ -268,6 +305,33 @@ def _moved_bytes(node) -> float:
                     n *= int(d)
                 total += n * t.dtype.itemsize
     return total
+
+
+def reprice(trace: BlockTrace, flops_per_s: float, kind_bw: dict[str, float], op_s: float = 5e-6) -> BlockTrace:
+    """``trace`` with every op priced again by its kind at these rates (``kind_bw``: bytes/s of each
+    memory-bound kind, the fastest of them bounding a matrix product's memory traffic; a kind left out keeps
+    its ops' times)."""
+    from dataclasses import replace
+
+    bw = max(kind_bw.values(), default=float("inf"))
+    nodes = tuple(replace(n, seconds=_seconds(n.kind, n.flops, n.moved, flops_per_s, bw, kind_bw, op_s))
+                  if n.kind == "matmul" or n.kind in kind_bw else n for n in trace.nodes)
+    return replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes))
+
+
+def fit_kind_rates(trace: BlockTrace, seconds: dict[str, float], op_s: float = 5e-6) -> tuple[float, dict]:
+    """Per op kind, the rate a measured block forward ran at (``seconds`` by op key: a profile): matmul
+    FLOP/s, and the bytes/s of each memory-bound kind — Σ work / Σ (measured seconds − per-op cost) over
+    the kind's ops. Returns (flops_per_s, {kind: bytes/s})."""
+    work: dict[str, float] = {}
+    spent: dict[str, float] = {}
+    for n in trace.nodes:
+        if n.key not in seconds or n.kind == "view":
+            continue
+        work[n.kind] = work.get(n.kind, 0.0) + (n.flops if n.kind == "matmul" else n.moved)
+        spent[n.kind] = spent.get(n.kind, 0.0) + max(seconds[n.key] - op_s, 1e-9)
+    rates = {k: work[k] / spent[k] for k in work if work[k] > 0}
+    return rates.pop("matmul", 0.0), rates
 
 
 def retime(trace: BlockTrace, seconds: dict[str, float]) -> BlockTrace:

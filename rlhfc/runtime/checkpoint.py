@@ -183,8 +183,10 @@ def manifest(plan: dict, step: int) -> dict:
 
 
 def model_shapes(plan: dict) -> dict[str, dict]:
-    """Per model: the settings that fix its shapes, and its parameter count."""
-    return {name: {**{k: m["spec"].get(k) for k in SHAPE_KEYS}, "params": m.get("params")}
+    """Per model: the settings that fix its shapes (with its LoRA adapters, when it has them), and its
+    parameter count."""
+    return {name: {**{k: m["spec"].get(k) for k in SHAPE_KEYS}, "params": m.get("params"),
+                   **({"lora": m["spec"]["lora"]} if m["spec"].get("lora") else {})}
             for name, m in sorted(plan["models"].items())}
 
 

@@ -63,9 +63,11 @@ def kl_penalty(scores: torch.Tensor, logp: TokenValues, ref_logp: TokenValues, *
 
 def group_advantages(rollout: Rollout, scores: torch.Tensor, logp: TokenValues | None = None,
                      ref_logp: TokenValues | None = None, *, method: str, normalize_std: bool, group: int,
-                     kl_coef: float = 0.01, estimator: str = "k1", filter_groups: bool = False) -> TokenValues:
+                     kl_coef: float = 0.01, estimator: str = "k1", filter_groups: bool = False,
+                     max_refill: int = 0) -> TokenValues:
     """GRPO / RLOO / REINFORCE++ advantages over groups of ``group`` samples of one prompt, on every response
-    token; ``filter_groups``: mark the groups whose scores are all equal as left out (``TokenValues.keep``)."""
+    token; ``filter_groups``: mark the groups whose scores are all equal as left out (``TokenValues.keep``).
+    ``max_refill``: read by the driver, which repeats the sampling round (rlhfc.runtime.refill), not here."""
     check_finite(scores, "a score", prompts=rollout.prompts)
     if method.startswith("reinforce_pp"):
         adv = algorithms.reinforce_pp_advantages(
@@ -121,6 +123,9 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
     if advantages.keep is not None:
         keep = advantages.keep.cpu()
         stats = {"dropped_groups": float(advantages.dropped_groups), "kept_samples": float(keep.sum())}
+        if advantages.sample_rounds:   # refilled (rlhfc.runtime.refill)
+            stats.update(sample_rounds=float(advantages.sample_rounds),
+                         sampled_groups=float(advantages.sampled_groups))
         index = keep.nonzero().flatten()
         rollout = select_rows(rollout, index)
         old, adv = old[index.to(old.device)], adv[index.to(adv.device)]

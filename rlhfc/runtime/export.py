@@ -33,7 +33,7 @@ import torch
 
 from .checkpoint import checkpoint_root, latest_checkpoint, read_meta
 from .errors import JobError
-from .models import build_model, load_weights
+from .models import build_model, load_weights, set_weights
 from .tokenizer import CharTokenizer
 
 __all__ = ["ExportError", "find_checkpoint", "find_model", "export_model", "char_tokenizer_fast"]
@@ -121,6 +121,12 @@ def export_model(spec: dict, worker_folder: str, out: str) -> str:
     try:
         model = build_model(spec, seed=0)
         load_weights(model, os.path.join(worker_folder, "weights.safetensors"))
+        if spec.get("lora"):   # LoRA adapters merged into the weights: a plain model, as transformers loads it
+            from .lora import merged_state
+
+            merged = build_model({**spec, "lora": None}, seed=0)
+            set_weights(merged, merged_state(model))
+            model = merged
     except (RuntimeError, ValueError, OSError) as exc:   # shapes or names that differ, a damaged file
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise ExportError(f"the weights in {worker_folder} do not fit the model the plan describes: {first}",

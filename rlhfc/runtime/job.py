@@ -134,6 +134,13 @@ class Job:
         ray = _ray()
         return {k: (self.get(self._stage_of(k), v) if isinstance(v, ray.ObjectRef) else v) for k, v in values.items()}
 
+    def refill(self, stage: str, round_fn: Callable, w, *, groups: int, group: int, max_rounds: int) -> list[Any]:
+        """Dynamic sampling: run ``round_fn(job, w)`` until ``groups`` groups of unequal scores (rlhfc.runtime.refill)."""
+        from .refill import refill
+
+        out = refill(lambda: self.resolve(round_fn(self, w)), stage, groups=groups, group=group, max_rounds=max_rounds)
+        return list(out.values())
+
     def _stage_of(self, value: str) -> str:
         return self.plan["graph"]["value_to_stage"].get(value, value)
 

@@ -37,7 +37,8 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
             continue
         if key == "policy":
             m["policy_loss"] = stats.get("pg_loss", stats.get("loss", float("nan")))
-            for k in ("entropy", "clipfrac", "approx_kl", "grad_norm", "lr", "dropped_groups", "kept_samples"):
+            for k in ("entropy", "clipfrac", "approx_kl", "grad_norm", "lr", "dropped_groups", "kept_samples",
+                      "sample_rounds", "sampled_groups"):
                 if k in stats:
                     m[f"policy_{k}" if k in ("grad_norm", "lr") else k] = stats[k]
         else:

@@ -359,6 +359,10 @@ def build_model(
             cls = ValueModel if spec["head"] == "value" else ScoreModel
             model = _construct(lambda: cls(trunk, spec))
             _init_head_(model.head, generator)
+    if spec.get("lora") and isinstance(model, PolicyModel):   # adapters (rlhfc.runtime.lora), base frozen
+        from .lora import apply_lora
+
+        model.hf = apply_lora(model.hf, spec["lora"], generator)
     model = model.to(device=device, dtype=dtype)
     model.eval()
     return model
@@ -452,8 +456,15 @@ def copy_weights(src: nn.Module, dst: nn.Module) -> None:
     """Initialise ``dst`` from ``src``: everything when both have the same head
     kind, otherwise only the shared trunk (``dst``'s own head is kept).
 
-    Raises ``ValueError`` when the trunks differ in parameter names or shapes.
+    Raises ``ValueError`` when the trunks differ in parameter names or shapes. A source with LoRA adapters
+    gives its merged weights (``W + ΔW``, :func:`rlhfc.runtime.lora.merged_state`).
     """
+    if getattr(src, "spec", {}).get("lora"):
+        from .lora import merged_state
+
+        plain = build_model({**src.spec, "lora": None}, device=next(src.parameters()).device)
+        set_weights(plain, merged_state(src))
+        src = plain
     if type(src) is type(dst):
         set_weights(dst, src.state_dict())
         return

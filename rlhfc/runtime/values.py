@@ -77,8 +77,12 @@ class TokenValues:
     #: [B] bool, the rows a policy loss trains on (None: all) — DAPO's dynamic sampling
     #: (``group_advantages(filter_groups = true)``) leaves out the groups whose scores are all equal
     keep: torch.Tensor | None = None
-    #: how many groups ``keep`` leaves out
+    #: how many groups ``keep`` leaves out (with refill: over all the step's sampling rounds)
     dropped_groups: int = 0
+    #: dynamic sampling with refill (rlhfc.runtime.refill): the rounds of sampling the step ran (0: no refill)
+    sample_rounds: int = 0
+    #: ... and the groups those rounds sampled
+    sampled_groups: int = 0
 
     def mean(self) -> float:
         m = self.mask.to(self.values.dtype)
@@ -132,6 +136,7 @@ def select_rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
     pick = lambda xs: [xs[i] for i in rows] if xs else xs  # noqa: E731
     return replace(rollout, batch=rollout.batch.select(index), prompts=pick(rollout.prompts),
                    responses=pick(rollout.responses), rows=pick(rollout.rows), born=pick(rollout.born),
+                   fields=pick(rollout.fields) if len(rollout.fields) == rollout.size else rollout.fields,
                    logprobs=rollout.logprobs[index.to(rollout.logprobs.device)] if rollout.logprobs is not None
                    else None)
 

@@ -143,3 +143,34 @@ def test_megatron_recompute_settings_nearest_the_decision():
             warnings.simplefilter("ignore")
             got[policy] = transformer_config(spec, 1, 1).recompute_granularity
     assert got == {"full": "full", "selective": "selective", "ops": "full"}
+
+
+def test_recompute_is_priced_per_op_kind():
+    """Each op is priced by its kind: matmuls by FLOPs, softmax / elementwise / copy ops by the bytes they move
+    at their own bandwidth; a profile's per-kind rates are recovered from op times made at those rates."""
+    from rlhfc.cost.hardware import device_spec
+    from rlhfc.cost.profile import Profile
+    from rlhfc.passes.recompute_trace import fit_kind_rates, reprice
+
+    trace = _trace("gpt2")                                   # eager attention: a softmax over the scores
+    kinds = {n.kind for n in trace.nodes}
+    assert {"matmul", "softmax", "elementwise", "view"} <= kinds
+    assert all((n.kind == "matmul") == (n.flops > 0) and (n.kind == "view") == (n.bytes == 0) for n in trace.nodes)
+    rates = {"softmax": 1e9, "elementwise": 4e9, "copy": 8e9}
+    priced = reprice(trace, 20e9, rates, op_s=0.0)
+    for n in priced.nodes:
+        if n.kind in rates:
+            assert n.seconds == pytest.approx(n.moved / rates[n.kind])
+        elif n.kind == "matmul":
+            assert n.seconds == pytest.approx(max(n.flops / 20e9, n.moved / 8e9))
+    soft = next(n for n in priced.nodes if n.kind == "softmax")
+    slower = reprice(trace, 20e9, dict(rates, softmax=0.5e9), op_s=0.0)
+    assert slower.forward_s - priced.forward_s == pytest.approx(soft.moved / 0.5e9 - soft.moved / 1e9)
+    # rates fitted from op times made at known rates (matmuls compute-bound there) come back exactly
+    made = {n.key: n.flops / 20e9 + 5e-6 if n.kind == "matmul" else n.moved / rates[n.kind] + 5e-6
+            for n in trace.nodes if n.kind in ("matmul", *rates)}
+    flops, fitted = fit_kind_rates(trace, made)
+    assert flops == pytest.approx(20e9) and fitted == pytest.approx({k: rates[k] for k in fitted})
+    # a profile's host probe gives the pass each kind's fraction of the copy bandwidth
+    spec = device_spec("cpu", Profile("cpu", "test", 1, {"copy_bw": 10e9, "kind_bw": {"softmax": 2.5e9}}, {}, {}))
+    assert dict(spec.kind_eff) == {"softmax": 0.25}

@@ -11,6 +11,7 @@ from .rules import fixed_layout, on_worker, stage_mesh, stream_source, streams, 
 
 #: how to install megatron-core (the ``megatron`` trainer's extra)
 MEGATRON_INSTALL = "pip install -c constraints.txt -e '.[megatron]'"
+LORA_INSTALL = "pip install -c constraints.txt -e '.[lora]' (or: pip install 'peft>=0.21,<0.22')"
 
 # -- verifying a plan ------------------------------------------------------------------------------------
 
@@ -90,6 +91,7 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
                        where(module.run, "trainer") if trainer == "megatron" else where(m, "layout"),
                        f"install the extra: {MEGATRON_INSTALL}")
         _verify_megatron(module, m, Parallel(w.dp, w.tp, w.pp), w.mesh.count, sink)
+    _verify_lora(module, sink)
     if module.run.precision != "fp32":
         on_megatron = sorted({w.model for w in workers(module).values() if w.trainer == "megatron"})
         if on_megatron:
@@ -97,6 +99,20 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
                        f"{', '.join('@' + n for n in on_megatron)})", where(module.run, "precision"),
                        "use precision = fp32 with trainer = megatron, or trainer = torch or fsdp for bf16 "
                        "(auto runs a layout with tp = pp = 1 on them)")
+
+
+def _verify_lora(module: Module, sink: DiagnosticSink) -> None:
+    """LoRA adapters need peft, and run under the torch trainer (one process per model)."""
+    lora = [m for m in module.models.values() if m.lora]
+    if lora and importlib.util.find_spec("peft") is None:
+        sink.error(f"model @{lora[0].name} has LoRA adapters, but the peft library is not installed",
+                   where(lora[0], "lora"), f"install the extra: {LORA_INSTALL}")
+    for w in workers(module).values():
+        m = module.models.get(w.model)
+        if m is not None and m.lora and w.trainer != "torch":
+            sink.error(f"model @{m.name} has LoRA adapters, which only the torch trainer runs, not {w.trainer}",
+                       where(module.run, "trainer") if module.run.trainer != "auto" else where(m, "lora"),
+                       "set run { trainer = torch } (one process per model), or drop lora(...)")
 
 
 def _verify_megatron(module: Module, m: Model, par: Parallel, count: int, sink: DiagnosticSink) -> None:
