@@ -22,8 +22,8 @@ def arch_numbers(model) -> dict:
     out = V * h if model.head == "lm" else h
     trained = lora_params(model) or model.params   # LoRA: gradients and optimizer state for the adapters only
     return {"N": float(model.params), "Nt": float(trained), "mm": float(L * per_layer + out), "L": float(L),
-            "h": float(h),            "heads": float(model.heads), "ffn": float(f), "vocab": float(V), "kv_tok": float(2 * L * kv_dim),
-            "lm": model.head == "lm"}
+            "h": float(h), "heads": float(model.heads), "ffn": float(f), "vocab": float(V),
+            "kv_tok": float(2 * L * kv_dim), "lm": model.head == "lm"}
 
 
 def hw_numbers(spec: DeviceSpec) -> dict:
