@@ -98,7 +98,7 @@ def compare_cmd(
     verify(module)
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, config=CostConfig(profile=prof), steps=3)
-    result = compare(report.sim, module, measured)
+    result = compare(report.sim, module, measured, report.cost_model.dispatch)
     result.update(module=module.name, plan=plan_path, profile=prof.path if prof is not None else None,
                   device=report.device_label())
     if as_json:

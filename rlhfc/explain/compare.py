@@ -7,7 +7,9 @@ nothing overlapped it). :func:`compare` sets them beside the simulation of the r
 
 * per stage, the *busy* seconds of one step: measured, the sum of the stage's spans in that step (a
   streamed forward's chunks add up); predicted, :attr:`rlhfc.cost.scheduling.Task.busy` of the
-  simulation's steady-state step (its chunks, slowed as the simulator shares the cores);
+  simulation's steady-state step (its chunks, slowed as the simulator shares the cores) less the
+  per-call dispatch the cost model adds to each call of a worker stage (``dispatch_s``: the driver's
+  Ray round trip, which a worker's own span does not contain; the step time keeps it);
 * per step, the step's wall time against the predicted steady-state step time.
 
 Measured figures are medians over the steps after the first (step 0 pays the workers' warm-up) when the
@@ -85,22 +87,24 @@ def _error(pred: float | None, meas: float | None) -> float | None:
     return None if pred is None or not meas else (pred - meas) / meas
 
 
-def compare(sim, module, measured: Measured) -> dict:
+def compare(sim, module, measured: Measured, dispatch_s: float = 0.0) -> dict:
     """Predicted vs measured rows: ``stages`` (per stage ``stage``, ``op``, ``predicted_s``, ``measured_s``,
     ``error``, ``per_step``), ``step`` (``predicted_s``, ``measured_s``, ``error``, ``per_step``),
-    ``median_abs_stage_error`` over worker stages with both figures, ``steps_used``."""
+    ``median_abs_stage_error`` over worker stages with both figures, ``steps_used``, ``dispatch_s``."""
     last = {t.stage: t for t in sim.step_tasks()}
     rows = []
     for s in module.graph.stages:
         t = last.get(s.name)
         pred = t.busy if t is not None else None
+        if pred is not None and s.op.split(".")[0] in WORKER_FAMILIES and measured.source == "trace":
+            pred = max(pred - dispatch_s * max(1, len(t.chunks)), 0.0)   # the worker's span has no dispatch
         meas, _ = _steady(measured.stages.get(s.name, {}))
         rows.append({"stage": s.name, "op": s.op, "predicted_s": pred, "measured_s": meas,
                      "error": _error(pred, meas),
                      "per_step": {str(k): v for k, v in sorted(measured.stages.get(s.name, {}).items())}})
     step_meas, used = _steady(measured.steps)
     errors = [abs(r["error"]) for r in rows if r["error"] is not None and r["op"].split(".")[0] in WORKER_FAMILIES]
-    return {"source": measured.source, "steps_used": used, "stages": rows,
+    return {"source": measured.source, "steps_used": used, "stages": rows, "dispatch_s": dispatch_s,
             "step": {"predicted_s": sim.step_time_s, "measured_s": step_meas,
                      "error": _error(sim.step_time_s, step_meas),
                      "per_step": [{"step": k, "measured_s": v, "error": _error(sim.step_time_s, v)}
@@ -138,6 +142,9 @@ def render_comparison(result: dict, title: str) -> str:
                  f"({pct(st['error'])})")
     lines.append("  " + ", ".join(f"step {r['step']}: {secs(r['measured_s'])} ({pct(r['error'])})"
                                   for r in st["per_step"]))
+    if result["source"] == "trace" and result.get("dispatch_s"):
+        lines.append(f"(a worker stage's prediction leaves out the {fmt_seconds(result['dispatch_s'])} dispatch "
+                     "priced per remote call, which its measured span does not contain; the step keeps it)")
     if result["median_abs_stage_error"] is not None:
         lines.append(f"median |error| over the stages on workers: {result['median_abs_stage_error'] * 100:.1f} %")
     if result["unnamed_spans"]:
