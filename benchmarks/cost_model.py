@@ -386,13 +386,16 @@ def in_job(args) -> dict:
     from rlhfc.ir import parse_ir
     from rlhfc.cost.model import CostModel
 
-    work = tempfile.mkdtemp(prefix="rlhfc-injob-")
+    work = args.reprice or tempfile.mkdtemp(prefix="rlhfc-injob-")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cli = [sys.executable, "-m", "rlhfc.cli"]
     print(f"machine: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}; "
-          f"load average before: {_loadavg()}")
+          f"load average before: {_loadavg()}; runs and profile in {work}")
     if args.profile:
         path = args.profile
+    elif args.reprice:   # the runs of an earlier --in-job, priced again by this version of the cost model
+        path = os.path.join(work, "profile.json")
+        print(f"re-pricing the runs in {work} (measured then; predicted now)")
     else:
         path = os.path.join(work, "profile.json")
         t0 = time.time()
@@ -416,8 +419,9 @@ def in_job(args) -> dict:
             fh.write(text)
         out = prog[:-5]
         t0 = time.time()
-        subprocess.run(cli + ["run", prog, f"-{level}", "--steps", str(args.job_steps), "--out", out, "--trace",
-                              "--no-progress"], env=env, check=True, capture_output=True)
+        if not args.reprice:
+            subprocess.run(cli + ["run", prog, f"-{level}", "--steps", str(args.job_steps), "--out", out, "--trace",
+                                  "--no-progress"], env=env, check=True, capture_output=True)
         with open(os.path.join(out, "job", "plan.json"), encoding="utf-8") as fh:
             module = parse_ir(json.load(fh)["ir"])
         with open(os.path.join(out, "trace.json"), encoding="utf-8") as fh:
@@ -431,7 +435,7 @@ def in_job(args) -> dict:
                      "step_error": st["error"], "stages": {r["stage"]: [r["predicted_s"], r["measured_s"], r["error"]]
                                                            for r in stages}})
         print(f"\n{label} ({time.time() - t0:.0f} s; steps {result['steps_used'][0]}-{result['steps_used'][-1]} "
-              f"measured, medians): step predicted {fmt_ms(st['predicted_s'])} ms, measured "
+              f"measured, medians; load average {'n/a' if result['load1'] is None else round(result['load1'], 1)}): step predicted {fmt_ms(st['predicted_s'])} ms, measured "
               f"{fmt_ms(st['measured_s'])} ms ({st['error'] * 100:+.1f} %)")
         print("  " + "  ".join(f"{r['stage']} {fmt_ms(r['predicted_s'])}/{fmt_ms(r['measured_s'])} "
                                f"({r['error'] * 100:+.0f}%)" for r in stages), flush=True)
@@ -462,6 +466,8 @@ def main(argv=None) -> int:
     ap.add_argument("--in-job", action="store_true", help="only the prediction inside real jobs (Ray, --trace) "
                     "of configurations outside the profiled points")
     ap.add_argument("--job-steps", type=int, default=6, help="--in-job: steps per job (the first is warm-up)")
+    ap.add_argument("--reprice", help="--in-job: price the runs an earlier --in-job left in this folder again "
+                    "(its profile.json and run folders) instead of profiling and running")
     args = ap.parse_args(argv)
     t0 = time.time()
     ok = True

@@ -19,7 +19,8 @@ primitive                 what is timed                                         
 ========================  ====================================================  =============================
 
 ``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated
-bilinearly (held at the grid's edges): small CPU kernels do not scale smoothly.
+bilinearly (held at the grid's edges; each ratio within ``GRID_CLAMP``, 0.8-1.25):
+small CPU kernels do not scale smoothly.
 Fits are non-negative least squares on relative error (every point counts the
 same whatever its size); :func:`merge_profiles` combines passes taken at
 different times. The host section holds a float32 matmul probe at
@@ -96,7 +97,8 @@ class Profile:
         measured shape's, transferred (:func:`transfer_fit`; no correction grid); None if there is none."""
         entry = self.models.get(key)
         if entry:
-            return entry.get("fit", {}).get(primitive)
+            fit = entry.get("fit", {}).get(primitive)
+            return clamp_grid(fit) if primitive.endswith("_grid") and fit else fit
         donor = self.donor(key)
         if donor is None or primitive.endswith("_grid"):
             return None
@@ -305,8 +307,8 @@ def correction_grid(points: list, coef: list) -> dict | None:
 
     Small CPU kernels do not scale smoothly with size (threading thresholds, cache effects), so the fit alone
     can be 10-20 % off between its points; the model multiplies the fit by this ratio, interpolated inside the
-    grid and held at its edges outside it (where the fit's shape extrapolates). None unless the points form a
-    full grid.
+    grid and held at its edges outside it (where the fit's shape extrapolates), within :data:`GRID_CLAMP`
+    (:meth:`Profile.fit` applies it). None unless the points form a full grid.
     """
     bs = sorted({float(p[0]) for p in points})
     ss = sorted({float(p[1]) for p in points})
@@ -315,6 +317,17 @@ def correction_grid(points: list, coef: list) -> dict | None:
         return None
     ratio = [[table[(b, s_)] / max(float(np.dot(forward_features(b, s_), coef)), 1e-12) for s_ in ss] for b in bs]
     return {"B": bs, "S": ss, "ratio": ratio}
+
+
+#: the correction grid's ratios are held within these bounds: between-point kernel effects are 10-20 %, so a
+#: larger ratio is more likely a measurement another tenant disturbed (on a loaded 2-core machine the train
+#: points of one profile came out 3.3x the fit at two points), which the grid would copy into predictions
+GRID_CLAMP = (0.8, 1.25)
+
+
+def clamp_grid(grid: dict) -> dict:
+    lo, hi = GRID_CLAMP
+    return {**grid, "ratio": [[min(hi, max(lo, float(r))) for r in row] for row in grid["ratio"]]}
 
 
 def refit(entry: dict) -> dict:

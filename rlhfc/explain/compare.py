@@ -34,6 +34,8 @@ class Measured:
     stages: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)
     unnamed: list = field(default_factory=list)   # spans whose stage the trace could not name (?method)
+    load: dict = field(default_factory=dict)      # per step: the machine's 1-minute load average (trace)
+    cores: int | None = None                      # the driver machine's cores (trace)
 
 
 def measured_from_trace(trace: dict) -> Measured:
@@ -42,6 +44,7 @@ def measured_from_trace(trace: dict) -> Measured:
     if not isinstance(events, list):
         raise ValueError("no traceEvents list")
     m = Measured("trace")
+    m.cores = (trace.get("otherData") or {}).get("cores")
     for e in events:
         if not isinstance(e, dict) or e.get("ph") != "X":
             continue
@@ -51,6 +54,8 @@ def measured_from_trace(trace: dict) -> Measured:
             continue
         if e.get("cat") == "step":
             m.steps[step] = dur
+            if isinstance(args.get("load1"), (int, float)):
+                m.load[step] = float(args["load1"])
         elif e.get("cat") != "wait":
             stage = str(args.get("stage") or e.get("name"))
             if stage.startswith("?"):
@@ -110,6 +115,7 @@ def compare(sim, module, measured: Measured, dispatch_s: float = 0.0) -> dict:
                      "per_step": [{"step": k, "measured_s": v, "error": _error(sim.step_time_s, v)}
                                   for k, v in sorted(measured.steps.items())]},
             "median_abs_stage_error": statistics.median(errors) if errors else None,
+            "load1": _steady(measured.load)[0] if measured.load else None, "cores": measured.cores,
             "unnamed_spans": sorted(set(measured.unnamed))}
 
 
@@ -145,6 +151,12 @@ def render_comparison(result: dict, title: str) -> str:
     if result["source"] == "trace" and result.get("dispatch_s"):
         lines.append(f"(a worker stage's prediction leaves out the {fmt_seconds(result['dispatch_s'])} dispatch "
                      "priced per remote call, which its measured span does not contain; the step keeps it)")
+    if result.get("load1") is not None:
+        cores = result.get("cores")
+        lines.append(f"machine load during the run: {result['load1']:.1f} (1-minute average)"
+                     + (f" on {cores} cores" + ("; other processes competed for the cores, so stages ran slower "
+                                               "than the profile's least-disturbed measurements"
+                                               if result["load1"] > cores else "") if cores else ""))
     if result["median_abs_stage_error"] is not None:
         lines.append(f"median |error| over the stages on workers: {result['median_abs_stage_error'] * 100:.1f} %")
     if result["unnamed_spans"]:

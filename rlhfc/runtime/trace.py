@@ -12,10 +12,12 @@ The file opens in Perfetto (ui.perfetto.dev) or ``chrome://tracing``. Its layout
   rank (``rank r · pid P``). A span is one stage call as the worker ran it: a streamed forward runs once
   per chunk, so it has one span per chunk.
 
-Every span is a complete event (``"ph": "X"``, ``ts``/``dur`` in microseconds from the start of the first
+A step's span also holds ``load1``, the machine's 1-minute load average as it ended (other processes
+competing for the cores make every stage slower than the profile measured). Every span is a complete event (``"ph": "X"``, ``ts``/``dur`` in microseconds from the start of the first
 step); its ``name`` is the stage, ``cat`` the op family and ``args`` hold ``stage``, ``op``, ``step``,
 ``rows``, ``tokens`` (prompt + response tokens of the rows) and, for worker calls, ``method`` and
-``threads``. ``otherData`` holds ``module``, ``kind`` (``measured``) and ``job`` (the job folder).
+``threads``. ``otherData`` holds ``module``, ``kind`` (``measured``), ``job`` (the job folder) and ``cores`` (the
+driver machine's).
 
 Workers time their own calls (:func:`recorded`, applied by :func:`rlhfc.runtime.threads.stage_call`)
 once the driver switched tracing on (:meth:`TracedWorker.trace_start`); the driver drains them after each
@@ -187,7 +189,11 @@ class Timeline:
 
     def end_step(self, step: int, t0: float, workers: dict) -> None:
         """The step's span, and the spans the workers recorded during it."""
-        self.span(DRIVER_PID, STEPS_TID, f"step {step}", "step", t0, time.time(), {})
+        try:   # the machine's load: what else competed for its cores (other jobs' processes too)
+            load = {"load1": round(os.getloadavg()[0], 2)}
+        except (OSError, AttributeError):
+            load = {}
+        self.span(DRIVER_PID, STEPS_TID, f"step {step}", "step", t0, time.time(), load)
         self.collect(workers)
 
     # -- the workers' spans -----------------------------------------------------------------------
@@ -251,7 +257,7 @@ class Timeline:
                   for i, s in enumerate(self.syncs)]]
         doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
                "otherData": {"module": self.plan["module"], "kind": "measured", "job": self.job_dir,
-                             "origin": self.origin}}
+                             "origin": self.origin, "cores": os.cpu_count()}}
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(doc, fh)

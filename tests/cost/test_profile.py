@@ -177,3 +177,16 @@ def test_an_unmeasured_shape_is_predicted_from_the_nearest_measured_one():
     assert deep_fit[2] == 2e-4 and deep_fit[4] == 2e-8   # a decode step's per-layer overhead doubles
     assert prof.fit("llama-L1-h32-a2-kv2-f96-v64-value", "forward") is None
     assert prof.fit("gpt2-L1-h32-a2-kv2-f96-v64-lm", "forward") is None
+
+
+def test_correction_grid_ratios_are_held_within_the_clamp():
+    """A grid ratio far from 1 is more likely a disturbed measurement than a kernel effect: the profile hands the
+    cost model ratios within GRID_CLAMP (the stored points stay as measured)."""
+    from rlhfc.cost.profile import GRID_CLAMP, Profile
+
+    key = "llama-L1-h32-a2-kv2-f96-v64-lm"
+    grid = {"B": [2.0, 8.0], "S": [16.0, 40.0], "ratio": [[1.1, 3.3], [0.4, 0.95]]}
+    prof = Profile("cpu", "t", 2, models={key: {"threads": 1, "fit": {"train": [1e-3, 1e-6, 0.0], "train_grid": grid}}})
+    lo, hi = GRID_CLAMP
+    assert prof.fit(key, "train_grid")["ratio"] == [[1.1, hi], [lo, 0.95]]
+    assert grid["ratio"][0][1] == 3.3
