@@ -1,9 +1,10 @@
 """Prediction, not interpolation: the cost model with a profile of this machine predicts a configuration
 outside the profiled points (another batch size and response length than any point of the profile's grid),
 measured through the real runtime (Ray workers, the job's own threads, -O2 overlap and streaming), per stage
-and per step. The bound is generous: this is a 2-core machine shared with other work, where a stage's
-time in a job varies by tens of percent; benchmarks/cost_model.py --in-job measures the figures
-docs/benchmarks.md reports."""
+and per step. The bound is generous: a stage's time in a job varies by tens of percent on 2 cores. On a
+machine other processes load (the trace records the load average) only the upper bound is asserted and the
+test is skipped with the figures; benchmarks/cost_model.py --in-job measures the figures docs/benchmarks.md
+reports."""
 
 from __future__ import annotations
 
@@ -69,8 +70,15 @@ def test_out_of_grid_configuration_is_predicted_per_stage_and_step_through_ray(t
     table = "\n".join(f"{r['stage']}: predicted {r['predicted_s'] * 1e3:.1f} ms, measured "
                       f"{r['measured_s'] * 1e3:.1f} ms" for r in on_workers if r["measured_s"])
     assert len(on_workers) >= 5 and all(r["measured_s"] and r["predicted_s"] for r in on_workers), table
+    # other processes only slow the measured side: no stage is priced at more than twice its measurement
+    assert all(r["predicted_s"] / r["measured_s"] < 2 for r in on_workers), table
+    load, cores = result["load1"], os.cpu_count() or 1
+    if load is not None and load > 2 * cores + 1:
+        pytest.skip(f"the machine was loaded (load average {load:.1f} on {cores} cores, the job's own processes "
+                    f"add about 2-3): its stages got a fraction of the cores the profile measured with, so only the "
+                    f"upper bound holds; the lower bounds need an unloaded machine\n{table}")
     # the median stage within 50 %; none off by 5x (the catalog roofline is off by 10x on these shapes)
     assert result["median_abs_stage_error"] < 0.5, table
-    assert all(0.2 < r["predicted_s"] / r["measured_s"] < 5 for r in on_workers), table
+    assert all(0.2 < r["predicted_s"] / r["measured_s"] for r in on_workers), table
     step = result["step"]   # the step adds Ray's own overhead between stages, priced at 2 ms a call
     assert 1 / 3 < step["predicted_s"] / step["measured_s"] < 3, (step, table)
