@@ -434,8 +434,9 @@ def in_job(args) -> dict:
         rows.append({"config": label, "step_predicted_s": st["predicted_s"], "step_measured_s": st["measured_s"],
                      "step_error": st["error"], "stages": {r["stage"]: [r["predicted_s"], r["measured_s"], r["error"]]
                                                            for r in stages}})
+        load = "n/a" if result["load1"] is None else f"{result['load1']:.1f}"
         print(f"\n{label} ({time.time() - t0:.0f} s; steps {result['steps_used'][0]}-{result['steps_used'][-1]} "
-              f"measured, medians; load average {'n/a' if result['load1'] is None else round(result['load1'], 1)}): step predicted {fmt_ms(st['predicted_s'])} ms, measured "
+              f"measured, medians; load average {load}): step predicted {fmt_ms(st['predicted_s'])} ms, measured "
               f"{fmt_ms(st['measured_s'])} ms ({st['error'] * 100:+.1f} %)")
         print("  " + "  ".join(f"{r['stage']} {fmt_ms(r['predicted_s'])}/{fmt_ms(r['measured_s'])} "
                                f"({r['error'] * 100:+.0f}%)" for r in stages), flush=True)

@@ -219,7 +219,10 @@ def parse_key(key: str) -> dict | None:
 def matmul_params(sh: dict) -> float:
     """Matmul weights a token passes through (as :func:`rlhfc.cost.model.arch_numbers` counts them)."""
     h, f, kv_dim = sh["h"], sh["f"], sh["kv"] * (sh["h"] // max(sh["a"], 1))
-    per_layer = h * (h + 2 * kv_dim) + h * h + 2 * h * f if sh["arch"] == "gpt2" else 2 * h * h + 2 * h * kv_dim + 3 * h * f
+    if sh["arch"] == "gpt2":
+        per_layer = h * (h + 2 * kv_dim) + h * h + 2 * h * f
+    else:
+        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * f
     return float(sh["L"] * per_layer + (sh["v"] * h if sh["head"] == "lm" else h))
 
 

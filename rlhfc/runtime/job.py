@@ -230,7 +230,8 @@ class Job:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
         out = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
-        self._timed(stage, t0, kind="sync", value={"bytes": int(nbytes), "buckets": int(buckets), "transport": transport})
+        self._timed(stage, t0, kind="sync",
+                    value={"bytes": int(nbytes), "buckets": int(buckets), "transport": transport})
         return out
 
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):

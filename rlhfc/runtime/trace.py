@@ -12,11 +12,12 @@ The file opens in Perfetto (ui.perfetto.dev) or ``chrome://tracing``. Its layout
   rank (``rank r · pid P``). A span is one stage call as the worker ran it: a streamed forward runs once
   per chunk, so it has one span per chunk.
 
-A step's span also holds ``load1``, the machine's 1-minute load average as it ended (other processes
-competing for the cores make every stage slower than the profile measured). Every span is a complete event (``"ph": "X"``, ``ts``/``dur`` in microseconds from the start of the first
-step); its ``name`` is the stage, ``cat`` the op family and ``args`` hold ``stage``, ``op``, ``step``,
-``rows``, ``tokens`` (prompt + response tokens of the rows) and, for worker calls, ``method`` and
-``threads``. ``otherData`` holds ``module``, ``kind`` (``measured``), ``job`` (the job folder) and ``cores`` (the
+Every span is a complete event (``"ph": "X"``, ``ts``/``dur`` in microseconds from the start of the
+first step); its ``name`` is the stage, ``cat`` the op family and ``args`` hold ``stage``, ``op``,
+``step``, ``rows``, ``tokens`` (prompt + response tokens of the rows) and, for worker calls, ``method``
+and ``threads``. A step's span also holds ``load1``, the machine's 1-minute load average as it ended
+(other processes competing for the cores make every stage slower than the profile measured).
+``otherData`` holds ``module``, ``kind`` (``measured``), ``job`` (the job folder) and ``cores`` (the
 driver machine's).
 
 Workers time their own calls (:func:`recorded`, applied by :func:`rlhfc.runtime.threads.stage_call`)
@@ -59,11 +60,14 @@ def work_of(value: Any) -> dict[str, int]:
 
 
 def _task_id() -> str | None:
-    try:
-        import ray
+    import sys
 
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():   # a worker used in-process: asking would start Ray
+        return None
+    try:
         return ray.get_runtime_context().get_task_id()
-    except Exception:   # not inside a Ray task (a worker used in-process by tests)
+    except Exception:   # not inside a Ray task
         return None
 
 

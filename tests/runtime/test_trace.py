@@ -13,7 +13,8 @@ from rlhfc.runtime.trace import Timeline, TracedWorker, work_of
 
 
 def _roll(prompt_lengths, response_lengths):
-    batch = SimpleNamespace(prompt_lengths=torch.tensor(prompt_lengths), response_lengths=torch.tensor(response_lengths))
+    batch = SimpleNamespace(prompt_lengths=torch.tensor(prompt_lengths),
+                            response_lengths=torch.tensor(response_lengths))
     return SimpleNamespace(batch=batch)
 
 
