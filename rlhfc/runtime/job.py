@@ -408,9 +408,9 @@ class Job:
                     self.stage_seconds = {}
                     t_trace = tl.begin_step(step) if tl is not None else 0.0
                     values = self.resolve(step_fn(self, self.handles))
-                    if tl is not None:
-                        tl.end_step(step, t_trace, self.workers)
                     m = self.step_metrics(step, values, time.perf_counter() - t0)
+                    if tl is not None:   # after the step's time is taken: collecting spans is not the step's
+                        tl.end_step(step, t_trace, self.workers, end=t0 + m["step_time_s"] + tl.clock)
                     m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
                     m["ranks"] = model_ranks(self.plan["placement"]["workers"])   # processes per model
                     log.write(m)

@@ -191,13 +191,14 @@ class Timeline:
         self.step = step
         return time.time()
 
-    def end_step(self, step: int, t0: float, workers: dict) -> None:
-        """The step's span, and the spans the workers recorded during it."""
+    def end_step(self, step: int, t0: float, workers: dict, end: float | None = None) -> None:
+        """The step's span (from ``t0`` to ``end``, wall clock; default now), and the spans the workers
+        recorded during it."""
         try:   # the machine's load: what else competed for its cores (other jobs' processes too)
             load = {"load1": round(os.getloadavg()[0], 2)}
         except (OSError, AttributeError):
             load = {}
-        self.span(DRIVER_PID, STEPS_TID, f"step {step}", "step", t0, time.time(), load)
+        self.span(DRIVER_PID, STEPS_TID, f"step {step}", "step", t0, time.time() if end is None else end, load)
         self.collect(workers)
 
     # -- the workers' spans -----------------------------------------------------------------------
