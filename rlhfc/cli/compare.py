@@ -64,7 +64,7 @@ def _measured(run: str):
 
 @app.command(name="compare")
 def compare_cmd(
-    run: str = typer.Argument(..., help="run folder (rlhfc run --out; best made with --trace)"),
+    run: str = typer.Argument(..., metavar="RUNDIR", help="run folder (rlhfc run --out; best made with --trace)"),
     job: Optional[str] = typer.Option(None, "--job", help="the job folder that ran (default RUNDIR/job, or the "
                                       "one trace.json names)"),
     profile: Optional[str] = typer.Option(None, "--profile", help="measured profile (default: this machine's)"),
@@ -82,6 +82,9 @@ def compare_cmd(
             raise _Bad(f"run folder {run} does not exist",
                        "give the --out folder of a run (default runs/<program>), made with `rlhfc run FILE --trace`")
         measured, traced_job = _measured(run)
+        if not measured.steps:
+            raise _Bad(f"{run} holds no completed step ({measured.source}: no step measured)",
+                       "compare a run once it has trained at least one step")
         candidates = [job] if job else [os.path.join(run, "job"), *([traced_job] if traced_job else [])]
         plan_path = next((os.path.join(c, "plan.json") for c in candidates
                           if os.path.isfile(os.path.join(c, "plan.json"))), None)

@@ -81,6 +81,9 @@ def test_compare_bad_run_folders_are_errors_with_hints(capsys, tmp_path):
     (tmp_path / "trace.json").write_text("{not json")
     code, _, err = run(capsys, "compare", str(tmp_path))
     assert code == 2 and "is not a readable trace" in err and "hint:" in err
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": [], "otherData": {"kind": "measured"}}))
+    code, _, err = run(capsys, "compare", str(tmp_path), "--job", os.path.join(RUN, "job"))
+    assert code == 2 and "no completed step" in err and "hint:" in err
     shutil.copy(os.path.join(RUN, "trace.json"), tmp_path / "trace.json")
     code, _, err = run(capsys, "compare", str(tmp_path))   # a measured trace, but no job folder
     assert code == 2 and "no plan.json" in err and "--job" in err
