@@ -3,6 +3,14 @@
     python benchmarks/cost_model.py                 # profile this CPU and measure 13 configurations (~1-2 min)
     python benchmarks/cost_model.py --profile P     # reuse a profile from `rlhfc profile`
     python benchmarks/cost_model.py --scale         # also print the cluster-scale predictions (docs/benchmarks.md)
+    python benchmarks/cost_model.py --in-job        # prediction inside real jobs, outside the profiled points
+
+``--in-job`` (:func:`in_job`) is the check of *prediction*: after one ``rlhfc profile`` of ``ppo_tiny``,
+it runs configurations that lie outside every profiled point (other batch sizes, response lengths and a
+model width the profile never measured) as real jobs (``rlhfc run --trace``: Ray workers, the job's own
+threads, -O2 overlap and streaming), and compares each stage's measured spans and each step with the
+prediction for the job's own plan (what ``rlhfc compare`` prints). The in-process accuracy run above
+stays: there every configuration lies inside the profile's grid, so it checks interpolation.
 
 What is measured: the two tiny examples are compiled at -O1 (no overlap: the
 job runs one stage after another) with other batch sizes and response lengths
@@ -326,7 +334,7 @@ def scale() -> dict:
     train = max(o["stages"]["actor_train"], o["stages"]["critic_train"])
     print("    published: generation 2252.8 s, weight sync 111.7 s, logits+reward 323.4 s, training 1800.7 s, "
           "total 4488.5 s")
-    print(f"    predicted: generation {o['stages']['roll']:.1f} s, weight sync {o["sync"]:.1f} s, "
+    print(f"    predicted: generation {o['stages']['roll']:.1f} s, weight sync {o['sync']:.1f} s, "
           f"logits+reward {forwards:.1f} s, training {train:.1f} s, total {o['step']:.1f} s")
     out["openrlhf"] = o
     print()
@@ -344,6 +352,107 @@ def scale() -> dict:
     return out
 
 
+#: (label, example, batch, max_new_tokens, -O level, hidden width or None): none on a profiled point
+IN_JOB = [
+    ("ppo B=12 T=20 -O2", "ppo_tiny", 12, 20, "O2", None),
+    ("ppo B=24 T=30 -O2", "ppo_tiny", 24, 30, "O2", None),
+    ("ppo B=12 T=20 -O0", "ppo_tiny", 12, 20, "O0", None),
+    ("ppo h=96 B=12 T=20 -O2", "ppo_tiny", 12, 20, "O2", 96),
+    ("grpo B=6x4 T=20 -O2", "grpo_tiny", 6, 20, "O2", None),
+]
+
+
+def _profile_grid(prof) -> str:
+    parts = []
+    for key, entry in prof.models.items():
+        pts = entry["points"]
+        f = sorted({(int(p[0]), int(p[1])) for p in pts.get("forward", [])})
+        g = sorted({(int(p[0]), int(p[1])) for p in pts.get("generate", [])})
+        parts.append(f"{key}: forward B x S {sorted({b for b, _ in f})} x {sorted({x for _, x in f})}"
+                     + (f", generate B x P {sorted({b for b, _ in g})} x {sorted({x for _, x in g})} (T measured)"
+                        if g else "")
+                     + (f", train B {sorted({int(p[0]) for p in pts.get('train', [])})}" if pts.get("train") else ""))
+    return "; ".join(parts)
+
+
+def in_job(args) -> dict:
+    """Per stage and per step, predicted vs measured inside real jobs (see the module docstring)."""
+    import json
+    import subprocess
+
+    import torch
+
+    from rlhfc.explain.compare import WORKER_FAMILIES, compare, measured_from_trace
+    from rlhfc.ir import parse_ir
+    from rlhfc.cost.model import CostModel
+
+    work = args.reprice or tempfile.mkdtemp(prefix="rlhfc-injob-")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cli = [sys.executable, "-m", "rlhfc.cli"]
+    print(f"machine: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}; "
+          f"load average before: {_loadavg()}; runs and profile in {work}")
+    if args.profile:
+        path = args.profile
+    elif args.reprice:   # the runs of an earlier --in-job, priced again by this version of the cost model
+        path = os.path.join(work, "profile.json")
+        print(f"re-pricing the runs in {work} (measured then; predicted now)")
+    else:
+        path = os.path.join(work, "profile.json")
+        t0 = time.time()
+        subprocess.run(cli + ["profile", os.path.join(ROOT, "examples", "ppo_tiny.rlhf"), "-o", path], env=env,
+                       check=True, capture_output=True)
+        print(f"rlhfc profile examples/ppo_tiny.rlhf: {time.time() - t0:.0f} s")
+    prof = load_profile(path)
+    print(f"profiled points: {_profile_grid(prof)}")
+    rows, per_stage = [], {"O2": [], "O0": []}
+    for label, name, batch, max_new, level, hidden in IN_JOB:
+        with open(os.path.join(ROOT, "examples", f"{name}.rlhf"), encoding="utf-8") as fh:
+            text = fh.read()
+        text = re.sub(r"\((batch) = \d+\)", f"(batch = {batch})", text, count=1)
+        text = re.sub(r"max_new_tokens = \d+", f"max_new_tokens = {max_new}", text)
+        text = re.sub(r"lr = [0-9.eE+-]+", "lr = 0.0", text)
+        text = re.sub(r"run \{[^}]*\}", "run { steps = 50; seed = 0; checkpoint_every = 0 }", text)
+        if hidden:
+            text = re.sub(r"hidden = \d+", f"hidden = {hidden}", text)
+        prog = os.path.join(work, f"{re.sub('[^a-z0-9]+', '_', label.lower())}.rlhf")
+        with open(prog, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        out = prog[:-5]
+        t0 = time.time()
+        if not args.reprice:
+            subprocess.run(cli + ["run", prog, f"-{level}", "--steps", str(args.job_steps), "--out", out, "--trace",
+                                  "--no-progress"], env=env, check=True, capture_output=True)
+        with open(os.path.join(out, "job", "plan.json"), encoding="utf-8") as fh:
+            module = parse_ir(json.load(fh)["ir"])
+        with open(os.path.join(out, "trace.json"), encoding="utf-8") as fh:
+            measured = measured_from_trace(json.load(fh))
+        config = CostConfig(profile=prof)
+        result = compare(simulate(module, config, steps=3), module, measured, CostModel(module, config).dispatch)
+        stages = [r for r in result["stages"] if r["op"].split(".")[0] in WORKER_FAMILIES and r["error"] is not None]
+        per_stage[level] += [r["error"] for r in stages]
+        st = result["step"]
+        rows.append({"config": label, "step_predicted_s": st["predicted_s"], "step_measured_s": st["measured_s"],
+                     "step_error": st["error"], "stages": {r["stage"]: [r["predicted_s"], r["measured_s"], r["error"]]
+                                                           for r in stages}})
+        load = "n/a" if result["load1"] is None else f"{result['load1']:.1f}"
+        print(f"\n{label} ({time.time() - t0:.0f} s; steps {result['steps_used'][0]}-{result['steps_used'][-1]} "
+              f"measured, medians; load average {load}): step predicted {fmt_ms(st['predicted_s'])} ms, measured "
+              f"{fmt_ms(st['measured_s'])} ms ({st['error'] * 100:+.1f} %)")
+        print("  " + "  ".join(f"{r['stage']} {fmt_ms(r['predicted_s'])}/{fmt_ms(r['measured_s'])} "
+                               f"({r['error'] * 100:+.0f}%)" for r in stages), flush=True)
+    print()
+    for level, errs in per_stage.items():
+        if errs:
+            signed = statistics.median(errs)
+            print(f"-{level}: per-stage error over {len(errs)} stages in jobs: median |error| "
+                  f"{statistics.median(abs(e) for e in errs) * 100:.1f} %, median signed {signed * 100:+.1f} %")
+    steps = [abs(r["step_error"]) for r in rows]
+    print(f"per-step error over {len(rows)} configurations: median |error| {statistics.median(steps) * 100:.1f} %, "
+          f"max {max(steps) * 100:.1f} %")
+    print(f"load average (1/5/15 min) after the run: {_loadavg()}")
+    return {"rows": rows, "per_stage": per_stage}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="use this profile instead of profiling in rounds")
@@ -355,9 +464,18 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="only the first N configurations of each example")
     ap.add_argument("--scale", action="store_true", help="also print the cluster-scale predictions")
     ap.add_argument("--scale-only", action="store_true", help="only the cluster-scale predictions")
+    ap.add_argument("--in-job", action="store_true", help="only the prediction inside real jobs (Ray, --trace) "
+                    "of configurations outside the profiled points")
+    ap.add_argument("--job-steps", type=int, default=6, help="--in-job: steps per job (the first is warm-up)")
+    ap.add_argument("--reprice", help="--in-job: price the runs an earlier --in-job left in this folder again "
+                    "(its profile.json and run folders) instead of profiling and running")
     args = ap.parse_args(argv)
     t0 = time.time()
     ok = True
+    if args.in_job:
+        in_job(args)
+        print(f"\n(total {time.time() - t0:.0f} s)")
+        return 0
     if not args.scale_only:
         errors = accuracy(args)
         ok = max(abs(e) for e in errors) < 0.20

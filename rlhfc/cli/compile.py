@@ -103,6 +103,8 @@ def run(
     plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+    trace: bool = typer.Option(False, "--trace", help="write the measured timeline, RUNDIR/trace.json "
+                               "(Chrome/Perfetto trace events; compare it with `rlhfc compare RUNDIR`)"),
 ):
     """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address.
 
@@ -123,7 +125,7 @@ def run(
         cmd += ["--steps", str(steps)] if steps is not None else []
         cmd += ["--out", folder, "--resume"]
         cmd += ["--ray-address", ray_address] if ray_address else []
-        return cmd + (["--no-progress"] if no_progress else [])
+        return cmd + (["--no-progress"] if no_progress else []) + (["--trace"] if trace else [])
 
     try:
         if os.path.isdir(target):
@@ -144,7 +146,7 @@ def run(
             else:
                 emit_job(done, job_dir, target)
         run_job(job_dir, steps=steps, out=out, resume=resume, ray_address=ray_address,
-                progress=not no_progress, resume_command=resume_command(out))
+                progress=not no_progress, resume_command=resume_command(out), trace=trace)
     except JobError as exc:
         typer.echo(f"rlhfc: {getattr(exc, 'label', 'error')}: {exc.message}", err=True)
         if exc.hint:

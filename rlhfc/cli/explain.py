@@ -36,7 +36,7 @@ def explain(
     file: str = typer.Argument(..., help=".rlhf or .rlir file"),
     opt: Optional[str] = typer.Option(None, "-O", "--opt-level", help="optimisation level 0-3"),
     passes: Optional[str] = typer.Option(None, "--passes", help="run exactly these passes: a,b{opt=1},..."),
-    fmt: str = typer.Option("text", "--format", "-f", help="text | json | html | dot"),
+    fmt: str = typer.Option("text", "--format", "-f", help="text | json | html | dot | trace (the predicted timeline as Chrome/Perfetto trace events)"),
     out: Optional[str] = typer.Option(None, "-o", "--output", help="write here instead of stdout"),
     plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
     profile: Optional[str] = typer.Option(None, "--profile", help="measured profile (default: this machine's, "

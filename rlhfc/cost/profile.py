@@ -19,7 +19,8 @@ primitive                 what is timed                                         
 ========================  ====================================================  =============================
 
 ``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated
-bilinearly (held at the grid's edges): small CPU kernels do not scale smoothly.
+bilinearly (held at the grid's edges; each ratio within ``GRID_CLAMP``, 0.8-1.25):
+small CPU kernels do not scale smoothly.
 Fits are non-negative least squares on relative error (every point counts the
 same whatever its size); :func:`merge_profiles` combines passes taken at
 different times. The host section holds a float32 matmul probe at
@@ -27,6 +28,12 @@ different times. The host section holds a float32 matmul probe at
 bandwidth, which price models the profile did not measure, and ``kind_bw``:
 the bytes/s of a softmax, an elementwise op and a copy on a tensor the size
 of a block's attention scores (what the recompute pass prices op kinds at).
+
+A model shape the profile did not measure borrows the fits of the nearest measured shape of the same
+architecture and head (:meth:`Profile.fit`, :func:`transfer_fit`): each fitted term is split into what
+scales with the matmul FLOPs (priced at the host's measured matmul rate) and a remainder that scales with
+layers x width (elementwise work, per-layer overheads), so another width or depth is *predicted* from
+measurements of a neighbour, not priced by the catalog roofline. The correction grid does not transfer.
 
 The profile is JSON (``Profile.save``/``load_profile``); the default location is
 ``~/.cache/rlhfc/profile-<device>.json`` (``RLHFC_CACHE_DIR`` overrides the
@@ -88,14 +95,35 @@ class Profile:
     path: str | None = None
 
     def fit(self, key: str, primitive: str):
-        """Fitted coefficients of ``primitive`` for model ``key`` (None if not measured)."""
+        """Fitted coefficients of ``primitive`` for model ``key``; for a shape not measured, the nearest
+        measured shape's, transferred (:func:`transfer_fit`; no correction grid); None if there is none."""
         entry = self.models.get(key)
-        if not entry:
+        if entry:
+            fit = entry.get("fit", {}).get(primitive)
+            return clamp_grid(fit) if primitive.endswith("_grid") and fit else fit
+        donor = self.donor(key)
+        if donor is None or primitive.endswith("_grid"):
             return None
-        return entry.get("fit", {}).get(primitive)
+        fit = self.models[donor].get("fit", {}).get(primitive)
+        return None if fit is None else transfer_fit(primitive, fit, donor, key, self.host,
+                                                     self.model_threads(donor))
+
+    def donor(self, key: str) -> str | None:
+        """The measured shape an unmeasured ``key`` borrows from: same architecture and head, the nearest in
+        matmul parameters (then in layers x width); None when the key is measured or none fits."""
+        want = parse_key(key)
+        if want is None or key in self.models:
+            return None
+        cands = [(abs(np.log(matmul_params(sh) / matmul_params(want))),
+                  abs(np.log(sh["L"] * sh["h"] / (want["L"] * want["h"]))), k)
+                 for k, sh in ((k, parse_key(k)) for k in self.models)
+                 if sh is not None and sh["arch"] == want["arch"] and sh["head"] == want["head"]
+                 and self.models[k].get("fit")]
+        return min(cands)[2] if cands else None
 
     def model_threads(self, key: str) -> int:
-        return int(self.models.get(key, {}).get("threads", self.threads))
+        entry = self.models.get(key) or self.models.get(self.donor(key) or "", {})
+        return int(entry.get("threads", self.threads))
 
     def compute_fit(self, op: str):
         entry = self.compute.get(op)
@@ -175,6 +203,65 @@ def find_default_profile(device_kind: str) -> Profile | None:
     return prof if prof.device_kind == device_kind else None
 
 
+# ------------------------------------------------------------------------------------------ other shapes
+
+_KEY = re.compile(r"^(?P<arch>[a-z0-9_]+)-L(?P<L>\d+)-h(?P<h>\d+)-a(?P<a>\d+)-kv(?P<kv>\d+)-f(?P<f>\d+)"
+                  r"-v(?P<v>\d+)-(?P<head>[a-z]+)$")
+
+
+def parse_key(key: str) -> dict | None:
+    """The shape a :func:`model_key` names (None for a key of another form)."""
+    m = _KEY.match(key)
+    if m is None:
+        return None
+    out = {k: int(v) for k, v in m.groupdict().items() if k not in ("arch", "head")}
+    return {**out, "arch": m["arch"], "head": m["head"]}
+
+
+def matmul_params(sh: dict) -> float:
+    """Matmul weights a token passes through (as :func:`rlhfc.cost.model.arch_numbers` counts them)."""
+    h, f, kv_dim = sh["h"], sh["f"], sh["kv"] * (sh["h"] // max(sh["a"], 1))
+    if sh["arch"] == "gpt2":
+        per_layer = h * (h + 2 * kv_dim) + h * h + 2 * h * f
+    else:
+        per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * f
+    return float(sh["L"] * per_layer + (sh["v"] * h if sh["head"] == "lm" else h))
+
+
+#: per primitive, what each fitted coefficient scales with: "flops" (split into a matmul part at the host's
+#: rate, times the FLOPs per unit, and a remainder scaling with layers x width), "Lh" (layers x width:
+#: attention over the context, elementwise work) or "L" (per-layer overheads of a call or a decode step)
+TRANSFER = {
+    "forward": (("L", 0), ("flops", 2), ("Lh", 0)),
+    "train": (("L", 0), ("flops", 6), ("Lh", 0)),
+    "generate": (("L", 0), ("flops", 2), ("L", 0), ("flops", 2), ("Lh", 0)),
+}
+
+
+def transfer_fit(primitive: str, fit, donor: str, key: str, host: dict, threads: int):
+    """``donor``'s fit of ``primitive`` carried over to shape ``key`` (see :data:`TRANSFER`). A "flops" term
+    ``c`` (seconds per unit: a token, a row's decode step) is ``n * mm / R + rest``, with ``n * mm`` the
+    FLOPs per unit (``n`` = 2 forward, 6 forward + backward) and ``R`` the host's matmul FLOP/s at the
+    model's threads; the matmul part follows the new shape's FLOPs and ``rest`` (>= 0) its layers x width."""
+    d, k = parse_key(donor), parse_key(key)
+    r_l = k["L"] / d["L"]
+    r_lh = k["L"] * k["h"] / (d["L"] * d["h"])
+    if primitive == "optimizer":
+        return float(fit) * (matmul_params(k) / matmul_params(d)) ** 0.5 * r_l ** 0.5
+    speed = host.get("thread_speedup") or [1.0]
+    rate = float(host.get("matmul_flops_1", 0.0)) * float(speed[min(max(threads, 1), len(speed)) - 1])
+    out = []
+    for c, (kind, n) in zip(fit, TRANSFER[primitive]):
+        if kind == "L":
+            out.append(c * r_l)
+        elif kind == "Lh":
+            out.append(c * r_lh)
+        else:
+            mm_part = min(c, n * matmul_params(d) / rate) if rate > 0 else 0.0
+            out.append(mm_part * matmul_params(k) / matmul_params(d) + (c - mm_part) * r_lh)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ fitting
 
 
@@ -225,8 +312,8 @@ def correction_grid(points: list, coef: list) -> dict | None:
 
     Small CPU kernels do not scale smoothly with size (threading thresholds, cache effects), so the fit alone
     can be 10-20 % off between its points; the model multiplies the fit by this ratio, interpolated inside the
-    grid and held at its edges outside it (where the fit's shape extrapolates). None unless the points form a
-    full grid.
+    grid and held at its edges outside it (where the fit's shape extrapolates), within :data:`GRID_CLAMP`
+    (:meth:`Profile.fit` applies it). None unless the points form a full grid.
     """
     bs = sorted({float(p[0]) for p in points})
     ss = sorted({float(p[1]) for p in points})
@@ -235,6 +322,17 @@ def correction_grid(points: list, coef: list) -> dict | None:
         return None
     ratio = [[table[(b, s_)] / max(float(np.dot(forward_features(b, s_), coef)), 1e-12) for s_ in ss] for b in bs]
     return {"B": bs, "S": ss, "ratio": ratio}
+
+
+#: the correction grid's ratios are held within these bounds: between-point kernel effects are 10-20 %, so a
+#: larger ratio is more likely a measurement another tenant disturbed (on a loaded 2-core machine the train
+#: points of one profile came out 3.3x the fit at two points), which the grid would copy into predictions
+GRID_CLAMP = (0.8, 1.25)
+
+
+def clamp_grid(grid: dict) -> dict:
+    lo, hi = GRID_CLAMP
+    return {**grid, "ratio": [[min(hi, max(lo, float(r))) for r in row] for row in grid["ratio"]]}
 
 
 def refit(entry: dict) -> dict:

@@ -1,15 +1,16 @@
-"""``rlhfc explain``: what the compiler decided and what it predicts, in four formats.
+"""``rlhfc explain``: what the compiler decided and what it predicts, in five formats.
 
 :func:`build_report` (:mod:`.report`) prices, simulates and checks the module after the passes and
 returns a :class:`Report`; :func:`render` turns it into text (:mod:`.text`), JSON (:mod:`.jsonout`), a
-self-contained HTML page (:mod:`.html`) or Graphviz source (:mod:`.dot`).
+self-contained HTML page (:mod:`.html`), Graphviz source (:mod:`.dot`) or the predicted timeline as Chrome
+trace events (:mod:`.trace`, the layout of ``rlhf run --trace``).
 """
 
 from __future__ import annotations
 
 from .report import Report, build_report, device_groups, fmt_bytes, fmt_seconds, ids_text
 
-FORMATS = ("text", "json", "html", "dot")
+FORMATS = ("text", "json", "html", "dot", "trace")
 
 __all__ = ["FORMATS", "Report", "build_report", "render", "fmt_seconds", "fmt_bytes", "device_groups", "ids_text"]
 
@@ -27,4 +28,7 @@ def render(report: Report, fmt: str) -> str:
     if fmt == "dot":
         from .dot import render_dot
         return render_dot(report)
+    if fmt == "trace":
+        from .trace import render_trace
+        return render_trace(report)
     raise ValueError(f"unknown format {fmt!r}: {', '.join(FORMATS)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
+from rlhfc.cost.profile import model_key
 from rlhfc.ir import Module, print_module
 from rlhfc.ir.plan import overcommit_delta, overlap_group, stream_chunk, workers
 from rlhfc.ir.schedule import build_schedule
@@ -56,6 +57,12 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     prof = cm.profile
     if prof is not None and cm.kind == "cpu":
         missing = sorted({c.model for c in sim.costs.values() if c.source == "analytic" and c.model})
+        for name in sorted({c.model for c in sim.costs.values() if c.source == "profile" and c.model}):
+            donor = prof.donor(model_key(module.models[name]))
+            if donor is not None:
+                notes.append(f"the profile has not measured @{name}'s shape: its stages are predicted from the "
+                             f"measurements of {donor}, scaled to its FLOPs and width (re-run `rlhfc profile` on "
+                             "this program to measure it)")
         if missing:
             notes.append(f"the profile has no measurements for {', '.join('@' + m for m in missing)}: "
                          "those stages use the analytical model (re-run `rlhfc profile` on this program)")

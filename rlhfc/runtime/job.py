@@ -18,6 +18,7 @@ Run folder layout (``--out``, default ``runs/<module>``)::
 
     metrics.jsonl          one JSON object per step
     samples.jsonl          run { log_samples = N } samples per step: prompt, response, reward (samples.py)
+    trace.json             with --trace: the measured timeline, Chrome trace events (trace.py)
     events.out.tfevents.*  TensorBoard scalars
     errors.log             remote tracebacks of failed stages
     checkpoints/step_K/    per model: weights.safetensors, state.safetensors, state.json; job.json
@@ -48,9 +49,11 @@ from .cluster import Cluster
 from .cluster import import_ray as _ray
 from .data import PromptSource, prompt_source_from_spec
 from .errors import JobError
+from .errors import out_of_memory as _out_of_memory
 from .group import WorkerGroup
 from .metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
 from .samples import DEFAULT_LOG_SAMPLES, SampleLog
+from .trace import Timeline
 
 __all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
 
@@ -66,7 +69,8 @@ class Job:
     """The driver-side state of a running job; the generated ``step`` function calls its methods."""
 
     def __init__(self, job_dir: str, out: str | None = None, steps: int | None = None, resume: bool = False,
-                 ray_address: str | None = None, progress: bool = True, resume_command: list[str] | None = None):
+                 ray_address: str | None = None, progress: bool = True, resume_command: list[str] | None = None,
+                 trace: bool = False):
         self.job_dir = os.path.abspath(job_dir)
         with open(os.path.join(self.job_dir, "plan.json"), encoding="utf-8") as fh:
             self.plan = json.load(fh)
@@ -108,6 +112,7 @@ class Job:
         self.stage_seconds: dict[str, float] = {}
         #: per overcommitted stage: {"delta": current Δ, "carry": unfinished samples (plain JSON)}
         self.overcommit: dict[str, dict] = {}
+        self.timeline = Timeline(self.out, self.plan, self.job_dir) if trace else None   # --trace
 
     # -- called by the generated step function ---------------------------------------------------
     def next_prompts(self, data: str, batch: int) -> list[str]:
@@ -120,7 +125,7 @@ class Job:
         t0 = time.perf_counter()
         try:
             out = ray.get(ref)
-            self._timed(stage, t0)
+            self._timed(stage, t0, ref=ref)
             return out
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
@@ -164,7 +169,7 @@ class Job:
             state = self.overcommit.setdefault(stage, {"delta": int(overcommit["delta"]), "carry": []})
             carry = state["carry"]
             prompts = self.next_prompts(data, max(0, batch + state["delta"] - len(carry)))
-        chunks, parts = [], {name: [] for name in consumers}
+        chunks, parts, ref = [], {name: [] for name in consumers}, None
         self.current_stage = stage
         t_start = time.perf_counter()
         try:
@@ -178,7 +183,7 @@ class Job:
                     parts[name].append(start(ref))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
-        self._timed(stage, t_start)
+        self._timed(stage, t_start, ref=ref)
         roll = merge_rollouts(chunks)
         results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
         if overcommit is not None:
@@ -231,8 +236,10 @@ class Job:
             ray.get(dst.set_version.remote(version))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
-        self._timed(stage, t0)
-        return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
+        out = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
+        self._timed(stage, t0, kind="sync",
+                    value={"bytes": int(nbytes), "buckets": int(buckets), "transport": transport})
+        return out
 
     def reshard(self, stage: str, group, *, bucket_mb: int, after=None) -> dict[str, float]:
         """Reshard a worker group's training layout into its generation layout (every rank all-gathers a
@@ -253,14 +260,18 @@ class Job:
         t0 = time.perf_counter()
         try:
             out = op(*args, **kwargs)
-            self._timed(stage, t0)
+            self._timed(stage, t0, kind="compute", value=out)
             return out
         except Exception as exc:
             raise self._stage_failed(stage, f"{type(exc).__name__}: {exc}") from None
 
-    def _timed(self, stage: str, t0: float) -> None:
-        """Seconds the driver waited for a stage (its run time when nothing else was in flight)."""
+    def _timed(self, stage: str, t0: float, *, ref=None, kind: str = "wait", value=None) -> None:
+        """Seconds the driver waited for a stage (its run time when nothing else was in flight); with
+        --trace, also a span of the timeline (``kind``: wait, compute or sync)."""
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
+        if self.timeline is not None:
+            self.timeline.driver(stage, t0, kind, ref=ref, value=value if kind == "compute" else None,
+                                 extra=value if kind == "sync" else None)
 
     def _ray_failure(self, stage: str, exc: Exception) -> JobError:
         """A JobError for a remote failure: a dead worker, or the exception a stage raised."""
@@ -406,6 +417,8 @@ class Job:
                 print(f"note: {note}", file=sys.stderr)
         log.open_tensorboard(replay=kept)
         samples.open(log.tb, replay=kept_samples)
+        if (tl := self.timeline) is not None:
+            tl.start(self.workers, start_step if self.resume else None)
         history: list[dict[str, float]] = []
         try:
             with Progress(self.show_progress, self.steps, start_step, self.plan) as bar:
@@ -413,8 +426,11 @@ class Job:
                     self.step = step
                     t0 = time.perf_counter()
                     self.stage_seconds = {}
+                    t_trace = tl.begin_step(step) if tl is not None else 0.0
                     values = self.resolve(step_fn(self, self.handles))
                     m = self.step_metrics(step, values, time.perf_counter() - t0)
+                    if tl is not None:   # after the step's time is taken: collecting spans is not the step's
+                        tl.end_step(step, t_trace, self.workers, end=t0 + m["step_time_s"] + tl.clock)
                     m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
                     m["ranks"] = model_ranks(self.plan["placement"]["workers"])   # processes per model
                     log.write(m)
@@ -429,16 +445,19 @@ class Job:
                         self.save_checkpoint(done)
         finally:
             log.close()
+            if tl is not None:
+                tl.write()
         return history
 
 
 def run_job(job_dir: str, step_fn: Callable | None = None, *, steps: int | None = None, out: str | None = None,
             resume: bool = False, ray_address: str | None = None, progress: bool = True,
-            resume_command: list[str] | None = None) -> list[dict[str, float]]:
+            resume_command: list[str] | None = None, trace: bool = False) -> list[dict[str, float]]:
     """Run the job in ``job_dir`` (its ``main.py`` supplies ``step_fn`` when not given).
 
     Ctrl-C raises :class:`Interrupted` (after Ray is shut down) saying how to resume:
-    ``resume_command``, by default ``python JOB/main.py --resume --out OUT``."""
+    ``resume_command``, by default ``python JOB/main.py --resume --out OUT``. ``trace``: write the measured
+    timeline, ``OUT/trace.json`` (:mod:`rlhfc.runtime.trace`)."""
     if step_fn is None:
         import importlib.util
 
@@ -447,7 +466,7 @@ def run_job(job_dir: str, step_fn: Callable | None = None, *, steps: int | None 
         spec.loader.exec_module(mod)
         step_fn = mod.step
     job = Job(job_dir, out=out, steps=steps, resume=resume, ray_address=ray_address, progress=progress,
-              resume_command=resume_command)
+              resume_command=resume_command, trace=trace)
     try:
         history = job.run(step_fn)
     except KeyboardInterrupt:
@@ -468,11 +487,13 @@ def main(job_file: str, argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     ap.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--trace", action="store_true", help="write the measured timeline, OUT/trace.json")
     args = ap.parse_args(argv)
     module = sys.modules.get("__main__")
     try:
         run_job(os.path.dirname(os.path.abspath(job_file)), getattr(module, "step", None), steps=args.steps,
-                out=args.out, resume=args.resume, ray_address=args.ray_address, progress=not args.no_progress)
+                out=args.out, resume=args.resume, ray_address=args.ray_address, progress=not args.no_progress,
+                trace=args.trace)
     except JobError as exc:
         print(f"{getattr(exc, 'label', 'error')}: {exc.message}", file=sys.stderr)
         if exc.hint:
@@ -495,9 +516,3 @@ def _positive_steps(text: str) -> int:
                                          "train, at least 1 (with --resume: including the checkpoint's)")
     return n
 
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether a failure is a worker running out of memory (torch's allocators, Ray's memory monitor)."""
-    text = f"{type(exc).__name__}: {exc}".lower()
-    return any(k in text for k in ("outofmemoryerror", "out of memory", "can't allocate memory",
-                                   "not enough memory", "memory monitor"))

@@ -15,6 +15,8 @@ import inspect
 
 import torch
 
+from .trace import recorded
+
 
 @contextlib.contextmanager
 def call_threads(own: int, threads: int | None):
@@ -30,18 +32,19 @@ def call_threads(own: int, threads: int | None):
 
 
 def stage_call(fn):
-    """Decorate a worker's stage method: it takes ``threads=N`` (see the module docstring). A generator
-    method (a Ray streaming generator) stays a generator, holding the threads while it runs."""
-    if inspect.isgeneratorfunction(fn):
-        @functools.wraps(fn)
-        def wrapper(self, *args, threads: int | None = None, **kwargs):
+    """Decorate a worker's stage method: it takes ``threads=N`` (see the module docstring), and is timed
+    while the job traces (:func:`rlhfc.runtime.trace.recorded`). A generator method (a Ray streaming
+    generator) stays a generator, holding the threads while it runs."""
+    generator = inspect.isgeneratorfunction(fn)
+    if generator:
+        def threaded(self, *args, threads: int | None = None, **kwargs):
             with call_threads(getattr(self, "threads", 1), threads):
                 yield from fn(self, *args, **kwargs)
     else:
-        @functools.wraps(fn)
-        def wrapper(self, *args, threads: int | None = None, **kwargs):
+        def threaded(self, *args, threads: int | None = None, **kwargs):
             with call_threads(getattr(self, "threads", 1), threads):
                 return fn(self, *args, **kwargs)
+    wrapper = functools.wraps(fn)(recorded(threaded, fn.__name__, generator))
     # Ray checks a call's arguments against the method's signature, after unwrapping: no __wrapped__, and
     # the signature given is the wrapped one plus ``threads``
     del wrapper.__wrapped__

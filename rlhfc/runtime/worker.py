@@ -30,6 +30,7 @@ from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
 from .collective import GROUP_TIMEOUT_S, CollectiveSync  # noqa: F401 - GROUP_TIMEOUT_S re-exported
 from .threads import stage_call
+from .trace import TracedWorker
 
 
 
@@ -42,7 +43,7 @@ def tokenizer_id(spec: dict) -> str:
     return f"hf:{spec['source']}" if spec.get("source") else f"char:{spec['vocab']}"
 
 
-class ModelWorker(CollectiveSync):
+class ModelWorker(CollectiveSync, TracedWorker):
     """Hosts model ``name`` built from ``spec``.
 
     ``init``: ``{"kind": "random"}``, ``{"kind": "pretrained"}`` (``spec["source"]``) or

@@ -1,4 +1,4 @@
-"""``rlhfc explain`` in its four formats, and the HTML page in a headless browser."""
+"""``rlhfc explain`` in its five formats, and the HTML page in a headless browser."""
 
 from __future__ import annotations
 
@@ -132,3 +132,41 @@ def test_html_renders_in_a_headless_browser(tmp_path, capsys):
     shot = tmp_path / "page.png"
     res = _chromium(tmp_path, "--window-size=1200,1600", f"--screenshot={shot}", f"file://{page}")
     assert res.returncode == 0 and shot.exists() and shot.stat().st_size > 20_000
+
+
+def test_trace_is_the_predicted_timeline_in_the_measured_layout(capsys, tmp_path):
+    """--format trace: valid Chrome trace JSON with the driver's steps, a track per worker of the plan (as
+    plan.json orders them) and per sync stage, one span per simulated task (one per chunk where it streams),
+    with rows and tokens; the track numbers are the runtime's (rlhfc.runtime.trace)."""
+    from rlhfc.runtime import trace as measured
+    from rlhfc.explain import trace as predicted
+
+    assert (predicted.DRIVER_PID, predicted.SYNC_PID, predicted.WORKER_PID0, predicted.STEPS_TID,
+            predicted.DRIVER_TID) == (measured.DRIVER_PID, measured.SYNC_PID, measured.WORKER_PID0,
+                                      measured.STEPS_TID, measured.DRIVER_TID)
+    out = tmp_path / "predicted.json"
+    passes = "dce,parallelize,stream{chunk=4},placement{strategy=separate},realloc"
+    code, _, err = run(capsys, "explain", TINY, "--passes", passes, "--no-profile", "--format", "trace",
+                       "-o", str(out))
+    assert code == 0, err
+    trace = json.loads(out.read_text())
+    events = trace["traceEvents"]
+    assert trace["otherData"]["kind"] == "predicted" and trace["otherData"]["steps"] == 3
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert procs[1] == "driver" and procs[2] == "syncs"
+    assert sorted(v for p, v in procs.items() if p >= 10) == sorted(
+        ["worker actor", "worker actor_at_0_1", "worker critic", "worker ref", "worker reward"])
+    spans = [e for e in events if e["ph"] == "X"]
+    assert [e["args"]["step"] for e in spans if e["cat"] == "step"] == [0, 1, 2]
+    sync = [e for e in spans if e["pid"] == 2]
+    assert sync and all(e["cat"] == "sync" for e in sync)
+    roll = [e for e in spans if e["name"] == "roll"]
+    assert len(roll) == 3 and procs[roll[0]["pid"]] == "worker actor_at_0_1"
+    chunks = [e for e in spans if e["name"] == "ref_logp" and e["args"]["step"] == 2]
+    assert len(chunks) == 4 and sum(e["args"]["rows"] for e in chunks) == 16   # batch 16 in chunks of 4
+    assert all(e["args"]["tokens"] > 0 for e in chunks)
+    adv = [e for e in spans if e["name"] == "adv"]
+    assert all((e["pid"], e["tid"]) == (1, 2) for e in adv)
+    names = {e["name"] for e in spans if e["args"].get("step") == 2 and e["cat"] != "step"}
+    assert names >= {"roll", "logp", "ref_logp", "values", "scores", "adv", "ppo_clip", "value_loss",
+                     "actor_train", "critic_train"} and {e["name"] for e in sync} <= names

@@ -150,3 +150,43 @@ def test_cost_imports_neither_the_runtime_nor_torch():
             found += [f"{path.name}:{node.lineno} {n}" for n in names
                       if n.split(".")[0] in ("torch", "ray") or n.startswith("rlhfc.runtime")]
     assert found == []
+
+
+def test_an_unmeasured_shape_is_predicted_from_the_nearest_measured_one():
+    """Another width or depth borrows the nearest measured shape's fits (same architecture and head): per-call
+    terms follow the layers, per-token terms their matmul FLOPs (at the host's rate) plus a remainder that
+    follows layers x width; the correction grid does not transfer; another head or architecture gets none."""
+    from rlhfc.cost.profile import Profile, matmul_params, parse_key
+
+    small, wide, deep = ("llama-L1-h32-a2-kv2-f96-v64-lm", "llama-L1-h64-a2-kv2-f192-v64-lm",
+                         "llama-L2-h32-a2-kv2-f96-v64-lm")
+    fwd = [1e-3, 2e-6, 1e-8]
+    prof = Profile("cpu", "test", 2, host={"matmul_flops_1": 1e11, "thread_speedup": [1.0, 1.8]},
+                   models={small: {"threads": 1, "fit": {"forward": fwd, "forward_grid": {"B": [1.0]},
+                                                         "train": [2e-3, 6e-6, 3e-8], "optimizer": 1e-3,
+                                                         "generate": [0.0, 2e-6, 1e-4, 1e-6, 1e-8]}}})
+    assert prof.fit(small, "forward") == fwd and prof.donor(small) is None
+    assert prof.donor(wide) == small and prof.model_threads(wide) == 1
+    assert prof.fit(wide, "forward_grid") is None
+    a, b, c = prof.fit(wide, "forward")
+    mm = 2 * matmul_params(parse_key(small)) / 1e11      # the matmul part of a token's 2 us (0.3 us)
+    assert a == fwd[0] and c == 2 * fwd[2]                # per call: same layers; attention: 2x the width
+    ratio = matmul_params(parse_key(wide)) / matmul_params(parse_key(small))
+    assert abs(b - (mm * ratio + (fwd[1] - mm) * 2)) < 1e-15 and ratio > 2
+    deep_fit = prof.fit(deep, "generate")
+    assert deep_fit[2] == 2e-4 and deep_fit[4] == 2e-8   # a decode step's per-layer overhead doubles
+    assert prof.fit("llama-L1-h32-a2-kv2-f96-v64-value", "forward") is None
+    assert prof.fit("gpt2-L1-h32-a2-kv2-f96-v64-lm", "forward") is None
+
+
+def test_correction_grid_ratios_are_held_within_the_clamp():
+    """A grid ratio far from 1 is more likely a disturbed measurement than a kernel effect: the profile hands the
+    cost model ratios within GRID_CLAMP (the stored points stay as measured)."""
+    from rlhfc.cost.profile import GRID_CLAMP, Profile
+
+    key = "llama-L1-h32-a2-kv2-f96-v64-lm"
+    grid = {"B": [2.0, 8.0], "S": [16.0, 40.0], "ratio": [[1.1, 3.3], [0.4, 0.95]]}
+    prof = Profile("cpu", "t", 2, models={key: {"threads": 1, "fit": {"train": [1e-3, 1e-6, 0.0], "train_grid": grid}}})
+    lo, hi = GRID_CLAMP
+    assert prof.fit(key, "train_grid")["ratio"] == [[1.1, hi], [lo, 0.95]]
+    assert grid["ratio"][0][1] == 3.3

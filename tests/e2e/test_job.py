@@ -170,14 +170,50 @@ def test_job_main_runs_with_runtime_only(tmp_path):
 
 def test_cli_run_compiles_and_trains(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli(["run", PROGRAM, "-O1", "--steps", "2", "--no-progress"]) == 0
+    assert cli(["run", PROGRAM, "-O1", "--steps", "2", "--no-progress", "--trace"]) == 0
     assert [r["step"] for r in _metrics("runs/tiny_ppo")] == [0, 1]
     assert os.path.isfile("runs/tiny_ppo/job/main.py")
+    check_measured_trace("runs/tiny_ppo", steps=2)
     # a second run never reuses the first one's folder; --resume continues the newest
     assert cli(["run", PROGRAM, "--steps", "1", "--no-progress"]) == 0
     assert os.path.isfile("runs/tiny_ppo-1/metrics.jsonl")
     assert cli(["run", PROGRAM, "--steps", "2", "--resume", "--no-progress"]) == 0
     assert [r["step"] for r in _metrics("runs/tiny_ppo-1")] == [0, 1]
+
+
+def check_measured_trace(run_dir: str, steps: int) -> None:
+    """``run --trace`` wrote valid Chrome trace JSON: a track per worker (named as plan.json's workers, one
+    thread per rank), the driver's steps, and per step one span (or one per chunk) of every stage on the
+    worker that runs it, with its rows and tokens, inside the step's span."""
+    with open(os.path.join(run_dir, "trace.json")) as fh:
+        trace = json.load(fh)
+    with open(os.path.join(run_dir, "job", "plan.json")) as fh:
+        plan = json.load(fh)
+    events = trace["traceEvents"]
+    assert trace["otherData"]["kind"] == "measured" and trace["otherData"]["module"] == plan["module"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert procs[1] == "driver"
+    workers = {name: pid for pid, name in procs.items()}
+    assert set(workers) >= {f"worker {w}" for w in plan["placement"]["workers"]}
+    threads = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and {"pid", "tid", "ts", "name", "cat"} <= set(e) for e in spans)
+    step_spans = {e["args"]["step"]: e for e in spans if e["cat"] == "step"}
+    assert sorted(step_spans) == list(range(steps))
+    for e in spans:
+        assert (e["pid"], e["tid"]) in threads, e   # every span is on a named track
+    for stage in plan["graph"]["stages"]:
+        if stage["op"].split(".")[0] not in ("generate", "forward", "train"):
+            continue
+        for k in range(steps):
+            mine = [e for e in spans if e["args"].get("stage") == stage["name"] and e["args"]["step"] == k
+                    and e["pid"] >= 10]
+            assert mine, (stage["name"], k)
+            step = step_spans[k]
+            for e in mine:
+                assert procs[e["pid"]].startswith("worker ")
+                assert e["args"]["rows"] > 0 and e["args"]["tokens"] > 0
+                assert step["ts"] - 1e3 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e3
 
 
 def test_cli_run_on_gpu_plan_without_gpus_is_a_clear_error(tmp_path, capsys):
