@@ -9,6 +9,7 @@ The runtime around one job, by concern:
 * ``job``         (here) :class:`Job`: what ``step`` calls (``get``/``wait``/``resolve``/``stream``/
                   ``sync``/``compute``/``next_prompts``), naming the stage when one fails; the step
                   loop; :func:`run_job` and :func:`main`.
+* ``transfers``   ``sync`` and ``reshard`` (weights between and within worker groups), mixed into :class:`Job`.
 * ``cluster``     start or connect to Ray, reserve the placement group, create the workers.
 * ``group``       :class:`~rlhfc.runtime.group.WorkerGroup`, the handle ``w.<worker>`` (one rank today).
 * ``checkpoint``  save / resume / latest, written atomically.
@@ -54,6 +55,7 @@ from .group import WorkerGroup
 from .metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
 from .samples import DEFAULT_LOG_SAMPLES, SampleLog
 from .trace import Timeline
+from .transfers import WeightTransfers
 
 __all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
 
@@ -65,7 +67,7 @@ class Interrupted(JobError):
     label = "interrupted"
 
 
-class Job:
+class Job(WeightTransfers):
     """The driver-side state of a running job; the generated ``step`` function calls its methods."""
 
     def __init__(self, job_dir: str, out: str | None = None, steps: int | None = None, resume: bool = False,
@@ -207,52 +209,6 @@ class Job:
                 delta += 1
             delta = max(int(cfg.get("min_delta", 0)), min(int(cfg.get("max_delta", delta)), delta))
         state["delta"] = delta
-
-    def sync(self, stage: str, src, dst, *, bucket_mb: int, after=None, transport: str = "object_store") \
-            -> dict[str, float]:
-        """Copy ``src``'s weights to ``dst`` (worker groups on two meshes) in buckets: through Ray's object
-        store, or (``transport="collective"``) as broadcasts in a two-rank process group of the pair — NCCL
-        when the workers are on GPUs, gloo on CPU — set up on the first sync and kept."""
-        ray = _ray()
-        self.current_stage = stage
-        t0 = time.perf_counter()
-        try:
-            if transport == "collective":
-                if stage not in self.collectives:
-                    backend = "gloo" if self.plan["cluster"]["device"] == "cpu" else "nccl"
-                    host, port = ray.get(src.sync_open.remote(stage))
-                    ray.get([src.sync_join.remote(stage, 0, host, port, backend),
-                             dst.sync_join.remote(stage, 1, host, port, backend)])
-                    self.collectives[stage] = backend
-                sent, received = src.sync_send.remote(stage, bucket_mb), dst.sync_recv.remote(stage, bucket_mb)
-                (version, nbytes, buckets), _ = ray.get([sent, received])
-            elif transport == "object_store":
-                refs, version, nbytes = ray.get(src.sync_export.remote(bucket_mb))
-                ray.get([dst.sync_import.remote(r) for r in refs])
-                buckets = len(refs)
-            else:
-                raise JobError(f"stage '{stage}': unknown weight transport {transport!r}",
-                               "use object_store or collective (realloc{transport=...})")
-            ray.get(dst.set_version.remote(version))
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise self._ray_failure(stage, exc) from None
-        out = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
-        self._timed(stage, t0, kind="sync",
-                    value={"bytes": int(nbytes), "buckets": int(buckets), "transport": transport})
-        return out
-
-    def reshard(self, stage: str, group, *, bucket_mb: int, after=None) -> dict[str, float]:
-        """Reshard a worker group's training layout into its generation layout (every rank all-gathers a
-        full copy of the weights, in buckets of ``bucket_mb``) right after training, so generation finds it."""
-        ray = _ray()
-        self.current_stage = stage
-        t0 = time.perf_counter()
-        try:
-            nbytes, buckets = ray.get(group.reshard.remote(bucket_mb))
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise self._ray_failure(stage, exc) from None
-        self._timed(stage, t0)
-        return {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
 
     def compute(self, stage: str, op: Callable, /, *args, **kwargs):
         """Run a driver-side compute stage, naming it if it fails."""
