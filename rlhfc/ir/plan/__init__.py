@@ -32,7 +32,8 @@ read as a :class:`Sync`. Absent annotations take the defaults the runtime uses
 The single lists (-O levels, placement strategies, recompute policies, weight
 transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 :func:`workers`, :func:`stream_consumers`, :func:`sync_destination`,
-:func:`device_shares`) live here too.
+:func:`device_shares`) live here too, and the hardware rules of meshes and splits
+(:mod:`rlhfc.ir.plan.hardware`: node-aligned meshes, tp inside a node dividing the heads, pp dividing the layers).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, 
                     TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream,
                     Sync, describe, opt_level)
 from .check import verify_plan
+from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
 from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, mesh, microbatches, on_worker, overcommit,
                     overcommit_delta, overlap_group, policy_temperature, recompute, recompute_decision, set_flag,
                     set_layout, set_overlap, set_recompute,
@@ -49,6 +51,7 @@ from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, mesh, 
                     worker_ranks, workers, planned_layout, resolve_trainer, worker_layout)
 
 __all__ = [
+    "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
     "LAYOUT_FACTORS", "RUN_TRAINERS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
