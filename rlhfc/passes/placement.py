@@ -68,6 +68,10 @@ class Placement(Pass):
 
     def run(self, module: Module) -> Module:
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
+        if strategy.startswith("baseline:"):   # another system's plan, as it would run (passes/baselines.py)
+            from .baselines import build
+
+            return build(module, strategy.split(":", 1)[1])
         if strategy == "auto":
             strategy = "search" if module.cluster.num_devices > 1 else "flatten"
         assign_fn = {"flatten": flatten, "interleave": interleave, "separate": separate}.get(strategy)
