@@ -58,9 +58,9 @@ def build(module: Module, name: str) -> Module:
         if s.op == "train":
             lay = plan.stage_layout(module, s)
             plan.set_layout(s, Layout(lay.first, lay.count, lay.dp, lay.tp, lay.pp, lay.microbatches, "full"))
-    if system.zero3:
+    if system.zero3:   # plans not chosen by layouts.apply (which sizes micro-batches and waves itself)
         _micro_batches(module)
-    _kv_waves(module)
+        _kv_waves(module)
     return module
 
 
@@ -179,8 +179,18 @@ def _openrlhf(module: Module) -> None:
         plan.set_layout(gen, Layout(0, k, k // tp, tp, 1))
 
 
+def _apply_fitting(module: Module, assign: dict) -> None:
+    """:func:`apply`, its budgets tightened (as the placement pass does) until the plan fits, if it can."""
+    from rlhfc.cost import memory_issues
+
+    for squeeze in (1, 2, 4, 8):
+        apply(module, assign, squeeze=squeeze)
+        if not memory_issues(module):
+            return
+
+
 def _verl(module: Module) -> None:
-    apply(module, {s.name: (0, module.cluster.num_devices) for s in _model_stages(module)})
+    _apply_fitting(module, {s.name: (0, module.cluster.num_devices) for s in _model_stages(module)})
 
 
 def _nemo(module: Module) -> None:
@@ -202,4 +212,4 @@ def _nemo(module: Module) -> None:
     else:
         k = n
     assign = {s.name: ((0, k) if s.target in policy_side or k == n else (k, n - k)) for s in stages}
-    apply(module, assign)
+    _apply_fitting(module, assign)
