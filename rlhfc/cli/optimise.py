@@ -74,7 +74,7 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
         if str(module.run.placement).startswith("baseline:"):   # a baseline's plan: the system's own passes
             from rlhfc.passes.baselines import PIPELINE
 
-            chosen = parse_pipeline(",".join(PIPELINE))
+            chosen, passes = parse_pipeline(",".join(PIPELINE)), ",".join(PIPELINE)
 
     def show(spec: str, text: str) -> None:
         typer.echo(f"// ----- IR after {spec} -----", err=True)
@@ -92,5 +92,5 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
         for d in sink.warnings:
             typer.echo(f"warning: {d.message} (a job of this IR would run out of memory)", err=True)
         sink.raise_if_errors()
-    names = list(PIPELINES[level]) if level is not None else [r.spec for r in pm.records]
+    names = list(PIPELINES[level]) if level is not None and passes is None else [r.spec for r in pm.records]
     return Optimised(module, pm, level, names)
