@@ -58,7 +58,8 @@ class Placement(Pass):
     name = "placement"
     description = "place models on devices: flatten | interleave | separate | search (cost-model MCMC)"
     exact = True
-    strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
+    strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, auto, or "
+                                                            "baseline:dschat|openrlhf|verl|nemo"})
     seconds: float = field(default=15.0, metadata={"doc": "time budget of the search"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
 
