@@ -3,6 +3,7 @@ verl or NeMo-Aligner would run, priced with the costs that make each slow; ``exp
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from rlhfc.cli.load import load
 from rlhfc.cli.optimise import optimise
 from rlhfc.cost import CostModel, simulate
 from rlhfc.cost.baselines import SYSTEMS, BaselineCostModel
-from rlhfc.ir import CompileError, plan
+from rlhfc.ir import CompileError, parse_ir, plan, print_module, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.rlhf"))
@@ -43,6 +44,10 @@ def test_every_baseline_compiles_every_example(path):
                 assert not plan.layout_problems(lay, per_node=per, heads=m.heads, kv_heads=m.kv_heads,
                                                 layers=m.layers), (name, s.name, lay)
         assert simulate(out, steps=1).step_time_s > 0
+        text = print_module(out)                       # the plan is IR: it prints, parses back and verifies
+        again = parse_ir(text)
+        verify(again)
+        assert print_module(again) == text
 
 
 def _costs(module):
@@ -121,6 +126,11 @@ def test_explain_compare_prints_rlhfc_beside_each_baseline(capsys):
         assert system.title.split()[0] in row and row.rstrip().endswith("x")
         assert f"baseline:{name} ({system.title}):" in out
     assert "%roll" in out
+    code = main(["explain", str(ROOT / "examples" / "ppo_tiny.rlhf"), "--compare", "-O1", "--no-profile",
+                 "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and [p["name"] for p in data["plans"]] == ["rlhfc"] + [f"baseline:{b}" for b in SYSTEMS]
+    assert data["plans"][0]["ratio"] == 1.0 and all(p["step_s"] > 0 and p["stages"] for p in data["plans"])
 
 
 def test_unknown_baseline_lists_the_names(capsys):

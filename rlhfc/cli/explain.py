@@ -63,7 +63,10 @@ def explain(
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
     if compare:
-        return _compare(file, opt, passes, plugin, placement, steps, (profile, no_profile, lengths), out)
+        if fmt not in ("text", "json"):
+            raise CompileError([Diagnostic("error", f"--compare prints text or json, not {fmt}", None,
+                                           "use --format text (the default) or --format json")])
+        return _compare(file, opt, passes, plugin, placement, steps, (profile, no_profile, lengths), out, fmt)
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, placement=placement, memory_check=False)
     module = done.module
@@ -90,10 +93,10 @@ def explain(
         print_diagnostics(diags)
 
 
-def _compare(file, opt, passes, plugin, placement, steps, pricing, out) -> None:
+def _compare(file, opt, passes, plugin, placement, steps, pricing, out, fmt) -> None:
     """``explain --compare``: compile the program as asked (rlhfc's plan), then once per baseline."""
     from rlhfc.cost.baselines import SYSTEMS
-    from rlhfc.explain.compare import compare_rows, render_compare
+    from rlhfc.explain.compare import compare_rows, render_compare, render_compare_json
 
     modules = []
     for name in [None] + [f"baseline:{b}" for b in SYSTEMS]:
@@ -107,7 +110,8 @@ def _compare(file, opt, passes, plugin, placement, steps, pricing, out) -> None:
     profile, no_profile, lengths = pricing
     config = CostConfig(profile=resolve_profile(profile, no_profile, modules[0][2].cluster.device),
                         response_lengths=lengths)
-    text = render_compare(compare_rows(modules, steps=steps, config=config))
+    rows = compare_rows(modules, steps=steps, config=config)
+    text = render_compare_json(rows) if fmt == "json" else render_compare(rows)
     if out:
         with open(out, "w", encoding="utf-8") as fh:
             fh.write(text)

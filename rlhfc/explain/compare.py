@@ -43,6 +43,17 @@ def compare_rows(modules: list[tuple[str, str, Module]], *, steps: int = 3,
     return rows
 
 
+def render_compare_json(rows: list[CompareRow]) -> str:
+    """The comparison as JSON: ``{"plans": [{"name", "system", "step_s", "ratio", "stages": [...]}]}``."""
+    import json
+
+    base = rows[0].step_s
+    return json.dumps({"plans": [
+        {"name": r.name, "system": r.title, "step_s": r.step_s, "ratio": r.step_s / max(base, 1e-12),
+         "stages": [{"stage": st, "op": op, "model": m, "where": w} for st, op, m, w in r.stages]}
+        for r in rows]}, indent=2) + "\n"
+
+
 def render_compare(rows: list[CompareRow]) -> str:
     base = rows[0].step_s
     out = ["plan comparison (predicted by the same cost model; ratio = plan's step time / rlhfc's)", ""]
