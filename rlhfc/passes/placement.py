@@ -305,7 +305,7 @@ def interleave(module: Module) -> dict[str, tuple[int, int]]:
 
 def separate(module: Module) -> dict[str, tuple[int, int]]:
     """Generation on the first devices (sized by its share of the work: whole nodes on a multi-node
-    cluster, else part of the node), everything else on the rest."""
+    cluster, else a share of the node that divides it), everything else on the rest."""
     n, per = module.cluster.num_devices, max(module.cluster.per_node, 1)
     if n < 2:
         return flatten(module)
@@ -316,6 +316,8 @@ def separate(module: Module) -> dict[str, tuple[int, int]]:
     nodes = n // per
     if nodes >= 2:
         k = per * min(nodes - 1, max(1, round(nodes * share)))
+    elif module.cluster.device != "cpu":   # part of one node, a share that divides it (tp/pp split evenly)
+        k = min((d for d in range(1, n) if n % d == 0), key=lambda d: (abs(d - n * share), d))
     else:
         k = min(n - 1, max(1, round(n * share)))
     out = {}
