@@ -121,8 +121,9 @@ class BaselineCostModel(CostModel):
         extra, weights, state = 0.0, cost.weights_bytes, cost.state_bytes
         if family in sysm.zero3 and lay.dp > 1:
             shard = nbytes / (lay.tp * lay.pp)
-            gathers = lay.microbatches * (1 if family == "forward" else
-                                          2 * int(stage.attrs.get("epochs", 1)) * int(stage.attrs.get("minibatches", 1)))
+            passes = 1 if family == "forward" else \
+                2 * int(stage.attrs.get("epochs", 1)) * int(stage.attrs.get("minibatches", 1))   # fwd + bwd
+            gathers = lay.microbatches * passes
             extra += gathers * (shard * (lay.dp - 1) / lay.dp / _link_bw(self, lay) + self.spec.latency)
             weights = shard / lay.dp + shard / max(model.layers, 1)    # the shard, plus one gathered layer
             if family == "train":

@@ -206,7 +206,9 @@ def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]
                 dload[j] += work[m]
             out.update({m: (first + j, 1) for j, group in enumerate(devs) for m in group})
         else:
-            counts = _divisor_sized(ms, _sized(ms, work, per, least=least), per)
+            counts = _sized(ms, work, per, least=least)
+            if module.cluster.device != "cpu":   # CPU meshes are one process's threads: no splits to even out
+                counts = _divisor_sized(ms, counts, per)
             order = sorted(ms, key=lambda m: -counts[m])   # largest first: every share starts at a multiple of it
             for m, (f, k) in _side_by_side(order, counts).items():
                 out[m] = (first + f, k)

@@ -45,7 +45,8 @@ def placement_problem(name) -> tuple[str, str] | None:
         return (f"unknown baseline '{text[len('baseline:'):]}'",
                 f"baselines: {', '.join(f'baseline:{b}' for b in BASELINES)} (the plans of DeepSpeed-Chat, "
                 "OpenRLHF, verl and NeMo-Aligner)")
-    return (f"placement must be one of {', '.join(PLACEMENTS)}, got {describe(name) if not isinstance(name, str) else name}",
+    got = name if isinstance(name, str) else describe(name)
+    return (f"placement must be one of {', '.join(PLACEMENTS)}, got {got}",
             "auto searches on multi-device clusters; e.g. placement = interleave")
 
 
