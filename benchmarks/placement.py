@@ -53,7 +53,7 @@ def compiled(path: str, strategy: str):
 
 def predict(path: str) -> dict:
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in (s for s in STRATEGIES if not s.startswith("baseline:")):   # baselines: benchmarks/baselines.py
         module, passes, secs, err = compiled(path, strategy)
         if module is None:
             out[strategy] = {"error": err, "compile_s": secs}

@@ -217,7 +217,7 @@ def test_on_gpus_a_group_runs_one_split_the_trainer_can_run():
     """Beyond torch, a model's stages on one mesh share one split (its train stage's), and the
     placement weighs only splits the trainer runs: under fsdp no tp/pp, under auto megatron-valid ones."""
     from rlhfc.frontend import load_file
-    from rlhfc.passes.placement import _runnable
+    from rlhfc.passes.layouts import runnable as _runnable
 
     m, _, _ = load_file(os.path.join(os.path.dirname(__file__), "..", "examples", "ppo_7b.rlhf"))
     m.run.trainer = "auto"

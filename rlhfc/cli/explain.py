@@ -47,6 +47,8 @@ def explain(
                                 help="response-length law: auto | max | geometric:P | lognormal:F:S"),
     strict: bool = typer.Option(False, "--strict", help="exit 2 when the plan does not fit in memory"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+    compare: bool = typer.Option(False, "--compare", help="print rlhfc's plan beside the plans of DeepSpeed-Chat, "
+                                 "OpenRLHF, verl and NeMo-Aligner (baseline:NAME), predicted step times and ratios"),
 ):
     """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
     from rlhfc.cost import CostConfig, response_dist
@@ -60,6 +62,11 @@ def explain(
     except (ValueError, IndexError) as exc:
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
+    if compare:
+        if fmt not in ("text", "json"):
+            raise CompileError([Diagnostic("error", f"--compare prints text or json, not {fmt}", None,
+                                           "use --format text (the default) or --format json")])
+        return _compare(file, opt, passes, plugin, placement, steps, (profile, no_profile, lengths), out, fmt)
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, placement=placement, memory_check=False)
     module = done.module
@@ -84,6 +91,33 @@ def explain(
         if strict:
             raise CompileError(diags)
         print_diagnostics(diags)
+
+
+def _compare(file, opt, passes, plugin, placement, steps, pricing, out, fmt) -> None:
+    """``explain --compare``: compile the program as asked (rlhfc's plan), then once per baseline."""
+    from rlhfc.cost.baselines import SYSTEMS
+    from rlhfc.explain.baselines import compare_rows, render_compare, render_compare_json
+
+    modules = []
+    for name in [None] + [f"baseline:{b}" for b in SYSTEMS]:
+        module, _ = load(file, plugin)
+        done = optimise(module, opt, passes if name is None else None, placement=placement if name is None else name,
+                        memory_check=False)
+        title = "rlhfc" if name is None else SYSTEMS[name.split(":", 1)[1]].title
+        modules.append(((placement or "rlhfc") if name is None else name, title, done.module))
+    from rlhfc.cost import CostConfig
+
+    profile, no_profile, lengths = pricing
+    config = CostConfig(profile=resolve_profile(profile, no_profile, modules[0][2].cluster.device),
+                        response_lengths=lengths)
+    rows = compare_rows(modules, steps=steps, config=config)
+    text = render_compare_json(rows) if fmt == "json" else render_compare(rows)
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        typer.echo(f"wrote {out}", err=True)
+    else:
+        typer.echo(text, nl=False)
 
 
 @app.command(name="profile")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from rlhfc.ir import CompileError, Diagnostic, Module
-from rlhfc.ir.plan import PLACEMENTS, opt_level
+from rlhfc.ir.plan import PLACEMENTS, opt_level, placement_problem
 
 if TYPE_CHECKING:
     from rlhfc.passes import PassManager
@@ -38,9 +38,13 @@ class Optimised:
 
 
 def check_placement(placement: str) -> str:
-    if placement not in PLACEMENTS:
-        raise CompileError([Diagnostic("error", f"unknown --placement '{placement}'", None,
-                                       f"strategies: {', '.join(PLACEMENTS)}")])
+    problem = placement_problem(placement)
+    if problem is not None:
+        message = f"unknown --placement '{placement}'" if not placement.startswith("baseline:") else \
+            f"--placement {placement}: {problem[0]}"
+        raise CompileError([Diagnostic("error", message, None,
+                                       problem[1] if placement.startswith("baseline:")
+                                       else f"strategies: {', '.join(PLACEMENTS)}")])
     return placement
 
 
@@ -67,6 +71,10 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
     else:
         level = level or opt_level(module.run.optimize)
         chosen = pipeline_for(level)
+        if str(module.run.placement).startswith("baseline:"):   # a baseline's plan: the system's own passes
+            from rlhfc.passes.baselines import PIPELINE
+
+            chosen, passes = parse_pipeline(",".join(PIPELINE)), ",".join(PIPELINE)
 
     def show(spec: str, text: str) -> None:
         typer.echo(f"// ----- IR after {spec} -----", err=True)
@@ -84,5 +92,5 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
         for d in sink.warnings:
             typer.echo(f"warning: {d.message} (a job of this IR would run out of memory)", err=True)
         sink.raise_if_errors()
-    names = list(PIPELINES[level]) if level is not None else [r.spec for r in pm.records]
+    names = list(PIPELINES[level]) if level is not None and passes is None else [r.spec for r in pm.records]
     return Optimised(module, pm, level, names)

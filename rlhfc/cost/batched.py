@@ -14,7 +14,7 @@ import numpy as np
 
 from rlhfc.ir import Module
 
-from rlhfc.ir.plan import Layout
+from rlhfc.ir.plan import Layout, splits
 from .model import CostConfig, CostModel, price
 
 KEYS = ("total", "compute", "memory", "comm", "overhead", "weights_bytes", "state_bytes", "transient_bytes")
@@ -28,20 +28,16 @@ def have_jax() -> bool:
     return True
 
 
-def candidate_layouts(first: int, count: int, *, per_node: int, heads: int, layers: int,
+def candidate_layouts(first: int, count: int, *, per_node: int, heads: int, layers: int, kv_heads: int | None = None,
                       microbatches=(1,), recompute=("none",)) -> list[Layout]:
-    """Every (dp, tp, pp) split of ``count`` devices with tp inside a node and dividing ``heads``, pp <= layers."""
+    """Every (dp, tp, pp) split of ``count`` devices the hardware rules allow (:mod:`rlhfc.ir.plan.hardware`:
+    tp dividing ``heads`` and ``kv_heads`` with its groups inside a node, pp dividing ``layers``)."""
     out = []
-    for tp in range(1, count + 1):
-        if count % tp or heads % tp or tp > max(per_node, 1):
-            continue
-        for pp in range(1, count // tp + 1):
-            if (count // tp) % pp or pp > layers:
-                continue
-            dp = count // (tp * pp)
-            for mb in microbatches:
-                for rc in recompute:
-                    out.append(Layout(first, count, dp, tp, pp, mb, rc))
+    for dp, tp, pp in splits(first, count, per_node=per_node, heads=heads, kv_heads=kv_heads or heads,
+                             layers=layers):
+        for mb in microbatches:
+            for rc in recompute:
+                out.append(Layout(first, count, dp, tp, pp, mb, rc))
     return out
 
 

@@ -171,7 +171,7 @@ def suggest_layout(cm: CostModel, module: Module, stage: str, budget: float) -> 
         return None
     lay = cm.layout(st)
     cands = candidate_layouts(lay.first, lay.count, per_node=module.cluster.per_node, heads=model.heads,
-                              layers=model.layers, microbatches=(lay.microbatches,),
+                              kv_heads=model.kv_heads, layers=model.layers, microbatches=(lay.microbatches,),
                               recompute=RECOMPUTE_POLICIES if st.op == "train" else ("none",))
     if not cands:
         return None
@@ -197,8 +197,8 @@ def unfittable(module: Module, sink: DiagnosticSink, config: CostConfig | None =
             continue
         best = None
         for mb in (1, 2, 4, 8):
-            cands = candidate_layouts(0, n, per_node=module.cluster.per_node, heads=model.heads, layers=model.layers,
-                                      microbatches=(mb,), recompute=("full",) if st.op == "train" else ("none",))
+            cands = candidate_layouts(0, n, per_node=module.cluster.per_node, heads=model.heads,
+                                      kv_heads=model.kv_heads, layers=model.layers, microbatches=(mb,), recompute=("full",) if st.op == "train" else ("none",))
             if not cands:
                 continue
             res = evaluate(module, st.name, cands, cost_model=cm)

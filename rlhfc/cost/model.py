@@ -163,6 +163,13 @@ def _bound(parts: dict) -> str:
 class CostModel:
     """Prices the stages of ``module`` (per-stage time, memory per device, generation finish times)."""
 
+    def __new__(cls, module: Module, config: CostConfig | None = None):
+        if cls is CostModel and (plan.strategy(module) or "").startswith("baseline:"):
+            from .baselines import BaselineCostModel   # a baseline's plan is priced with its system's terms
+
+            cls = BaselineCostModel
+        return super().__new__(cls)
+
     def __init__(self, module: Module, config: CostConfig | None = None):
         self.module = module
         self.config = config or CostConfig()

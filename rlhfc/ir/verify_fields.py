@@ -23,7 +23,7 @@ from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
 from .lora import lora_problems
 from .ops import OpSpec
-from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, TRAINERS
+from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, TRAINERS, placement_problem
 from .plan import describe as _describe
 
 #: the arithmetic a run may choose (``run { precision = ... }``)
@@ -309,8 +309,8 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
         f.error("optimize", f"optimize must be one of {', '.join(OPT_LEVELS)}, got {_name(r.optimize)}",
                 "O0 runs no passes, O1 is the default; e.g. optimize = O2")
     if r.placement not in PLACEMENTS:
-        f.error("placement", f"placement must be one of {', '.join(PLACEMENTS)}, got {_name(r.placement)}",
-                "auto searches on multi-device clusters; e.g. placement = interleave")
+        message, hint = placement_problem(_name(r.placement))
+        f.error("placement", message, hint)
     if r.trainer not in TRAINERS:
         hint = " ".join(filter(None, [did_you_mean(str(r.trainer), TRAINERS),
                                       "torch runs one process per model and mesh; fsdp runs a data-parallel layout "

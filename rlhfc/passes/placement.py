@@ -4,11 +4,12 @@ Strategies (``placement{strategy=...}``, the program's ``run { placement = ... }
 or ``--placement``):
 
 - ``flatten`` — every model on every device, one layout (DeepSpeed-Chat style).
-- ``interleave`` — models get exclusive device shares sized by their work and
-  run concurrently; with fewer devices than models, models are packed into
+- ``interleave`` — models get exclusive device shares sized by their work (whole nodes for a model
+  heavy enough, or too large in memory, for one; the others share nodes, each node split by work into
+  shares dividing it) and run concurrently; with fewer devices than models, models are packed into
   shares by longest-processing-time (on 2 CPU cores: the actor alone on one
   core, critic + reference + reward on the other).
-- ``separate`` — generation on its own devices, apart from training and the
+- ``separate`` — generation on its own devices (whole nodes on a multi-node cluster), apart from training and the
   other forwards (a shadow copy of the actor serves generation; ``realloc``
   inserts the weight transfer after each train step).
 - ``search`` (the default on clusters of more than one device) — start from the
@@ -16,6 +17,10 @@ or ``--placement``):
   (aligned power-of-two device ranges) and generation meshes, each plan priced
   by the simulator over 3 unrolled steps; plans that overflow memory cost ×3
   (as ReaL). Returns the fastest plan that fits; bounded by ``seconds``.
+
+Every mesh is node-aligned (inside one node, or whole nodes) and every split obeys the hardware rules of
+:mod:`rlhfc.ir.plan.hardware` (tp inside a node dividing heads and kv heads, pp dividing layers); memory is
+counted once (:mod:`rlhfc.passes.layouts`).
 
 Each model stage gets ``mesh = {first, count}`` and ``parallel = {dp, tp, pp}``:
 the fastest split of its mesh (cost model) whose memory fits beside the other
@@ -38,9 +43,10 @@ import time
 from dataclasses import dataclass, field
 
 from rlhfc.ir import DiagnosticSink, Module, plan
-from rlhfc.ir.plan import STRATEGIES, Layout
+from rlhfc.ir.plan import STRATEGIES
 
 from .base import Pass, register_pass
+from .layouts import apply
 
 #: whether search may put a model's generation on other devices than its training (needs realloc)
 SPLIT_GENERATION = True
@@ -52,7 +58,8 @@ class Placement(Pass):
     name = "placement"
     description = "place models on devices: flatten | interleave | separate | search (cost-model MCMC)"
     exact = True
-    strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
+    strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, auto, or "
+                                                            "baseline:dschat|openrlhf|verl|nemo"})
     seconds: float = field(default=15.0, metadata={"doc": "time budget of the search"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
 
@@ -62,6 +69,10 @@ class Placement(Pass):
 
     def run(self, module: Module) -> Module:
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
+        if strategy.startswith("baseline:"):   # another system's plan, as it would run (passes/baselines.py)
+            from .baselines import build
+
+            return build(module, strategy.split(":", 1)[1])
         if strategy == "auto":
             strategy = "search" if module.cluster.num_devices > 1 else "flatten"
         assign_fn = {"flatten": flatten, "interleave": interleave, "separate": separate}.get(strategy)
@@ -153,22 +164,102 @@ def _work(module: Module) -> dict[str, float]:
 
 
 def _shares(module: Module, work: dict[str, float]) -> dict[str, tuple[int, int]]:
-    """Exclusive device ranges sized by work (a fixed-layout model's: its dp·tp·pp, when all fit side by
-    side); packed by longest-processing-time when devices are few."""
-    n = module.cluster.num_devices
+    """Exclusive node-aligned device ranges sized by work (a fixed-layout model's: its dp·tp·pp, when all fit
+    side by side): models heavy enough for a node or more get whole nodes, the others share nodes, packed by
+    longest-processing-time, each node's devices split by work (on one device, models share it)."""
+    n, per = module.cluster.num_devices, max(module.cluster.per_node, 1)
     names = sorted(work, key=lambda m: (-work[m], m))
     fixed = {m: k for m, k in _fixed_sizes(module).items() if m in work}
     if fixed and sum(fixed.values()) + len(names) - len(fixed) <= n:
         return _fixed_shares(names, work, fixed, n)
-    if n < len(names):
-        bins = [[] for _ in range(n)]
-        load = [0.0] * n
+    nodes = n // per
+    total = sum(work.values()) or 1.0
+    least = _least_devices(module, names)
+    big = [m for m in names if nodes > 1 and (n * work[m] / total >= per / 2 or least[m] >= per)]
+    while big:
+        small = [m for m in names if m not in big]
+        small_nodes = max(1, round(sum(n * work[m] / total for m in small) / per)) if small else 0
+        if len(big) <= nodes - small_nodes:
+            break
+        big.pop()                                          # too few nodes: the lightest joins the shared ones
+    small = [m for m in names if m not in big]
+    small_nodes = min(nodes, max(1, round(sum(n * work[m] / total for m in small) / per))) if small else 0
+    out = {}
+    counts = _sized(big, work, nodes - small_nodes, least={m: -(-least[m] // per) for m in big})
+    for m, (first, k) in _side_by_side(big, counts).items():
+        out[m] = (first * per, k * per)
+    base = (nodes - small_nodes) * per
+    bins = [[] for _ in range(small_nodes)]
+    load = [0.0] * small_nodes
+    for m in small:                                        # longest-processing-time over the shared nodes
+        i = min(range(small_nodes), key=lambda b: (load[b], b))
+        bins[i].append(m)
+        load[i] += work[m]
+    for i, ms in enumerate(bins):
+        first = base + i * per
+        if per < len(ms):
+            devs = [[] for _ in range(per)]
+            dload = [0.0] * per
+            for m in ms:
+                j = min(range(per), key=lambda b: (dload[b], b))
+                devs[j].append(m)
+                dload[j] += work[m]
+            out.update({m: (first + j, 1) for j, group in enumerate(devs) for m in group})
+        else:
+            counts = _sized(ms, work, per, least=least)
+            if module.cluster.device != "cpu":   # CPU meshes are one process's threads: no splits to even out
+                counts = _divisor_sized(ms, counts, per)
+            order = sorted(ms, key=lambda m: -counts[m])   # largest first: every share starts at a multiple of it
+            for m, (f, k) in _side_by_side(order, counts).items():
+                out[m] = (first + f, k)
+    return out
+
+
+def _divisor_sized(names: list[str], counts: dict[str, int], per: int) -> dict[str, int]:
+    """``counts`` (summing to at most ``per``) rounded down to divisors of ``per`` (a share of a node that
+    splits evenly: tp groups and pipeline stages of equal size), then the freed devices handed back, each
+    share growing to its next divisor while they last (heaviest first)."""
+    divisors = [d for d in range(1, per + 1) if per % d == 0]
+    out = {m: max(d for d in divisors if d <= counts[m]) for m in names}
+    grown = True
+    while grown:
+        grown = False
         for m in names:
-            i = min(range(n), key=lambda b: (load[b], b))
-            bins[i].append(m)
-            load[i] += work[m]
-        return {m: (i, 1) for i, ms in enumerate(bins) for m in ms}
-    return _side_by_side(names, _sized(names, work, n))
+            nxt = [d for d in divisors if d > out[m]]
+            if nxt and sum(out.values()) - out[m] + nxt[0] <= per:
+                out[m], grown = nxt[0], True
+                break
+    return out
+
+
+def _least_devices(module: Module, names: list[str]) -> dict[str, int]:
+    """The fewest devices (a node-aligned mesh size) on which each model's stages fit alone in memory, in
+    the split that needs least (8 micro-batches, full recompute); the cluster's size when none does."""
+    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+
+    n, per = module.cluster.num_devices, module.cluster.per_node
+    if module.cluster.device == "cpu":
+        return {m: 1 for m in names}
+    trial = module.clone()
+    apply(trial, flatten(trial), layouts=False)
+    cm = CostModel(trial)
+    stages = _model_stages(trial)
+    out = {}
+    for m in names:
+        model = trial.models[m]
+        out[m] = n
+        for size in plan.aligned_sizes(n, per):
+            need = 0.0
+            for st in stages.get(m, []):
+                cands = candidate_layouts(0, size, per_node=per, heads=model.heads, kv_heads=model.kv_heads,
+                                          layers=model.layers, microbatches=(8,),
+                                          recompute=("full",) if st.op == "train" else ("none",))
+                res = evaluate(trial, st.name, cands, cost_model=cm)
+                need = max(need, float((res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]).min()))
+            if need <= cm.spec.memory:
+                out[m] = size
+                break
+    return out
 
 
 def _fixed_shares(names: list[str], work: dict[str, float], fixed: dict[str, int], n: int) -> dict:
@@ -177,13 +268,19 @@ def _fixed_shares(names: list[str], work: dict[str, float], fixed: dict[str, int
     return _side_by_side(names, {**_sized(rest, work, n - sum(fixed.values())), **fixed})
 
 
-def _sized(names: list[str], work: dict[str, float], n: int) -> dict[str, int]:
-    """Device counts for ``names`` out of ``n``, in proportion to their work (at least one each; the
-    largest shares trimmed, spare devices handed to the heaviest first)."""
+def _sized(names: list[str], work: dict[str, float], n: int, least: dict[str, int] | None = None) -> dict[str, int]:
+    """Device counts for ``names`` out of ``n``, in proportion to their work (at least ``least[m]``, else one,
+    each, while the total allows; the largest shares trimmed, spare devices handed to the heaviest first)."""
+    if not names:
+        return {}
+    floor = {m: 1 for m in names}
+    if least and sum(least.get(m, 1) for m in names) <= n:
+        floor = {m: max(1, least.get(m, 1)) for m in names}
     total = sum(work[m] for m in names) or 1.0
-    counts = {m: max(1, int(n * work[m] / total)) for m in names}
-    while sum(counts.values()) > n:                       # trim the largest shares
-        big = max(counts, key=lambda m: counts[m])
+    counts = {m: max(floor[m], int(n * work[m] / total)) for m in names}
+    while sum(counts.values()) > n:                       # trim the largest shares above their floor
+        over = [m for m in counts if counts[m] > floor[m]] or list(counts)
+        big = max(over, key=lambda m: counts[m])
         counts[big] -= 1
     spare = n - sum(counts.values())
     for m in names:                                       # hand spare devices to the heaviest
@@ -209,14 +306,22 @@ def interleave(module: Module) -> dict[str, tuple[int, int]]:
 
 
 def separate(module: Module) -> dict[str, tuple[int, int]]:
-    """Generation on the first devices (sized by its share of the work), everything else on the rest."""
-    n = module.cluster.num_devices
+    """Generation on the first devices (sized by its share of the work: whole nodes on a multi-node
+    cluster, else a share of the node that divides it), everything else on the rest."""
+    n, per = module.cluster.num_devices, max(module.cluster.per_node, 1)
     if n < 2:
         return flatten(module)
     seconds = _flat_stage_seconds(module)
     gen = sum(t for name, t in seconds.items() if module.graph.stage(name).op == "generate")
     rest = sum(seconds.values()) - gen
-    k = min(n - 1, max(1, round(n * gen / max(gen + rest, 1e-9))))
+    share = gen / max(gen + rest, 1e-9)
+    nodes = n // per
+    if nodes >= 2:
+        k = per * min(nodes - 1, max(1, round(nodes * share)))
+    elif module.cluster.device != "cpu":   # part of one node, a share that divides it (tp/pp split evenly)
+        k = min((d for d in range(1, n) if n % d == 0), key=lambda d: (abs(d - n * share), d))
+    else:
+        k = min(n - 1, max(1, round(n * share)))
     out = {}
     for stages in _model_stages(module).values():
         for s in stages:
@@ -225,12 +330,13 @@ def separate(module: Module) -> dict[str, tuple[int, int]]:
 
 
 def _meshes(n: int, per_node: int) -> list[tuple[int, int]]:
-    """Aligned power-of-two ranges (within a node, or whole nodes)."""
+    """Aligned power-of-two ranges (within a node, or whole nodes), and the whole cluster."""
     out = []
     size = 1
     while size <= n:
         if size <= per_node or size % per_node == 0:
-            out += [(first, size) for first in range(0, n - size + 1, size)]
+            out += [(first, size) for first in range(0, n - size + 1, size)
+                    if plan.mesh_aligned(first, size, per_node)]
         size *= 2
     if (0, n) not in out:
         out.append((0, n))
@@ -314,74 +420,3 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
             if t < best_t:
                 best, best_t, idle = prop, t, 0
     return result(best)
-
-
-# -- applying a plan ----------------------------------------------------------------------------------------
-
-def _runnable(module: Module, model, lay: Layout) -> bool:
-    """Whether the run's trainer can run ``model`` in ``lay``'s split: a fixed layout only as fixed; under
-    fsdp dp only; under megatron (or auto picking it) tp dividing heads, kv_heads, ffn and vocab, pp dividing
-    layers. ``torch`` runs one process whatever the split (the split only prices the plan)."""
-    fixed = plan.fixed_layout(model)
-    if fixed is not None:
-        return (lay.dp, lay.tp, lay.pp) == (fixed.dp, fixed.tp, fixed.pp)
-    trainer = plan.resolve_trainer(module.run.trainer, plan.Parallel(lay.dp, lay.tp, lay.pp))
-    if trainer == "fsdp":
-        return lay.tp == 1 and lay.pp == 1
-    if trainer == "megatron":
-        return all(v % lay.tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab)) \
-            and model.layers % lay.pp == 0
-    return True
-
-
-def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
-    """Annotate every model stage with its mesh and the fastest parallel split that fits (a fixed-layout
-    model's stages: its layout, on a mesh of its size)."""
-    for s in module.graph.stages:
-        if s.name not in assign:
-            continue
-        first, count = assign[s.name]
-        fixed = plan.fixed_layout(module.models.get(s.target or ""))
-        if fixed is not None and fixed.size == count:
-            plan.set_layout(s, Layout(first, count, fixed.dp, fixed.tp, fixed.pp))
-        else:
-            plan.set_layout(s, Layout(first, count, dp=count))
-    if not layouts or module.cluster.device == "cpu":
-        return
-    from rlhfc.cost import CostModel, candidate_layouts, evaluate, have_jax
-
-    cm = CostModel(module)
-    meshes: dict[str, set] = {}
-    for name, (first, count) in assign.items():
-        meshes.setdefault(module.graph.stage(name).target, set()).update(range(first, first + count))
-    # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
-    # the split its train stage (else its first stage there) gets
-    one_split = module.run.trainer != "torch"
-    stages = sorted(module.graph.stages, key=lambda s: s.op != "train") if one_split else module.graph.stages
-    chosen: dict[tuple, tuple[int, int, int]] = {}
-    for s in stages:
-        if s.name not in assign or s.op.split(".")[0] not in ("generate", "forward", "train"):
-            continue
-        model = module.models[s.target]
-        first, count = assign[s.name]
-        # a fair share of each device: every model living on these devices keeps its weights there
-        mine = set(range(first, first + count))
-        sharing = sum(1 for devs in meshes.values() if devs & mine) or 1
-        capacity = cm.spec.memory / sharing / squeeze
-        train = s.op == "train"
-        cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
-                                  layers=model.layers, microbatches=(1, 2, 4, 8),
-                                  recompute=plan.RECOMPUTE_POLICIES if train else ("none",))
-        cands = [c for c in cands if _runnable(module, model, c)]
-        key = (s.target, first, count)
-        if one_split and key in chosen:
-            cands = [c for c in cands if (c.dp, c.tp, c.pp) == chosen[key]]
-        if not cands:
-            continue
-        res = evaluate(module, s.name, cands, cost_model=cm, backend="jax" if have_jax() else "numpy")
-        mem = res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]
-        order = sorted(range(len(cands)), key=lambda i: res["total"][i])
-        fits = [i for i in order if mem[i] <= capacity]
-        pick = cands[(fits or sorted(range(len(cands)), key=lambda i: mem[i]))[0]]
-        plan.set_layout(s, pick)
-        chosen.setdefault(key, (pick.dp, pick.tp, pick.pp))

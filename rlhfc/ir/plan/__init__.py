@@ -32,23 +32,28 @@ read as a :class:`Sync`. Absent annotations take the defaults the runtime uses
 The single lists (-O levels, placement strategies, recompute policies, weight
 transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 :func:`workers`, :func:`stream_consumers`, :func:`sync_destination`,
-:func:`device_shares`) live here too.
+:func:`device_shares`) live here too, and the hardware rules of meshes and splits
+(:mod:`rlhfc.ir.plan.hardware`: node-aligned meshes, tp inside a node dividing the heads, pp dividing the layers).
 """
 
 from __future__ import annotations
 
+from .attrs import BASELINES, placement_problem
 from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, RUN_TRAINERS, STRATEGIES, TRAINERS,
                     TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream,
                     Sync, describe, opt_level)
 from .check import verify_plan
+from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
 from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, mesh, microbatches, on_worker,
-                    overcommit, overcommit_delta, overlap_group, policy_temperature, recompute, recompute_decision, set_flag,
-                    set_layout, set_overlap, set_recompute,
+                    overcommit, overcommit_delta, overlap_group, policy_temperature, recompute, recompute_decision,
+                    set_flag, set_layout, set_overlap, set_recompute, unset,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
                     stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
                     worker_ranks, workers, planned_layout, resolve_trainer, worker_layout)
 
 __all__ = [
+    "BASELINES", "placement_problem", "unset",
+    "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
     "LAYOUT_FACTORS", "RUN_TRAINERS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",

@@ -12,8 +12,10 @@ from ..diagnostics import CompileError, Diagnostic
 
 #: optimisation levels, in order (``rlhfc.passes.pipelines`` says which passes each runs)
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
+#: other systems whose plans ``placement = "baseline:NAME"`` builds (:mod:`rlhfc.passes.baselines`)
+BASELINES = ("dschat", "openrlhf", "verl", "nemo")
 #: placement strategies a plan can have (the module's ``strategy`` annotation)
-STRATEGIES = ("flatten", "interleave", "separate", "search")
+STRATEGIES = ("flatten", "interleave", "separate", "search") + tuple(f"baseline:{b}" for b in BASELINES)
 #: what a program's ``run { placement = ... }`` and ``--placement`` accept
 PLACEMENTS = ("auto",) + STRATEGIES
 #: activation recomputation policies of a training stage, cheapest in memory last
@@ -31,6 +33,21 @@ LAYOUT_FACTORS = ("dp", "tp", "pp")
 TRANSPORTS = ("object_store", "collective")
 #: op families whose stages run on a model's worker
 WORKER_FAMILIES = ("generate", "forward", "train", "sync")
+
+
+def placement_problem(name) -> tuple[str, str] | None:
+    """What is wrong with a placement name (``run { placement = ... }``, ``--placement``), as (message,
+    hint); None when it is one of :data:`PLACEMENTS`."""
+    if name in PLACEMENTS:
+        return None
+    text = str(name)
+    if text.startswith("baseline:"):
+        return (f"unknown baseline '{text[len('baseline:'):]}'",
+                f"baselines: {', '.join(f'baseline:{b}' for b in BASELINES)} (the plans of DeepSpeed-Chat, "
+                "OpenRLHF, verl and NeMo-Aligner)")
+    got = name if isinstance(name, str) else describe(name)
+    return (f"placement must be one of {', '.join(PLACEMENTS)}, got {got}",
+            "auto searches on multi-device clusters; e.g. placement = interleave")
 
 
 def opt_level(text) -> str:

@@ -49,6 +49,9 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
                        f"has {total}", at, f"add devices (a cluster of at least {fixed.size}), or choose a layout "
                        f"whose dp * tp * pp is at most {total}")
             continue
+        if _fixed_off_nodes(module, m, fixed, text, at, sink):
+            wrong.add(m.name)
+            continue
         if trainer == "torch" and fixed.size > 1:
             sink.error(f"model @{m.name}: {text} runs as {fixed.size} processes, but trainer = torch runs every "
                        "model as one process", at, "set run { trainer = auto } (or fsdp for a dp-only layout, "
@@ -113,6 +116,26 @@ def _verify_lora(module: Module, sink: DiagnosticSink) -> None:
             sink.error(f"model @{m.name} has LoRA adapters, which only the torch trainer runs, not {w.trainer}",
                        where(module.run, "trainer") if module.run.trainer != "auto" else where(m, "lora"),
                        "set run { trainer = torch } (one process per model), or drop lora(...)")
+
+
+def _fixed_off_nodes(module: Module, m: Model, fixed: Parallel, text: str, at, sink: DiagnosticSink) -> bool:
+    """A fixed layout no node-aligned mesh of the cluster can hold (:mod:`rlhfc.ir.plan.hardware`): more than a
+    node's devices but not whole nodes, or tensor-parallel groups that would cross a node. Reported; True if so."""
+    per, size = module.cluster.per_node, fixed.size
+    if not (_is_int(per) and per >= 1) or module.cluster.nodes == 1:
+        return False
+    if size > per and size % per:
+        sink.error(f"model @{m.name}: {text} needs {size} devices, more than a node's {per} but not whole nodes",
+                   at, f"a mesh lies inside one node or spans whole nodes: make dp * tp * pp at most {per} or a "
+                   f"multiple of {per}")
+        return True
+    if fixed.tp > per or (size > per and per % fixed.tp):
+        ok = [t for t in range(1, per + 1) if per % t == 0]
+        sink.error(f"model @{m.name}: tp = {fixed.tp} tensor-parallel groups would cross nodes of {per} devices",
+                   where(m, "layout.tp", "layout"), "tp all-reduces every layer and stays inside a node: use tp = "
+                   f"{' or '.join(map(str, ok))}")
+        return True
+    return False
 
 
 def _verify_megatron(module: Module, m: Model, par: Parallel, count: int, sink: DiagnosticSink) -> None:

@@ -156,6 +156,12 @@ def set_layout(stage: Stage, layout: Layout, *, parallel: bool = True) -> None:
             stage.annotations.pop(key, None)
 
 
+def unset(stage: Stage, *keys: str) -> None:
+    """Remove the annotations ``keys`` of ``stage`` (a decision a later pass takes back)."""
+    for key in keys:
+        stage.annotations.pop(key, None)
+
+
 def set_flag(stage: Stage, name: str) -> None:
     """Set a boolean annotation (``unpad``, ``logprobs``)."""
     stage.annotations[name] = True

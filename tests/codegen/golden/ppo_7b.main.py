@@ -22,7 +22,7 @@ def step(job, w):
     prompts = job.next_prompts('prompts', 512)
     # stream: finished samples flow in chunks of 12 to ref_logp, values, scores while generation goes on
     roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=12, take=None, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1, unpad=True, logprobs=True, slots=256),
+        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=12, take=None, max_new_tokens=512, temperature=1.0, top_p=1.0, n=1, unpad=True, logprobs=True),
         prompts=prompts,
         consumers={
             'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0),

@@ -1,0 +1,92 @@
+"""Predicted step time of rlhfc's plan and of each baseline's (DeepSpeed-Chat, OpenRLHF, verl, NeMo-Aligner)
+at the configurations the papers report, with catalog rates only (no profile, no constant tuned to a paper).
+
+    python benchmarks/baselines.py            # every configuration (a few minutes on 2 cores)
+    python benchmarks/baselines.py --quick    # the 7B one only
+
+Prints, per configuration, each plan's predicted seconds per step and its ratio to rlhfc's (baseline /
+rlhfc: how much faster rlhfc's plan is predicted to be), and verl's ratio to the others (HybridFlow's own
+comparison). docs/benchmarks.md ("Baselines") sets these beside the published figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlhfc.cli.load import load  # noqa: E402
+from rlhfc.cli.optimise import optimise  # noqa: E402
+from rlhfc.cost import simulate  # noqa: E402
+from rlhfc.cost.baselines import SYSTEMS  # noqa: E402
+
+PROGRAM = """
+cluster c {{ gpu = "{gpu}"; nodes = {nodes}; gpus_per_node = 8 }}
+model actor  = llama(size = {actor}) trainable
+model critic = llama(size = {critic}) head = value trainable
+model ref    = copy(actor) frozen
+model reward = llama(size = {critic}) head = score frozen
+data prompts = synthetic(count = 100000, min_len = {prompt}, max_len = {prompt})
+pipeline ppo(batch = {batch}) {{
+  roll     = actor.generate(prompts, max_new_tokens = {response}, temperature = 1.0)
+  logp     = actor.logprobs(roll)
+  ref_logp = ref.logprobs(roll)
+  values   = critic.values(roll)
+  scores   = reward.score(roll)
+  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.05)
+  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = 1e-6, epochs = 1, minibatches = {minibatches})
+  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = 5e-6, epochs = 1, minibatches = {minibatches})
+}}
+run {{ steps = 10; seed = 0; optimize = O2 }}
+"""
+
+#: (name, settings): HybridFlow's PPO workload (all four models one size, 1024-token prompts and responses,
+#: 1024 prompts a step, A100-80GB); ReaL's largest (4 x 70B on 128 H100s); the repository's two examples'
+#: shapes (7B on one A100 node; 70B actor with 7B critic/reward on 16 H100 nodes)
+CONFIGS = [
+    ("hybridflow-7B-16xA100", dict(gpu="A100-80GB", nodes=2, actor="7B", critic="7B", prompt=1024,
+                                   response=1024, batch=1024, minibatches=8)),
+    ("hybridflow-13B-32xA100", dict(gpu="A100-80GB", nodes=4, actor="13B", critic="13B", prompt=1024,
+                                    response=1024, batch=1024, minibatches=8)),
+    ("hybridflow-70B-128xA100", dict(gpu="A100-80GB", nodes=16, actor="70B", critic="70B", prompt=1024,
+                                     response=1024, batch=1024, minibatches=8)),
+    ("real-4x70B-128xH100", dict(gpu="H100-80GB", nodes=16, actor="70B", critic="70B", prompt=1024,
+                                 response=1024, batch=512, minibatches=8)),
+]
+
+
+def predict(text: str, placement: str | None) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".rlhf", delete=False) as fh:
+        fh.write(text)
+    try:
+        module, _ = load(fh.name, [])
+        done = optimise(module, None, None, placement=placement, memory_check=False)
+        return simulate(done.module, steps=3).step_time_s
+    finally:
+        os.unlink(fh.name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    configs = CONFIGS[:1] if args.quick else CONFIGS
+    names = ["rlhfc"] + [f"baseline:{b}" for b in SYSTEMS]
+    print(f"{'configuration':<26}" + "".join(f"{n:>18}" for n in names) + "   verl vs dschat/openrlhf/nemo")
+    for label, cfg in configs:
+        t0 = time.perf_counter()
+        text = PROGRAM.format(**cfg)
+        times = {n: predict(text, None if n == "rlhfc" else n) for n in names}
+        base = times["rlhfc"]
+        cells = "".join(f"{times[n]:>9.1f}s {times[n] / base:>5.2f}x " for n in names)
+        verl = times["baseline:verl"]
+        vs = "/".join(f"{times[f'baseline:{b}'] / verl:.2f}" for b in ("dschat", "openrlhf", "nemo"))
+        print(f"{label:<26}{cells}  {vs}   ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

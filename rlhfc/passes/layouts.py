@@ -1,0 +1,141 @@
+"""Applying a placement: each model stage's mesh, then the fastest parallel split that fits its memory.
+
+A plan here is ``{stage name: (first, count)}``. :func:`apply` annotates every model stage with its mesh and
+picks its ``(dp, tp, pp)``, micro-batches and recompute policy among the splits the hardware rules allow
+(:mod:`rlhfc.ir.plan.hardware`) and the run's trainer can run.
+
+Memory is counted once: a stage may use what its devices have left after what the *other* models placed
+there hold (their chosen layout's weights and optimizer state, or the least any of their layouts needs
+while not yet chosen), beside what its own model already holds there. No device's capacity is split per
+model or shrunk beyond that; ``squeeze`` (placement's retry when the simulated peak of stages running at
+the same time overflows) divides only that remaining headroom.
+"""
+
+from __future__ import annotations
+
+from rlhfc.ir import Module, plan
+from rlhfc.ir.plan import Layout
+
+
+def runnable(module: Module, model, lay: Layout) -> bool:
+    """Whether the run's trainer can run ``model`` in ``lay``'s split: a fixed layout only as fixed; under
+    fsdp dp only; under megatron (or auto picking it) tp dividing heads, kv_heads, ffn and vocab, pp dividing
+    layers. ``torch`` runs one process whatever the split (the split only prices the plan)."""
+    fixed = plan.fixed_layout(model)
+    if fixed is not None:
+        return (lay.dp, lay.tp, lay.pp) == (fixed.dp, fixed.tp, fixed.pp)
+    trainer = plan.resolve_trainer(module.run.trainer, plan.Parallel(lay.dp, lay.tp, lay.pp))
+    if trainer == "fsdp":
+        return lay.tp == 1 and lay.pp == 1
+    if trainer == "megatron":
+        return all(v % lay.tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab)) \
+            and model.layers % lay.pp == 0
+    return True
+
+
+def set_meshes(module: Module, assign: dict[str, tuple[int, int]]) -> None:
+    """Every assigned stage's mesh, split dp only (a fixed-layout model's: its layout, on a mesh of its size)."""
+    for s in module.graph.stages:
+        if s.name not in assign:
+            continue
+        first, count = assign[s.name]
+        fixed = plan.fixed_layout(module.models.get(s.target or ""))
+        if fixed is not None and fixed.size == count:
+            plan.set_layout(s, Layout(first, count, fixed.dp, fixed.tp, fixed.pp))
+        else:
+            plan.set_layout(s, Layout(first, count, dp=count))
+
+
+def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
+    """Annotate every model stage with its mesh and the fastest parallel split that fits (a fixed-layout
+    model's stages: its layout, on a mesh of its size)."""
+    set_meshes(module, assign)
+    if not layouts or module.cluster.device == "cpu":
+        return
+    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+
+    cm = CostModel(module)
+    # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
+    # the split its train stage (else its first stage there) gets
+    one_split = module.run.trainer != "torch"
+    stages = [s for s in sorted(module.graph.stages, key=lambda s: s.op != "train")
+              if s.name in assign and s.op.split(".")[0] in ("generate", "forward", "train")]
+    cands, res = {}, {}
+    for s in stages:
+        model = module.models[s.target]
+        first, count = assign[s.name]
+        c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
+                              kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
+                              recompute=plan.RECOMPUTE_POLICIES if s.op == "train" else ("none",))
+        cands[s.name] = [x for x in c if runnable(module, model, x)]
+        if cands[s.name]:   # a few hundred candidates: NumPy prices them faster than one JAX compile per shape
+            res[s.name] = evaluate(module, s.name, cands[s.name], cost_model=cm, backend="numpy")
+    held = _Resident(module, assign, stages, res)
+    chosen: dict[tuple, tuple[int, int, int]] = {}
+    for s in stages:
+        first, count = assign[s.name]
+        key = (s.target, first, count)
+        c = cands[s.name]
+        idx = list(range(len(c)))
+        if one_split and key in chosen:
+            idx = [i for i in idx if (c[i].dp, c[i].tp, c[i].pp) == chosen[key]]
+        if not idx:
+            continue
+        r = res[s.name]
+        base, need = held.need(s, r, idx)
+        room = (cm.spec.memory - base) / squeeze
+        fits = [i for i in sorted(idx, key=lambda i: r["total"][i]) if need[i] - base <= room]
+        pick = (fits or sorted(idx, key=lambda i: need[i]))[0]
+        plan.set_layout(s, c[pick])
+        held.choose(s, *(float(r[k][pick]) for k in ("weights_bytes", "state_bytes", "transient_bytes")))
+        chosen.setdefault(key, (c[pick].dp, c[pick].tp, c[pick].pp))
+
+
+class _Resident:
+    """Per device, what each model keeps resident (weights; gradients + optimizer state: the largest over the
+    model's stages there, as the simulator counts them) and the largest activations / KV cache of the stages
+    chosen so far. Before a model's layout is chosen it holds the least any of its candidate layouts needs.
+
+    Invariant kept by every choice that fits: on each device, what the models hold plus the largest transient
+    of a chosen stage there is within capacity (stages on one device run one at a time; the simulator checks
+    the overlaps)."""
+
+    def __init__(self, module: Module, assign: dict, stages: list, res: dict):
+        self.devices = {s.name: range(assign[s.name][0], sum(assign[s.name])) for s in stages}
+        self.floor: dict[str, dict[int, float]] = {}
+        for s in stages:
+            if s.name not in res:
+                continue
+            low = float((res[s.name]["weights_bytes"] + res[s.name]["state_bytes"]).min())
+            per = self.floor.setdefault(s.target, {})
+            for d in self.devices[s.name]:
+                per[d] = max(per.get(d, 0.0), low)
+        self.weights: dict[str, dict[int, float]] = {}
+        self.state: dict[str, dict[int, float]] = {}
+        self.transient: dict[int, float] = {}
+
+    def _held(self, model: str, d: int) -> float:
+        if d in self.weights.get(model, {}):
+            return self.weights[model][d] + self.state[model][d]
+        return self.floor.get(model, {}).get(d, 0.0)
+
+    def need(self, stage, r, idx: list[int]) -> tuple[float, dict[int, float]]:
+        """The most any device of ``stage``'s mesh holds now (``base``), and its peak under each candidate."""
+        models = set(self.floor) | set(self.weights)
+        own = stage.target
+        profiles = set()
+        for d in self.devices[stage.name]:
+            others = sum(self._held(m, d) for m in models if m != own)
+            profiles.add((others, self.weights.get(own, {}).get(d, 0.0), self.state.get(own, {}).get(d, 0.0),
+                          self.transient.get(d, 0.0), self._held(own, d)))
+        base = max(o + held + t for o, _, _, t, held in profiles)
+        w, st, tr = (r[k] for k in ("weights_bytes", "state_bytes", "transient_bytes"))
+        return base, {i: max(o + max(wd, float(w[i])) + max(sd, float(st[i])) + max(t, float(tr[i]))
+                             for o, wd, sd, t, _ in profiles) for i in idx}
+
+    def choose(self, stage, weights: float, state: float, transient: float) -> None:
+        ws, ss = self.weights.setdefault(stage.target, {}), self.state.setdefault(stage.target, {})
+        for d in self.devices[stage.name]:
+            ws[d] = max(ws.get(d, 0.0), weights)
+            ss[d] = max(ss.get(d, 0.0), state)
+            self.transient[d] = max(self.transient.get(d, 0.0), transient)
