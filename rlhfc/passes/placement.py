@@ -15,7 +15,9 @@ or ``--placement``):
   best of the three, then a Metropolis (MCMC) walk over per-model meshes
   (aligned power-of-two device ranges) and generation meshes, each plan priced
   by the simulator over 3 unrolled steps; plans that overflow memory cost ×3
-  (as ReaL). Returns the fastest plan that fits; bounded by ``seconds``.
+  (as ReaL). Returns the fastest plan that fits. The search is bounded by ``candidates`` (plans priced,
+  seeded by ``seed``), never by wall-clock time: the same program compiles to the same plan on an idle
+  and on a busy machine.
 
 Each model stage gets ``mesh = {first, count}`` and ``parallel = {dp, tp, pp}``:
 the fastest split of its mesh (cost model) whose memory fits beside the other
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass, field
 
 from rlhfc.ir import DiagnosticSink, Module, plan
@@ -53,10 +54,12 @@ class Placement(Pass):
     description = "place models on devices: flatten | interleave | separate | search (cost-model MCMC)"
     exact = True
     strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
-    seconds: float = field(default=15.0, metadata={"doc": "time budget of the search"})
+    candidates: int = field(default=400, metadata={"doc": "plans the search may price (its budget; no time limit)"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
 
     def __post_init__(self) -> None:
+        if self.candidates < 1:
+            raise ValueError("candidates must be >= 1 (the number of plans the search may price)")
         if self.strategy not in plan.PLACEMENTS:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or auto")
 
@@ -68,7 +71,7 @@ class Placement(Pass):
         if assign_fn is not None:
             assign = respect_fixed(module, assign_fn(module))
         else:
-            assign = search(module, self.seconds, self.seed)
+            assign = search(module, self.candidates, self.seed)
         from rlhfc.cost import check_memory, memory_issues
 
         for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
@@ -243,9 +246,9 @@ PATIENCE = 150
 EXHAUSTIVE = 256
 
 
-def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, int]]:
+def search(module: Module, candidates: int, seed: int) -> dict[str, tuple[int, int]]:
     """The fastest plan that fits: the strategies' plans, then every per-model mesh assignment when
-    there are few, else a Metropolis walk (ReaL) until ``seconds`` or ``PATIENCE`` idle proposals."""
+    there are few, else a Metropolis walk (ReaL) until ``candidates`` proposals or ``PATIENCE`` idle ones."""
     import itertools
 
     from rlhfc.cost import memory_issues, simulate
@@ -271,7 +274,6 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
             return dict(min(fitting, key=fitting.get))
         return best
 
-    start = time.perf_counter()
     by_model = _model_stages(module)
     seeds = [flatten(module), interleave(module)]
     if SPLIT_GENERATION and module.cluster.num_devices > 1:
@@ -287,9 +289,7 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
                  for m in by_model}
     models = sorted(by_model)
     if math.prod(len(meshes_of[m]) for m in models) <= EXHAUSTIVE:
-        for combo in itertools.product(*(meshes_of[m] for m in models)):
-            if time.perf_counter() - start > seconds:
-                break
+        for combo in itertools.islice(itertools.product(*(meshes_of[m] for m in models)), candidates):
             cand = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
             if price(cand) < best_t:
                 best, best_t = cand, price(cand)
@@ -299,8 +299,9 @@ def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, in
         keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
     rng = random.Random(seed)
     temp = max(best_t, 1e-9) * 0.05
-    cur, cur_t, idle = best, best_t, 0
-    while time.perf_counter() - start < seconds and idle < PATIENCE:
+    cur, cur_t, idle, proposals = best, best_t, 0, 0
+    while proposals < candidates and idle < PATIENCE:
+        proposals += 1
         model, gen_only = rng.choice(keys)
         mesh = rng.choice(meshes_of[model])
         prop = dict(cur)
