@@ -94,3 +94,80 @@ def test_stream_cost_model_failure_is_a_located_error(monkeypatch, bad):
     assert "%roll" in diag.message and diag.loc is not None and diag.loc.line == 12
     assert "stream{chunk=N}" in diag.hint
     assert ("ZeroDivisionError" in diag.message) if bad == "raise" else ("nan s" in diag.message)
+
+
+# -- 2. --response-lengths reaches the search ------------------------------------------------------------------
+
+SMALL = "dce,parallelize,stream,placement{{strategy=search,candidates=40{extra}}},realloc"
+
+
+def test_response_lengths_reach_the_placement_search():
+    """Two length laws give the search two different prices (and the pass records what it priced); the CLI's
+    ``--response-lengths`` sets the law of every placement pass that does not set its own."""
+    from rlhfc.cli.optimise import optimise
+    from rlhfc.cost import CostConfig, simulate
+
+    reports = {}
+    for law in ("max", "geometric:0.01"):
+        module = run_passes(gpu_module(), SMALL.format(extra=f",response_lengths={law}"))
+        reports[law] = module.search_report
+        # the price the search saw is the compiled plan's price under that law
+        assert simulate(module, CostConfig(response_lengths=law)).step_time_s == module.search_report.best_s
+    assert reports["max"].seeds != reports["geometric:0.01"].seeds
+    assert reports["max"].best_s > reports["geometric:0.01"].best_s   # full-length responses cost more
+
+    done = optimise(gpu_module(), None, SMALL.format(extra=""), memory_check=False, response_lengths="max")
+    placement = next(p for p in done.manager.passes if p.name == "placement")
+    assert placement.response_lengths == "max" and done.module.search_report.seeds == reports["max"].seeds
+    with pytest.raises(CompileError, match="bad --response-lengths"):
+        optimise(gpu_module(), None, SMALL.format(extra=""), response_lengths="lognormal:x")
+
+
+# -- 3. one pricing path -----------------------------------------------------------------------------------------
+
+#: the -O2 pipeline with a smaller search budget (the test's time); recompute and realloc run after placement
+O2_SMALL = "dce,unpad,reuse_logprobs,parallelize,stream,placement{candidates=40},recompute,realloc"
+
+
+@pytest.mark.parametrize("example", ["ppo_tiny", "ppo_7b", "ppo_70b"])
+def test_searched_price_is_explains_price_of_the_compiled_job(example, tmp_path):
+    """The search prices each candidate as the pipeline emits it (placement, then recompute and realloc), so
+    the plan it picks has, to the last bit, the step time ``explain`` predicts for the compiled job."""
+    import json
+
+    from rlhfc.cli import main as cli
+
+    out = tmp_path / "e.json"
+    code = cli(["explain", f"examples/{example}.rlhf", "--passes", O2_SMALL, "--no-profile", "-f", "json",
+                "-o", str(out)])
+    assert code in (0, None)
+    report = json.loads(out.read_text())
+    search = report["search"]
+    assert search["candidates"] >= 3 and search["fits"]
+    assert search["best_s"] == report["predicted_step_time_s"]
+    assert search["trajectory"][-1][1] == search["best_s"]
+
+
+# -- 4. a search that explores -----------------------------------------------------------------------------------
+
+def test_search_is_never_worse_than_a_strategy():
+    """Each strategy's plan is a candidate, priced as that strategy compiles: the search's seed prices are the
+    strategies' compiled prices exactly, and the plan found is at least as fast as each."""
+    from rlhfc.cost import simulate
+
+    module = run_passes(gpu_module(), SMALL.format(extra=""))
+    found = module.search_report
+    for strategy in ("flatten", "interleave", "separate"):
+        other = run_passes(gpu_module(), f"dce,parallelize,stream,placement{{strategy={strategy}}},realloc")
+        assert simulate(other).step_time_s == found.seeds[strategy]
+        assert found.best_s <= found.seeds[strategy]
+    assert found.best_s == simulate(module).step_time_s
+    assert found.proposals >= found.candidates == 40 and found.strategy == "mcmc"
+
+
+def test_explain_text_reports_the_search(capsys):
+    from rlhfc.cli import main as cli
+
+    cli(["explain", "examples/ppo_tiny.rlhf", "--passes", O2_SMALL, "--no-profile"])
+    text = capsys.readouterr().out
+    assert "placement search (" in text and "candidate plans priced in" in text

@@ -44,7 +44,8 @@ def explain(
     no_profile: bool = typer.Option(False, "--no-profile", help="use catalog figures only"),
     steps: int = typer.Option(3, "--steps", min=1, max=50, help="steps to simulate (unrolled)"),
     lengths: str = typer.Option("auto", "--response-lengths",
-                                help="response-length law: auto | max | geometric:P | lognormal:F:S"),
+                                help="response-length law (priced, and searched by placement): auto | max | "
+                                     "geometric:P | lognormal:F:S"),
     strict: bool = typer.Option(False, "--strict", help="exit 2 when the plan does not fit in memory"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
 ):
@@ -61,7 +62,7 @@ def explain(
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
     module, _ = load(file, plugin)
-    done = optimise(module, opt, passes, placement=placement, memory_check=False)
+    done = optimise(module, opt, passes, placement=placement, memory_check=False, response_lengths=lengths)
     module = done.module
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,

@@ -14,6 +14,7 @@ import numpy as np
 
 from rlhfc.ir import Module
 
+from rlhfc.ir import plan
 from rlhfc.ir.plan import Layout
 from .model import CostConfig, CostModel, price
 
@@ -66,6 +67,15 @@ def evaluate(module: Module, stage: str, layouts: list[Layout], *, config: CostC
             for k in KEYS:
                 out[k][idx] = part[k]
         return out
+    key = ("evaluate", stage, tuple(layouts), repr(plan.recompute_decision(st)), backend)
+    if key in cm._cache:   # a placement search asks for the same stage and meshes again (shared_prices)
+        return {k: v.copy() for k, v in cm._cache[key].items()}
+    out = _evaluate(cm, st, layouts, backend)
+    cm._cache[key] = out
+    return {k: v.copy() for k, v in out.items()}
+
+
+def _evaluate(cm: CostModel, st, layouts: list[Layout], backend: str) -> dict[str, np.ndarray]:
     inp = cm.price_inputs(st, list(layouts))
     if backend == "numpy":
         out = price(np, inp, cm.dispatch)

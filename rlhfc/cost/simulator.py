@@ -169,6 +169,22 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
              cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``steps`` steps of ``module`` (see the module docstring)."""
     cm = cost_model or CostModel(module, config)
+    if _shared_active():   # a placement search simulates the same plan more than once: memoised by its plan
+        key = ("simulate", steps, step_barrier, tuple((s.name, s.op, str(s.annotations), str(s.attrs))
+                                                      for s in module.graph.stages))
+        if key not in cm._cache:
+            cm._cache[key] = _simulate(module, cm, steps, step_barrier)
+        return cm._cache[key]
+    return _simulate(module, cm, steps, step_barrier)
+
+
+def _shared_active() -> bool:
+    from .shared import shared_cache
+
+    return shared_cache() is not None
+
+
+def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> SimResult:
     g = module.graph
     schedule = build_schedule(module)
     stages = [e.stage for e in schedule.launch_order()]   # tasks are submitted as the driver launches them
@@ -223,42 +239,77 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
                   core_busy: list | None = None) -> list[DeviceStats]:
     c = module.cluster
     n = c.nodes * c.per_node
-    static: list[dict] = [dict() for _ in range(n)]
-    for s in module.graph.stages:
-        cost = costs[s.name]
-        if cost.layout is None or s.target not in module.models:
-            continue
-        for d in cost.layout.devices:
-            if d >= n:
-                continue
-            key = f"@{s.target} weights"
-            static[d][key] = max(static[d].get(key, 0.0), cost.weights_bytes)
-            if cost.state_bytes:
-                skey = f"@{s.target} grads+optimizer"
-                static[d][skey] = max(static[d].get(skey, 0.0), cost.state_bytes)
+    static = resident_bytes(module, costs, n)
     lo, hi = window
     span = max(hi - lo, 1e-12)
     out = []
+    runs = [(t, a, b) for t in tasks for a, b in _runs(t.resources, n)]   # contiguous device ranges per task
+    cuts = sorted({0, n} | {x for _, a, b in runs for x in (a, b)})
     per_dev_tasks: list[list[Task]] = [[] for _ in range(n)]
-    for t in tasks:
-        for d in t.resources:
-            if 0 <= d < n:
-                per_dev_tasks[d].append(t)
+    for x, y in zip(cuts, cuts[1:]):   # devices between two cuts run the same tasks, in task order
+        if x < y:
+            shared = [t for t, a, b in runs if a <= x and y <= b]
+            for d in range(x, y):
+                per_dev_tasks[d] = shared
     capacity = cm.spec.memory
+    by_core: dict[int, float] = {}
+    for a, b, core, share in core_busy or ():   # processor sharing: the core-seconds each task got of a core
+        by_core[core] = by_core.get(core, 0.0) + share * max(0.0, min(b, hi) - max(a, lo))
+    seen: dict[tuple, tuple] = {}   # devices running the same tasks have the same busy time and peak
     for d in range(n):
         mine = per_dev_tasks[d]
-        busy = 0.0
-        if core_busy is not None:   # processor sharing: the core-seconds each task got of this core
-            busy = sum(share * max(0.0, min(b, hi) - max(a, lo)) for a, b, core, share in core_busy if core == d)
-        else:
-            for t in mine:
-                intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
-                for a, b in intervals:
-                    busy += max(0.0, min(b, hi) - max(a, lo))
+        sig = id(mine)
+        if sig not in seen:
+            busy = 0.0
+            if core_busy is None:
+                for t in mine:
+                    intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
+                    for a, b in intervals:
+                        busy += max(0.0, min(b, hi) - max(a, lo))
+            seen[sig] = (busy, _peak_overlap(mine))
+        busy, (peak_extra, at_peak) = seen[sig]
+        if core_busy is not None:
+            busy = by_core.get(d, 0.0)
         base = sum(static[d].values())
-        peak_extra, at_peak = _peak_overlap(mine)
         out.append(DeviceStats(d, d // c.per_node, busy, min(1.0, busy / span), base + peak_extra, capacity,
                                static[d], at_peak))
+    return out
+
+
+def _runs(devices, n: int) -> list[tuple[int, int]]:
+    """``devices`` (sorted indices) as [a, b) ranges of consecutive ones, within 0..n-1."""
+    out: list = []
+    for d in devices:
+        if not 0 <= d < n:
+            continue
+        if out and out[-1][1] == d:
+            out[-1][1] = d + 1
+        else:
+            out.append([d, d + 1])
+    return [(a, b) for a, b in out]
+
+
+def resident_bytes(module: Module, costs: dict, n: int) -> list[dict]:
+    """What stays on each of ``n`` devices for the whole run: ``{"@actor weights": bytes, "@actor
+    grads+optimizer": bytes}`` (the larger shard when a model has two layouts there). Devices covered by the
+    same stages share one dict (computed once per run of such devices)."""
+    spans = [(costs[s.name].layout, s.target, costs[s.name]) for s in module.graph.stages
+             if costs[s.name].layout is not None and s.target in module.models]
+    cuts = sorted({0, n} | {min(max(x, 0), n) for lay, _, _ in spans for x in (lay.first, lay.first + lay.count)})
+    out: list[dict] = [dict() for _ in range(n)]
+    for lo, hi in zip(cuts, cuts[1:]):
+        if lo >= hi:
+            continue
+        held: dict = {}
+        for lay, target, cost in spans:
+            if lay.first <= lo and hi <= lay.first + lay.count:
+                key = f"@{target} weights"
+                held[key] = max(held.get(key, 0.0), cost.weights_bytes)
+                if cost.state_bytes:
+                    skey = f"@{target} grads+optimizer"
+                    held[skey] = max(held.get(skey, 0.0), cost.state_bytes)
+        for d in range(lo, hi):
+            out[d] = dict(held)
     return out
 
 
@@ -272,11 +323,11 @@ def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
             events.append((b, 0, t))
     events.sort(key=lambda e: (e[0], e[1]))
     running: dict[int, Task] = {}
-    best, names = 0.0, []
+    best, names, total = 0.0, [], 0.0
     for _, kind, t in events:
         if kind:
             running[id(t)] = t
-            total = sum(x.transient_bytes for x in running.values())
+            total = sum(x.transient_bytes for x in running.values()) if len(running) > 1 else t.transient_bytes
             if total > best:
                 best, names = total, [f"%{x.stage}@{x.step}" for x in running.values()]
         else:

@@ -30,6 +30,8 @@ class Report:
     issues: list
     notes: list = field(default_factory=list)
     source: str | None = None
+    #: what the placement search did (:class:`rlhfc.passes.search.SearchReport` as a dict), when it ran
+    search: dict | None = None
 
     @property
     def costs(self):
@@ -76,8 +78,9 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     from .recompute import recompute_notes
 
     notes += recompute_notes(module, cm)
+    found = getattr(module, "search_report", None)   # set by the placement pass when it searched
     return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
-                  notes, source)
+                  notes, source, found.as_dict() if found is not None else None)
 
 
 def worker_rows(module: Module) -> list[dict]:

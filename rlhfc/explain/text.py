@@ -135,6 +135,12 @@ def render_text(report: Report) -> str:
             f"cluster {report.device_label()}",
             f"predicted step time: {fmt_seconds(sim.step_time_s)} "
             f"({sim.steps} steps simulated; {samples} samples per step)"]
+    if report.search:
+        sr = report.search
+        seeds = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sr["seeds"].items())
+        head.append(f"placement search ({sr['strategy']}): {sr['candidates']} candidate plans priced in "
+                    f"{sr['seconds']:.1f} s, best {fmt_seconds(sr['best_s'])} per step "
+                    f"({len(sr['trajectory'])} improvements; strategies: {seeds})")
     changed = m.annotations.get("changes_training") or []
     if changed:
         head.append(f"note: {', '.join(changed)} changes what the job trains on (not an exact optimisation: "

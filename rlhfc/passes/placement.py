@@ -34,8 +34,6 @@ CPU every worker keeps one torch thread per core, so results are bitwise equal).
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass, field
 
 from rlhfc.ir import DiagnosticSink, Module, plan
@@ -56,14 +54,29 @@ class Placement(Pass):
     strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
     candidates: int = field(default=400, metadata={"doc": "plans the search may price (its budget; no time limit)"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
+    response_lengths: str = field(default="auto", metadata={
+        "doc": "response-length law the search prices (as explain's --response-lengths: auto, max, "
+               "geometric:P, lognormal:F:S)"})
 
     def __post_init__(self) -> None:
         if self.candidates < 1:
             raise ValueError("candidates must be >= 1 (the number of plans the search may price)")
+        from rlhfc.cost import response_dist
+
+        try:
+            response_dist(self.response_lengths, 8, vocab=100, pretrained=False)
+        except (ValueError, IndexError) as exc:
+            raise ValueError(f"bad response_lengths {self.response_lengths!r}: {exc} (e.g. max or "
+                             "lognormal:0.25:1.0)") from None
         if self.strategy not in plan.PLACEMENTS:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or auto")
 
     def run(self, module: Module) -> Module:
+        return self.run_in_pipeline(module, [])
+
+    def run_in_pipeline(self, module: Module, downstream: list) -> Module:
+        """Place ``module``; ``downstream``: the passes the pipeline runs after this one (the search prices
+        every candidate plan as they will leave it: :mod:`rlhfc.passes.search`)."""
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
         if strategy == "auto":
             strategy = "search" if module.cluster.num_devices > 1 else "flatten"
@@ -71,21 +84,34 @@ class Placement(Pass):
         if assign_fn is not None:
             assign = respect_fixed(module, assign_fn(module))
         else:
-            assign = search(module, self.candidates, self.seed)
+            from rlhfc.cost import CostConfig
+
+            from .search import search
+
+            assign, report = search(module, self.candidates, self.seed, downstream,
+                                    CostConfig(response_lengths=self.response_lengths))
+            module.search_report = report   # not IR: what explain reports about the search
         from rlhfc.cost import check_memory, memory_issues
 
-        for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
-            apply(module, assign, squeeze=squeeze)
-            if module.cluster.device == "cpu" or not memory_issues(module):
-                break
-        plan.set_strategy(module, strategy)
-
+        place(module, assign, strategy)
         if memory_issues(module) and not memory_issues(with_full_recompute(module)):
             return module   # it fits once the trained models recompute their activations: the recompute pass decides
         sink = DiagnosticSink()
         check_memory(module, sink)
         sink.raise_if_errors()
         return module
+
+
+def place(module: Module, assign: dict[str, tuple[int, int]], strategy: str) -> None:
+    """Annotate ``module`` with the plan ``assign`` (meshes per stage) as the pass emits it: each stage's
+    layout (:func:`apply`), each stage's memory budget tightened until the devices' totals fit, the strategy."""
+    from rlhfc.cost import fits
+
+    for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
+        apply(module, assign, squeeze=squeeze)
+        if module.cluster.device == "cpu" or fits(module):
+            break
+    plan.set_strategy(module, strategy)
 
 
 def with_full_recompute(module: Module) -> Module:
@@ -240,83 +266,6 @@ def _meshes(n: int, per_node: int) -> list[tuple[int, int]]:
     return out
 
 
-#: proposals without improvement after which the walk stops
-PATIENCE = 150
-#: a search space at most this large is enumerated instead of sampled
-EXHAUSTIVE = 256
-
-
-def search(module: Module, candidates: int, seed: int) -> dict[str, tuple[int, int]]:
-    """The fastest plan that fits: the strategies' plans, then every per-model mesh assignment when
-    there are few, else a Metropolis walk (ReaL) until ``candidates`` proposals or ``PATIENCE`` idle ones."""
-    import itertools
-
-    from rlhfc.cost import memory_issues, simulate
-
-    cache: dict[tuple, float] = {}
-    fitting: dict[tuple, float] = {}
-
-    def price(assign) -> float:
-        key = tuple(sorted(assign.items()))
-        if key not in cache:
-            trial = module.clone()
-            apply(trial, assign)
-            t = simulate(trial, steps=3).step_time_s
-            fits = not memory_issues(trial)
-            cache[key] = t if fits else t * 3   # ReaL's penalty keeps the walk moving through overflows
-            if fits:
-                fitting[key] = t
-        return cache[key]
-
-    def result(best):
-        """The fastest plan that fits, when any does (else the best penalised one, reported later)."""
-        if fitting:
-            return dict(min(fitting, key=fitting.get))
-        return best
-
-    by_model = _model_stages(module)
-    seeds = [flatten(module), interleave(module)]
-    if SPLIT_GENERATION and module.cluster.num_devices > 1:
-        seeds.append(separate(module))
-    seeds = [respect_fixed(module, a) for a in seeds]
-    best = min(seeds, key=price)
-    best_t = price(best)
-    n = module.cluster.num_devices
-    fixed = _fixed_sizes(module)
-    free = _meshes(n, module.cluster.per_node)
-    # a fixed-layout model moves only between meshes of its size (aligned to it)
-    meshes_of = {m: [(f, fixed[m]) for f in range(0, n - fixed[m] + 1, fixed[m])] if m in fixed else free
-                 for m in by_model}
-    models = sorted(by_model)
-    if math.prod(len(meshes_of[m]) for m in models) <= EXHAUSTIVE:
-        for combo in itertools.islice(itertools.product(*(meshes_of[m] for m in models)), candidates):
-            cand = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
-            if price(cand) < best_t:
-                best, best_t = cand, price(cand)
-        return result(best)
-    keys = [(m, False) for m in models]
-    if SPLIT_GENERATION:
-        keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
-    rng = random.Random(seed)
-    temp = max(best_t, 1e-9) * 0.05
-    cur, cur_t, idle, proposals = best, best_t, 0, 0
-    while proposals < candidates and idle < PATIENCE:
-        proposals += 1
-        model, gen_only = rng.choice(keys)
-        mesh = rng.choice(meshes_of[model])
-        prop = dict(cur)
-        for s in by_model[model]:
-            if (s.op == "generate") == gen_only or not gen_only:
-                prop[s.name] = mesh
-        t = price(prop)
-        idle += 1
-        if t < cur_t or rng.random() < math.exp(-(t - cur_t) / temp):
-            cur, cur_t = prop, t
-            if t < best_t:
-                best, best_t, idle = prop, t, 0
-    return result(best)
-
-
 # -- applying a plan ----------------------------------------------------------------------------------------
 
 def _runnable(module: Module, model, lay: Layout) -> bool:
@@ -349,7 +298,7 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
             plan.set_layout(s, Layout(first, count, dp=count))
     if not layouts or module.cluster.device == "cpu":
         return
-    from rlhfc.cost import CostModel, candidate_layouts, evaluate, have_jax
+    from rlhfc.cost import CostModel
 
     cm = CostModel(module)
     meshes: dict[str, set] = {}
@@ -369,20 +318,40 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         mine = set(range(first, first + count))
         sharing = sum(1 for devs in meshes.values() if devs & mine) or 1
         capacity = cm.spec.memory / sharing / squeeze
-        train = s.op == "train"
-        cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
-                                  layers=model.layers, microbatches=(1, 2, 4, 8),
-                                  recompute=plan.RECOMPUTE_POLICIES if train else ("none",))
-        cands = [c for c in cands if _runnable(module, model, c)]
         key = (s.target, first, count)
-        if one_split and key in chosen:
-            cands = [c for c in cands if (c.dp, c.tp, c.pp) == chosen[key]]
+        cands, mem, order = _layout_table(module, cm, s, first, count, chosen.get(key) if one_split else None)
         if not cands:
             continue
-        res = evaluate(module, s.name, cands, cost_model=cm, backend="jax" if have_jax() else "numpy")
-        mem = res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]
-        order = sorted(range(len(cands)), key=lambda i: res["total"][i])
         fits = [i for i in order if mem[i] <= capacity]
         pick = cands[(fits or sorted(range(len(cands)), key=lambda i: mem[i]))[0]]
         plan.set_layout(s, pick)
         chosen.setdefault(key, (pick.dp, pick.tp, pick.pp))
+
+
+def _layout_table(module: Module, cm, s, first: int, count: int, split: tuple | None) -> tuple[list, list, list]:
+    """The layouts the trainer can run for stage ``s`` on devices ``first..first+count-1`` (only ``split``'s
+    (dp, tp, pp) when given), their memory per device, and their indices fastest first (the cost model, NumPy
+    on every machine: whether JAX is installed must not change a plan). Kept in the cost model's cache: a
+    placement search asks again for every candidate that puts the stage there."""
+    from rlhfc.cost import candidate_layouts, evaluate
+
+    key = ("layout-table", s.name, first, count, split, repr(plan.recompute_decision(s)))
+    if key in cm._cache:
+        return cm._cache[key]
+    model = module.models[s.target]
+    train = s.op == "train"
+    cands = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
+                              layers=model.layers, microbatches=(1, 2, 4, 8),
+                              recompute=plan.RECOMPUTE_POLICIES if train else ("none",))
+    cands = [c for c in cands if _runnable(module, model, c)]
+    if split is not None:
+        cands = [c for c in cands if (c.dp, c.tp, c.pp) == split]
+    if not cands:
+        cm._cache[key] = ([], [], [])
+        return cm._cache[key]
+    res = evaluate(module, s.name, cands, cost_model=cm, backend="numpy")
+    mem = (res["weights_bytes"] + res["state_bytes"] + res["transient_bytes"]).tolist()
+    total = res["total"].tolist()
+    order = sorted(range(len(cands)), key=lambda i: total[i])
+    cm._cache[key] = (cands, mem, order)
+    return cm._cache[key]
