@@ -323,15 +323,18 @@ def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
             events.append((b, 0, t))
     events.sort(key=lambda e: (e[0], e[1]))
     running: dict[int, Task] = {}
-    best, names, total = 0.0, [], 0.0
+    best, names, approx = 0.0, [], 0.0
     for _, kind, t in events:
         if kind:
+            if id(t) not in running:
+                approx += t.transient_bytes
             running[id(t)] = t
-            total = sum(x.transient_bytes for x in running.values()) if len(running) > 1 else t.transient_bytes
-            if total > best:
-                best, names = total, [f"%{x.stage}@{x.step}" for x in running.values()]
-        else:
-            running.pop(id(t), None)
+            if approx >= best * (1 - 1e-9):   # a running sum to skip; the peak itself summed afresh (exact)
+                total = sum(x.transient_bytes for x in running.values())
+                if total > best:
+                    best, names = total, [f"%{x.stage}@{x.step}" for x in running.values()]
+        elif running.pop(id(t), None) is not None:
+            approx -= t.transient_bytes
     return best, names
 
 

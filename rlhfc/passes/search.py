@@ -14,14 +14,16 @@ prices and layout tables (:func:`rlhfc.cost.shared_prices`), weight-sync times, 
 The walk (ReaL's Metropolis search): it starts from the best of the strategies' plans (flatten, interleave,
 separate), then, when the space of per-model meshes is small, prices every assignment; else it proposes a new
 mesh for one model (or for one model's generation alone), accepts it if faster, or with probability
-``exp(-Δ/T)`` (``T`` = 5 % of the best price), and stops after ``candidates`` distinct plans priced or
-``PATIENCE`` proposals without improvement. Plans that overflow memory cost 3× (as ReaL), and the result is the
+``exp(-Δ/T)`` (``T`` = 5 % of the best price), restarts from the best plan at twice the temperature after
+``PATIENCE`` proposals without improvement, and stops after ``candidates`` distinct plans priced (or 20 times
+as many proposals, when the walk keeps revisiting plans it priced). Plans that overflow memory cost 3× (as ReaL), and the result is the
 fastest plan that fits — never slower than any strategy's plan, since those are candidates too. Seeded: the
 same program and seed give the same plan on any machine and load (the budget is counted in plans, not seconds).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -31,8 +33,10 @@ from dataclasses import dataclass, field
 
 from rlhfc.ir import CompileError, Module
 
-#: proposals without improvement after which the walk stops
-PATIENCE = 300
+#: proposals without improvement after which the walk restarts from the best plan at twice the temperature
+PATIENCE = 150
+#: the walk's starting temperature, as a fraction of the best strategy's price (ReaL: a few percent)
+TEMPERATURE = 0.05
 #: a space of per-model mesh assignments at most this large is enumerated instead of walked
 EXHAUSTIVE = 256
 #: an overflowing plan's price is its time times this (ReaL), so the walk can cross it
@@ -42,7 +46,7 @@ OVERFLOW_PENALTY = 3.0
 @dataclass
 class SearchReport:
     """What the search did: ``strategy`` (``exhaustive`` or ``mcmc``), ``candidates`` (distinct plans priced),
-    ``proposals`` (plans proposed, repeats included), ``seconds`` (wall time, reported only: it decides
+    ``proposals`` (plans proposed, repeats included), ``restarts`` (reheats of a stuck walk), ``seconds`` (wall time, reported only: it decides
     nothing), ``trajectory`` (``[candidate, best price so far]`` at each improvement), ``seeds`` (the
     strategies' plans' prices), ``best_s`` (the price of the plan chosen) and ``fits``."""
 
@@ -54,11 +58,13 @@ class SearchReport:
     seeds: dict = field(default_factory=dict)
     best_s: float = math.inf
     fits: bool = True
+    restarts: int = 0
 
     def as_dict(self) -> dict:
         return {"strategy": self.strategy, "candidates": self.candidates, "proposals": self.proposals,
                 "seconds": self.seconds, "trajectory": [list(t) for t in self.trajectory],
-                "seeds": dict(self.seeds), "best_s": self.best_s, "fits": self.fits}
+                "seeds": dict(self.seeds), "best_s": self.best_s, "fits": self.fits,
+                "restarts": self.restarts}
 
 
 class PlanPricer:
@@ -76,7 +82,12 @@ class PlanPricer:
         """The module the pipeline emits for ``assign``: placed, then the downstream passes."""
         from .placement import place
 
-        trial = self.base.clone()
+        # the models, data sources and cluster are shared with the base module: no pass after placement
+        # changes them (placement, recompute and realloc annotate and add stages), and copying 70B programs'
+        # declarations for every candidate is most of a candidate's price otherwise
+        base = self.base
+        trial = copy.deepcopy(base, {id(base.models): base.models, id(base.data): base.data,
+                                     id(base.cluster): base.cluster})
         place(trial, assign, "search")
         with warnings.catch_warnings():   # the real run of these passes says what they have to say, once
             warnings.simplefilter("ignore")
@@ -182,9 +193,12 @@ def _metropolis(walk: _Walk, by_model: dict, keys: list, meshes_of: dict, candid
     rng = random.Random(seed)
     cur = dict(walk.best)
     cur_score = walk.best_score
-    temp = max(walk.best_score if math.isfinite(walk.best_score) else 1.0, 1e-9) * 0.05
-    idle, limit = 0, candidates * 20   # proposals that repeat priced plans are free but bounded
-    while len(walk.pricer.prices) < candidates and idle < PATIENCE and walk.report.proposals < limit:
+    base = max(walk.best_score if math.isfinite(walk.best_score) else 1.0, 1e-9)
+    temp, idle, limit = base * TEMPERATURE, 0, candidates * 20   # repeats of priced plans are free but bounded
+    while len(walk.pricer.prices) < candidates and walk.report.proposals < limit:
+        if idle >= PATIENCE:   # stuck: restart from the best plan, hotter, so the walk leaves its basin
+            cur, cur_score, temp, idle = dict(walk.best), walk.best_score, temp * 2, 0
+            walk.report.restarts += 1
         model, gen_only = rng.choice(keys)
         mesh = rng.choice(meshes_of[model])
         prop = dict(cur)
