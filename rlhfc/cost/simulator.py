@@ -252,10 +252,12 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
             for d in range(x, y):
                 per_dev_tasks[d] = shared
     capacity = cm.spec.memory
+    every = _events(tasks)   # sorted once; each group of devices takes its tasks' subsequence
     by_core: dict[int, float] = {}
     for a, b, core, share in core_busy or ():   # processor sharing: the core-seconds each task got of a core
         by_core[core] = by_core.get(core, 0.0) + share * max(0.0, min(b, hi) - max(a, lo))
-    seen: dict[tuple, tuple] = {}   # devices running the same tasks have the same busy time and peak
+    seen: dict[int, tuple] = {}   # devices running the same tasks have the same busy time and peak
+    bases: dict[int, float] = {}
     for d in range(n):
         mine = per_dev_tasks[d]
         sig = id(mine)
@@ -266,11 +268,14 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
                     intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
                     for a, b in intervals:
                         busy += max(0.0, min(b, hi) - max(a, lo))
-            seen[sig] = (busy, _peak_overlap(mine))
+            seen[sig] = (busy, _peak_overlap(mine, every))
         busy, (peak_extra, at_peak) = seen[sig]
         if core_busy is not None:
             busy = by_core.get(d, 0.0)
-        base = sum(static[d].values())
+        held = static[d]
+        if id(held) not in bases:   # devices of a run share their resident dict
+            bases[id(held)] = sum(held.values())
+        base = bases[id(held)]
         out.append(DeviceStats(d, d // c.per_node, busy, min(1.0, busy / span), base + peak_extra, capacity,
                                static[d], at_peak))
     return out
@@ -292,11 +297,11 @@ def _runs(devices, n: int) -> list[tuple[int, int]]:
 def resident_bytes(module: Module, costs: dict, n: int) -> list[dict]:
     """What stays on each of ``n`` devices for the whole run: ``{"@actor weights": bytes, "@actor
     grads+optimizer": bytes}`` (the larger shard when a model has two layouts there). Devices covered by the
-    same stages share one dict (computed once per run of such devices)."""
+    same stages share one dict (computed once per run of such devices; read it, do not change it)."""
     spans = [(costs[s.name].layout, s.target, costs[s.name]) for s in module.graph.stages
              if costs[s.name].layout is not None and s.target in module.models]
     cuts = sorted({0, n} | {min(max(x, 0), n) for lay, _, _ in spans for x in (lay.first, lay.first + lay.count)})
-    out: list[dict] = [dict() for _ in range(n)]
+    out: list[dict] = [{}] * n
     for lo, hi in zip(cuts, cuts[1:]):
         if lo >= hi:
             continue
@@ -308,13 +313,12 @@ def resident_bytes(module: Module, costs: dict, n: int) -> list[dict]:
                 if cost.state_bytes:
                     skey = f"@{target} grads+optimizer"
                     held[skey] = max(held.get(skey, 0.0), cost.state_bytes)
-        for d in range(lo, hi):
-            out[d] = dict(held)
+        out[lo:hi] = [held] * (hi - lo)
     return out
 
 
-def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
-    """Largest sum of transient bytes of tasks running at the same time on a device, and which ones."""
+def _events(tasks: list[Task]) -> list[tuple]:
+    """Every task's (start, 1, task) and (end, 0, task) per interval it runs, in time order (ends first)."""
     events = []
     for t in tasks:
         intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
@@ -322,6 +326,17 @@ def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
             events.append((a, 1, t))
             events.append((b, 0, t))
     events.sort(key=lambda e: (e[0], e[1]))
+    return events
+
+
+def _peak_overlap(tasks: list[Task], events: list | None = None) -> tuple[float, list[str]]:
+    """Largest sum of transient bytes of tasks running at the same time on a device, and which ones.
+    ``events``: :func:`_events` of a superset of ``tasks`` (the subsequence of a stable sort is the same)."""
+    if events is None:
+        events = _events(tasks)
+    else:
+        mine = {id(t) for t in tasks}
+        events = [e for e in events if id(e[2]) in mine]
     running: dict[int, Task] = {}
     best, names, approx = 0.0, [], 0.0
     for _, kind, t in events:

@@ -17,7 +17,9 @@ mesh for one model (or for one model's generation alone), accepts it if faster, 
 ``exp(-Δ/T)`` (``T`` = 5 % of the best price), restarts from the best plan at twice the temperature after
 ``PATIENCE`` proposals without improvement, and stops after ``candidates`` distinct plans priced (or 20 times
 as many proposals, when the walk keeps revisiting plans it priced). Plans that overflow memory cost 3× (as ReaL), and the result is the
-fastest plan that fits — never slower than any strategy's plan, since those are candidates too. Seeded: the
+fastest plan that fits — never slower than any strategy's plan, since those are candidates too. A plan
+whose weights and optimizer state alone overflow a device cannot be emitted by any pipeline (the passes after
+placement do not change them); the walk scores it by its placed price without running those passes. Seeded: the
 same program and seed give the same plan on any machine and load (the budget is counted in plans, not seconds).
 """
 
@@ -80,6 +82,9 @@ class PlanPricer:
 
     def compile(self, assign: dict) -> Module:
         """The module the pipeline emits for ``assign``: placed, then the downstream passes."""
+        return self._downstream(self._placed(assign))
+
+    def _placed(self, assign: dict) -> Module:
         from .placement import place
 
         # the models, data sources and cluster are shared with the base module: no pass after placement
@@ -89,6 +94,9 @@ class PlanPricer:
         trial = copy.deepcopy(base, {id(base.models): base.models, id(base.data): base.data,
                                      id(base.cluster): base.cluster})
         place(trial, assign, "search")
+        return trial
+
+    def _downstream(self, trial: Module) -> Module:
         with warnings.catch_warnings():   # the real run of these passes says what they have to say, once
             warnings.simplefilter("ignore")
             for p in self.downstream:
@@ -101,8 +109,16 @@ class PlanPricer:
         if key not in self.prices:
             from rlhfc.cost import CostModel, fits, simulate
 
+            trial = self._placed(assign)
+            cm = CostModel(trial, self.config)
+            if not _resident_fits(trial, cm):
+                # weights and optimizer state alone overflow a device: no pass after placement changes them
+                # (they only add syncs and trade activations for time), so no pipeline can emit this plan;
+                # the walk scores it by its placed price (penalised) without running those passes
+                self.prices[key] = (simulate(trial, steps=self.steps, cost_model=cm).step_time_s, False)
+                return self.prices[key]
             try:
-                trial = self.compile(assign)
+                trial = self._downstream(trial)
             except CompileError:   # a downstream pass rejects this plan: it cannot be emitted
                 self.prices[key] = (math.inf, False)
                 return self.prices[key]
@@ -115,6 +131,15 @@ class PlanPricer:
         """The walk's objective: the price, times :data:`OVERFLOW_PENALTY` when the plan does not fit."""
         t, ok = self.price(assign)
         return t if ok else t * OVERFLOW_PENALTY
+
+
+def _resident_fits(module: Module, cm) -> bool:
+    """Whether what stays on every device for the whole run (weights, gradients and optimizer state) fits."""
+    from rlhfc.cost.simulator import resident_bytes
+
+    n = module.cluster.nodes * module.cluster.per_node
+    held = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n)
+    return all(sum(h.values()) <= cm.spec.memory for h in held)
 
 
 def search(module: Module, candidates: int, seed: int, downstream: list, config) -> tuple[dict, SearchReport]:
