@@ -3,24 +3,24 @@
 One pricing path. A candidate plan is a mesh per model stage (``{stage: (first, count)}``). To price it,
 :class:`PlanPricer` does what the compile does with it: a copy of the module before placement is placed
 (:func:`rlhfc.passes.placement.place`: each stage's fastest layout that fits, memory budgets tightened until the
-devices' totals fit), then the passes that follow ``placement`` in the running pipeline (``recompute``,
-``realloc`` at -O2) are run on it, and the result is simulated as ``rlhfc explain`` simulates a compiled job
+devices' totals fit), then the passes that follow ``placement`` in the running pipeline (``recompute``, ``realloc``
+at -O2) are run on it, and the result is simulated as ``rlhfc explain`` simulates a compiled job
 (:func:`rlhfc.cost.simulate`, 3 unrolled steps, the pass's cost configuration: catalog rates and its
-``response_lengths``). So a plan whose weight syncs or recomputation are expensive is ranked by the price it
-has, and the searched plan's price is ``explain``'s price of the compiled job (a test checks it on the
-examples). It is fast because everything that does not change between candidates is computed once: stage
-prices and layout tables (:func:`rlhfc.cost.shared_prices`), weight-sync times, traced blocks.
+``response_lengths``). So a plan whose weight syncs or recomputation are expensive is ranked by the price it has,
+and the searched plan's price is ``explain``'s price of the compiled job (a test checks it on the examples). It is
+fast because everything that does not change between candidates is computed once: stage prices and layout tables
+(:func:`rlhfc.cost.shared_prices`), weight-sync times, traced blocks.
 
 The walk (ReaL's Metropolis search): it starts from the best of the strategies' plans (flatten, interleave,
-separate), then, when the space of per-model meshes is small, prices every assignment; else it proposes a new
-mesh for one model (or for one model's generation alone), accepts it if faster, or with probability
-``exp(-Δ/T)`` (``T`` = 5 % of the best price), restarts from the best plan at twice the temperature after
-``PATIENCE`` proposals without improvement, and stops after ``candidates`` distinct plans priced (or 20 times
-as many proposals, when the walk keeps revisiting plans it priced). Plans that overflow memory cost 3× (as ReaL), and the result is the
-fastest plan that fits — never slower than any strategy's plan, since those are candidates too. A plan
-whose weights and optimizer state alone overflow a device cannot be emitted by any pipeline (the passes after
-placement do not change them); the walk scores it by its placed price without running those passes. Seeded: the
-same program and seed give the same plan on any machine and load (the budget is counted in plans, not seconds).
+separate), then, when the space of per-model meshes is small, prices every assignment; else it proposes a new mesh
+for one model (or for one model's generation alone), accepts it if faster, or with probability ``exp(-Δ/T)`` (``T``
+= 5 % of the best price), restarts from the best plan at twice the temperature after ``PATIENCE`` proposals without
+improvement, and stops after ``candidates`` distinct plans priced (or 20 times as many proposals, when the walk
+keeps revisiting plans it priced). Plans that overflow memory cost 3× (as ReaL), and the result is the fastest plan
+that fits — never slower than any strategy's plan, since those are candidates too. A plan whose weights and
+optimizer state alone overflow a device cannot be emitted by any pipeline (the passes after placement do not change
+them); the walk scores it by its placed price without running those passes. Seeded: the same program and seed give
+the same plan on any machine and load (the budget is counted in plans, not seconds).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ OVERFLOW_PENALTY = 3.0
 @dataclass
 class SearchReport:
     """What the search did: ``strategy`` (``exhaustive`` or ``mcmc``), ``candidates`` (distinct plans priced),
-    ``proposals`` (plans proposed, repeats included), ``restarts`` (reheats of a stuck walk), ``seconds`` (wall time, reported only: it decides
-    nothing), ``trajectory`` (``[candidate, best price so far]`` at each improvement), ``seeds`` (the
-    strategies' plans' prices), ``best_s`` (the price of the plan chosen) and ``fits``."""
+    ``proposals`` (plans proposed, repeats included), ``restarts`` (reheats of a stuck walk), ``seconds`` (wall
+    time, reported only: it decides nothing), ``trajectory`` (``[candidate, best price so far]`` at each
+    improvement), ``seeds`` (the strategies' plans' prices), ``best_s`` (the price of the plan chosen) and
+    ``fits``."""
 
     strategy: str
     candidates: int = 0

@@ -41,7 +41,8 @@ from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, 
                     TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream,
                     Sync, describe, opt_level)
 from .check import verify_plan
-from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, layout_signature, mesh, microbatches, on_worker, overcommit,
+from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, layout_signature, mesh, microbatches,
+                    on_worker, overcommit,
                     overcommit_delta, overlap_group, policy_temperature, recompute, recompute_decision, set_flag,
                     set_layout, set_overlap, set_recompute,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
