@@ -351,8 +351,10 @@ class CostModel:
                 "calls": calls, "useful_tokens": float(useful), "computed_tokens": float(rows * (prompt + response))}
 
     def _packs(self, stage: Stage) -> bool:
-        """Whether the stage's worker runs unpadded rollouts in length groups (the torch trainer does; FSDP
-        and megatron ranks run one cropped rectangle, since every rank must make the same calls)."""
+        """Whether the stage's worker packs unpadded rows in length groups (torch does; FSDP and megatron
+        ranks run one cropped rectangle, every rank making the same calls). Named trainers need no layout."""
+        if self.module.run.trainer in ("torch", "megatron"):
+            return self.module.run.trainer == "torch"
         trainer, _ = plan.worker_layout(self.module, stage.target, plan.stage_mesh(self.module, stage))
         return trainer == "torch"
 
@@ -372,10 +374,8 @@ class CostModel:
         return self.profile.fit(model_key(model), primitive)
 
     def stage_cost(self, stage: Stage, layout: Layout | None = None, rows: float | None = None) -> StageCost:
-        """Price ``stage`` (under ``layout``, default its annotations; ``rows`` overrides the batch,
-        e.g. for one streamed chunk)."""
-        op = stage.op
-        family = op.split(".", 1)[0]
+        """Price ``stage`` (under ``layout``, default its annotations; ``rows`` overrides the batch: a chunk)."""
+        op, family = stage.op, stage.op.split(".", 1)[0]
         model = self.module.models.get(stage.target or "") if family in ("generate", "forward", "train") else None
         on_mesh = model is not None or (family in ("sync", "offload", "onload") and stage.target in self.module.models)
         if on_mesh and layout is None:

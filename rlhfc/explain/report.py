@@ -83,6 +83,17 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
                   notes, source, found.as_dict() if found is not None else None)
 
 
+def search_summary(report: Report) -> str | None:
+    """One line on the placement search (None when placement did not search): candidates, time, best."""
+    sr = report.search
+    if not sr:
+        return None
+    seeds = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sr["seeds"].items())
+    return (f"placement search ({sr['strategy']}): {sr['candidates']} candidate plans priced in "
+            f"{sr['seconds']:.1f} s, best {fmt_seconds(sr['best_s'])} per step "
+            f"({len(sr['trajectory'])} improvements; strategies: {seeds})")
+
+
 def worker_rows(module: Module) -> list[dict]:
     """What the job runs, per worker (:func:`rlhfc.ir.plan.workers`, as ``plan.json`` says it): its name,
     model, devices, the resolved trainer, the layout and the processes (``ranks``)."""

@@ -7,7 +7,8 @@ import difflib
 from rlhfc.cost.model import CostModel
 from rlhfc.ir import plan
 
-from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text, worker_rows, worker_text
+from .report import (Report, device_groups, fmt_bytes, fmt_seconds, ids_text, search_summary, worker_rows,
+                     worker_text)
 
 WIDTH = 64
 
@@ -136,11 +137,7 @@ def render_text(report: Report) -> str:
             f"predicted step time: {fmt_seconds(sim.step_time_s)} "
             f"({sim.steps} steps simulated; {samples} samples per step)"]
     if report.search:
-        sr = report.search
-        seeds = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sr["seeds"].items())
-        head.append(f"placement search ({sr['strategy']}): {sr['candidates']} candidate plans priced in "
-                    f"{sr['seconds']:.1f} s, best {fmt_seconds(sr['best_s'])} per step "
-                    f"({len(sr['trajectory'])} improvements; strategies: {seeds})")
+        head.append(search_summary(report))
     changed = m.annotations.get("changes_training") or []
     if changed:
         head.append(f"note: {', '.join(changed)} changes what the job trains on (not an exact optimisation: "
