@@ -171,3 +171,20 @@ def test_explain_text_reports_the_search(capsys):
     cli(["explain", "examples/ppo_tiny.rlhf", "--passes", O2_SMALL, "--no-profile"])
     text = capsys.readouterr().out
     assert "placement search (" in text and "candidate plans priced in" in text
+
+
+def test_an_explicit_profile_prices_the_search(tmp_path):
+    """``--profile PATH`` (explain, compile) reaches the search: the plan's price under that profile is the
+    price the search saw; a missing profile file is a compile error."""
+    from rlhfc.cli.optimise import optimise
+    from rlhfc.cost import CostConfig, Profile, load_profile, simulate
+
+    path = str(tmp_path / "a100.json")
+    Profile("A100-80GB", "A100", 8, {"matmul_flops": 1e14, "copy_bw": 1e12}).save(path)
+    done = optimise(gpu_module(), None, SMALL.format(extra=""), memory_check=False, profile=path)
+    found = done.module.search_report
+    catalog = run_passes(gpu_module(), SMALL.format(extra="")).search_report
+    assert found.seeds != catalog.seeds
+    assert simulate(done.module, CostConfig(profile=load_profile(path))).step_time_s == found.best_s
+    with pytest.raises(CompileError, match="cannot read profile"):
+        optimise(gpu_module(), None, SMALL.format(extra=""), profile=str(tmp_path / "none.json"))

@@ -62,7 +62,10 @@ def explain(
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
     module, _ = load(file, plugin)
-    done = optimise(module, opt, passes, placement=placement, memory_check=False, response_lengths=lengths)
+    # an explicit --profile prices the placement search too (as `compile --profile`); the machine's default
+    # profile prices only what explain reports, so explain shows the plan `compile` emits
+    done = optimise(module, opt, passes, placement=placement, memory_check=False, response_lengths=lengths,
+                    profile=profile)
     module = done.module
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,

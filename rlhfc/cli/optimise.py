@@ -47,13 +47,15 @@ def check_placement(placement: str) -> str:
 
 def optimise(module: Module, level: str | None, passes: str | None, *, verify_each: bool = True,
              print_after: set[str] | None = None, placement: str | None = None,
-             memory_check: bool | str = True, response_lengths: str | None = None) -> Optimised:
+             memory_check: bool | str = True, response_lengths: str | None = None,
+             profile: str | None = None) -> Optimised:
     """Run ``passes`` (``--passes a,b{opt=1}``) if given, else the pipeline of ``level`` (default: the
     program's ``run { optimize = ... }``). ``placement`` overrides the program's ``run { placement = ... }``
     strategy. A bad level or placement is a :class:`~rlhfc.ir.CompileError`, before any pass runs.
 
     ``response_lengths`` (``--response-lengths``): the response-length law the placement search prices
-    (given to every ``placement`` pass that does not set its own ``response_lengths``).
+    (given to every ``placement`` pass that does not set its own ``response_lengths``); ``profile``
+    (``--profile PATH``): the measured profile it prices with, likewise (default: catalog rates).
 
     ``memory_check``: after the passes, at every level (-O0 included), a stage that does not fit its
     devices' memory under the resulting plan is a compile error naming the stage, the device, bytes needed
@@ -83,6 +85,9 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
         chosen = [dataclasses.replace(p, response_lengths=response_lengths)
                   if p.name == "placement" and getattr(p, "response_lengths", None) == "auto" else p
                   for p in chosen]
+    if profile:
+        chosen = [dataclasses.replace(p, profile=profile) if p.name == "placement" and getattr(p, "profile", None)
+                  == "" else p for p in chosen]
 
     def show(spec: str, text: str) -> None:
         typer.echo(f"// ----- IR after {spec} -----", err=True)

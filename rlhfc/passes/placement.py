@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.ir import DiagnosticSink, Module, plan
+from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import STRATEGIES, Layout
 
 from .base import Pass, register_pass
@@ -54,6 +55,8 @@ class Placement(Pass):
     strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, or auto"})
     candidates: int = field(default=400, metadata={"doc": "plans the search may price (its budget; no time limit)"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
+    profile: str = field(default="", metadata={
+        "doc": "measured profile the search prices with (a path, as explain's --profile; empty: catalog rates)"})
     response_lengths: str = field(default="auto", metadata={
         "doc": "response-length law the search prices (as explain's --response-lengths: auto, max, "
                "geometric:P, lognormal:F:S)"})
@@ -84,12 +87,16 @@ class Placement(Pass):
         if assign_fn is not None:
             assign = respect_fixed(module, assign_fn(module))
         else:
-            from rlhfc.cost import CostConfig
+            from rlhfc.cost import CostConfig, ProfileError, load_profile
 
             from .search import search
 
+            try:
+                prof = load_profile(self.profile) if self.profile else None
+            except ProfileError as exc:
+                raise error(f"placement: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
             assign, report = search(module, self.candidates, self.seed, downstream,
-                                    CostConfig(response_lengths=self.response_lengths))
+                                    CostConfig(profile=prof, response_lengths=self.response_lengths))
             module.search_report = report   # not IR: what explain reports about the search
         from rlhfc.cost import check_memory, memory_issues
 
