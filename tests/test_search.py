@@ -188,3 +188,26 @@ def test_an_explicit_profile_prices_the_search(tmp_path):
     assert simulate(done.module, CostConfig(profile=load_profile(path))).step_time_s == found.best_s
     with pytest.raises(CompileError, match="cannot read profile"):
         optimise(gpu_module(), None, SMALL.format(extra=""), profile=str(tmp_path / "none.json"))
+
+
+def test_jax_compiles_once_per_stage_for_any_batch_size():
+    """Padded candidate batches: pricing one stage's layouts with JAX for several batch sizes (up to 64)
+    compiles once, and gives NumPy's numbers."""
+    pytest.importorskip("jax")
+    import numpy as np
+
+    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+    from rlhfc.cost import batched
+
+    module = run_passes(gpu_module(), "dce,placement{strategy=flatten}")
+    cm = CostModel(module)
+    cands = candidate_layouts(0, 8, per_node=8, heads=8, layers=4, microbatches=(1, 2, 4, 8),
+                              recompute=("none", "selective", "full"))
+    assert len(cands) > 30
+    before = batched.JAX_COMPILES[0]
+    for n in (len(cands) // 3, len(cands) // 2, len(cands)):
+        fast = evaluate(module, "actor_train", cands[:n], cost_model=CostModel(module), backend="jax")
+        slow = evaluate(module, "actor_train", cands[:n], cost_model=cm, backend="numpy")
+        for k in fast:
+            np.testing.assert_allclose(fast[k], slow[k], rtol=1e-12)
+    assert batched.JAX_COMPILES[0] - before == (1 if len(cands) <= 64 else 2)
