@@ -14,10 +14,12 @@ or ``--placement``):
 - ``search`` (the default on clusters of more than one device) — start from the
   best of the three, then a Metropolis (MCMC) walk over per-model meshes
   (aligned power-of-two device ranges) and generation meshes, each plan priced
-  by the simulator over 3 unrolled steps; plans that overflow memory cost ×3
-  (as ReaL). Returns the fastest plan that fits. The search is bounded by ``candidates`` (plans priced,
-  seeded by ``seed``), never by wall-clock time: the same program compiles to the same plan on an idle
-  and on a busy machine.
+  as the compile emits it (placed, then the passes after this one, then
+  simulated as ``explain`` does: :mod:`rlhfc.passes.search`); plans that
+  overflow memory cost ×3 (as ReaL). Returns the fastest plan that fits. The
+  search is bounded by ``candidates`` (plans priced, seeded by ``seed``), never
+  by wall-clock time: the same program compiles to the same plan on an idle and
+  on a busy machine.
 
 Each model stage gets ``mesh = {first, count}`` and ``parallel = {dp, tp, pp}``:
 the fastest split of its mesh (cost model) whose memory fits beside the other
