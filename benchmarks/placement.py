@@ -16,7 +16,13 @@ orders agree when no pair is separated one way by the model and the other way
 by the measurement. A strategy that chose the same plan as another (``search``
 often returns one of the three) is measured once.
 
+With ``--search-rate`` it only times the placement search on ``examples/ppo_70b.rlhf`` at -O2 (every
+candidate placed, run through ``recompute`` and ``realloc`` and simulated, as the compile emits it):
+candidate plans priced, wall and CPU seconds, candidates per second — cold (the first search of the
+process: torch imported, each micro-batch shape's block traced once) and warm (the same search again).
+
     .venv/bin/python benchmarks/placement.py [--measure] [--rounds 3] [--steps 12]
+    .venv/bin/python benchmarks/placement.py --search-rate [--candidates 1000]
 """
 
 from __future__ import annotations
@@ -107,12 +113,39 @@ def plan_of(module) -> tuple:
                  for s in module.graph.stages if "mesh" in s.annotations)
 
 
+def search_rate(candidates: int) -> int:
+    """Candidate plans per second of the placement search on ppo_70b at -O2 (cold, then warm)."""
+    from rlhfc.passes.pipelines import PIPELINES
+
+    upstream = PIPELINES["O2"][:PIPELINES["O2"].index("placement")]
+    downstream = PIPELINES["O2"][PIPELINES["O2"].index("placement") + 1:]
+    module, _, _ = load_file(os.path.join(ROOT, "examples/ppo_70b.rlhf"))
+    module = PassManager(parse_pipeline(",".join(upstream))).run(module)
+    pipeline = ",".join([f"placement{{candidates={candidates}}}"] + downstream)
+    print(f"placement search on examples/ppo_70b.rlhf at -O2 ({pipeline}); {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for label in ("cold", "warm"):
+        wall, cpu = time.perf_counter(), time.process_time()
+        done = PassManager(parse_pipeline(pipeline)).run(module.clone())
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        r = done.search_report
+        print(f"{label}: {r.candidates} candidates ({r.proposals} proposals, {r.restarts} restarts) in "
+              f"{wall:.1f} s wall, {cpu:.1f} s CPU: {r.candidates / wall:.0f} candidates/s "
+              f"({r.candidates / cpu:.0f} per CPU second); best {r.best_s:.2f} s/step, strategies "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r.seeds.items()))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measure", action="store_true", help="also train ppo_tiny under each strategy here")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--search-rate", action="store_true", help="only time the placement search on ppo_70b")
+    ap.add_argument("--candidates", type=int, default=1000, help="the search's budget for --search-rate")
     args = ap.parse_args(argv)
+    if args.search_rate:
+        return search_rate(args.candidates)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for ex in ("examples/ppo_70b.rlhf", "examples/ppo_7b.rlhf", "examples/ppo_tiny.rlhf"):
         res = predict(os.path.join(ROOT, ex))

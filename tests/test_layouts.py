@@ -123,7 +123,7 @@ def test_plan_json_workers_carry_trainer_layout_and_ranks(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["flatten", "interleave", "separate", "search"])
 def test_placement_keeps_fixed_layouts(strategy):
-    m = _passes(_module(devices=8, **MIXED), f"dce,placement{{strategy={strategy},seconds=3}}")
+    m = _passes(_module(devices=8, **MIXED), f"dce,placement{{strategy={strategy},candidates=60}}")
     fixed = {"actor": (2, 1, 1), "critic": (1, 2, 1), "ref": (1, 1, 2)}
     for s in m.graph.stages:
         if s.target in fixed:

@@ -23,7 +23,7 @@ from rlhfc.passes.pipelines import PIPELINES
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXAMPLES = ["ppo_tiny", "grpo_tiny", "ppo_7b", "ppo_70b"]
 #: each -O level, plus partial pipelines whose plans the levels never produce
-PIPES = {level: ",".join(p if p != "placement" else "placement{seconds=0.5}" for p in passes)
+PIPES = {level: ",".join(p if p != "placement" else "placement{candidates=40}" for p in passes)
          for level, passes in PIPELINES.items()}
 PIPES.update({"stream-only": "dce,stream", "parallelize-only": "dce,parallelize",
               "overcommit-no-stream": "dce,overcommit"})

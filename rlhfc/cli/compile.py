@@ -43,6 +43,11 @@ def compile_cmd(
     print_after: List[str] = typer.Option([], "--print-after", help="print the IR after this pass"),
     no_verify: bool = typer.Option(False, "--no-verify-each", help="skip the verifier between passes (debugging)"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+    lengths: str = typer.Option("auto", "--response-lengths",
+                                help="response-length law the placement search prices (as explain's): auto | "
+                                     "max | geometric:P | lognormal:F:S"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="measured profile the placement search "
+                                          "prices with (default: catalog rates; as explain --profile)"),
 ):
     """Compile a program: optimise it and write canonical IR or a runnable job."""
     if emit not in ("ir", "job"):
@@ -50,7 +55,7 @@ def compile_cmd(
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, verify_each=not no_verify,
                     print_after={"*"} if print_after_all else set(print_after), placement=placement,
-                    memory_check=True if emit == "job" else "warn")
+                    memory_check=True if emit == "job" else "warn", response_lengths=lengths, profile=profile)
     if emit == "ir":
         ir = print_module(done.module)
         if out:

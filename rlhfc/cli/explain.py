@@ -44,7 +44,8 @@ def explain(
     no_profile: bool = typer.Option(False, "--no-profile", help="use catalog figures only"),
     steps: int = typer.Option(3, "--steps", min=1, max=50, help="steps to simulate (unrolled)"),
     lengths: str = typer.Option("auto", "--response-lengths",
-                                help="response-length law: auto | max | geometric:P | lognormal:F:S"),
+                                help="response-length law (priced, and searched by placement): auto | max | "
+                                     "geometric:P | lognormal:F:S"),
     strict: bool = typer.Option(False, "--strict", help="exit 2 when the plan does not fit in memory"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
     compare: bool = typer.Option(False, "--compare", help="print rlhfc's plan beside the plans of DeepSpeed-Chat, "
@@ -68,7 +69,10 @@ def explain(
                                            "use --format text (the default) or --format json")])
         return _compare(file, opt, passes, plugin, placement, steps, (profile, no_profile, lengths), out, fmt)
     module, _ = load(file, plugin)
-    done = optimise(module, opt, passes, placement=placement, memory_check=False)
+    # an explicit --profile prices the placement search too (as `compile --profile`); the machine's default
+    # profile prices only what explain reports, so explain shows the plan `compile` emits
+    done = optimise(module, opt, passes, placement=placement, memory_check=False, response_lengths=lengths,
+                    profile=profile)
     module = done.module
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,

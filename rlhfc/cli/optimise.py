@@ -6,6 +6,7 @@ same level everywhere) and every ``--placement`` is checked against :data:`rlhfc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,10 +51,15 @@ def check_placement(placement: str) -> str:
 
 def optimise(module: Module, level: str | None, passes: str | None, *, verify_each: bool = True,
              print_after: set[str] | None = None, placement: str | None = None,
-             memory_check: bool | str = True) -> Optimised:
+             memory_check: bool | str = True, response_lengths: str | None = None,
+             profile: str | None = None) -> Optimised:
     """Run ``passes`` (``--passes a,b{opt=1}``) if given, else the pipeline of ``level`` (default: the
     program's ``run { optimize = ... }``). ``placement`` overrides the program's ``run { placement = ... }``
     strategy. A bad level or placement is a :class:`~rlhfc.ir.CompileError`, before any pass runs.
+
+    ``response_lengths`` (``--response-lengths``): the response-length law the placement search prices
+    (given to every ``placement`` pass that does not set its own ``response_lengths``); ``profile``
+    (``--profile PATH``): the measured profile it prices with, likewise (default: catalog rates).
 
     ``memory_check``: after the passes, at every level (-O0 included), a stage that does not fit its
     devices' memory under the resulting plan is a compile error naming the stage, the device, bytes needed
@@ -75,6 +81,21 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
             from rlhfc.passes.baselines import PIPELINE
 
             chosen, passes = parse_pipeline(",".join(PIPELINE)), ",".join(PIPELINE)
+
+    if response_lengths is not None and response_lengths != "auto":
+        from rlhfc.cost import response_dist
+
+        try:
+            response_dist(response_lengths, 8, vocab=100, pretrained=False)
+        except (ValueError, IndexError) as exc:
+            raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
+                                           "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
+        chosen = [dataclasses.replace(p, response_lengths=response_lengths)
+                  if p.name == "placement" and getattr(p, "response_lengths", None) == "auto" else p
+                  for p in chosen]
+    if profile:
+        chosen = [dataclasses.replace(p, profile=profile) if p.name == "placement" and getattr(p, "profile", None)
+                  == "" else p for p in chosen]
 
     def show(spec: str, text: str) -> None:
         typer.echo(f"// ----- IR after {spec} -----", err=True)

@@ -19,8 +19,9 @@ from .batched import candidate_layouts, evaluate, have_jax
 from .hardware import CATALOG, DeviceSpec, device_spec
 from rlhfc.ir.plan import Layout, overcommit_delta, overlap_group, stage_layout, stream_chunk
 from .lengths import LengthDist, response_dist
-from .memory import MemoryIssue, check_memory, memory_issues, suggest_layout
+from .memory import MemoryIssue, check_memory, fits, memory_issues, suggest_layout
 from .model import CostConfig, CostModel, StageCost
+from .shared import shared_prices
 from .profile import Profile, ProfileError, default_profile_path, find_default_profile, load_profile, model_key
 from .simulator import SimResult, Task, simulate
 from .sync import sync_time
@@ -28,7 +29,8 @@ from .sync import sync_time
 __all__ = [
     "CATALOG", "DeviceSpec", "device_spec", "Layout", "stage_layout", "overlap_group", "stream_chunk",
     "overcommit_delta", "LengthDist", "response_dist", "CostConfig", "CostModel", "StageCost", "sync_time",
-    "simulate", "SimResult", "Task", "check_memory", "memory_issues", "MemoryIssue", "suggest_layout",
+    "simulate", "SimResult", "Task", "check_memory", "memory_issues", "fits", "shared_prices", "MemoryIssue",
+    "suggest_layout",
     "evaluate", "candidate_layouts", "have_jax", "Profile", "ProfileError", "load_profile",
     "default_profile_path", "find_default_profile", "model_key",
 ]

@@ -4,8 +4,13 @@
 on arrays holding every candidate: with NumPy always, or with JAX
 (``backend="jax"``, jitted, in float64) when it is installed
 (``pip install rlhfc[jax]``). Both give the same numbers as pricing each
-candidate alone (tests check it). :func:`candidate_layouts` lists the layouts a
-search would consider for a mesh.
+candidate alone (tests check it). JAX batches are padded to a power of two and
+the jitted function kept per stage and size class, so a stage compiles once
+however many batch sizes it is asked for. Results are memoised in the cost
+model's cache (shared across a placement search's candidates). The placement
+pass itself prices with NumPy on every machine: whether JAX is installed must
+not change a plan. :func:`candidate_layouts` lists the layouts a search would
+consider for a mesh.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 
 from rlhfc.ir import Module
 
+from rlhfc.ir import plan
 from rlhfc.ir.plan import Layout, splits
 from .model import CostConfig, CostModel, price
 
@@ -62,6 +68,15 @@ def evaluate(module: Module, stage: str, layouts: list[Layout], *, config: CostC
             for k in KEYS:
                 out[k][idx] = part[k]
         return out
+    key = ("evaluate", stage, tuple(layouts), repr(plan.recompute_decision(st)), backend)
+    if key in cm._cache:   # a placement search asks for the same stage and meshes again (shared_prices)
+        return {k: v.copy() for k, v in cm._cache[key].items()}
+    out = _evaluate(cm, st, layouts, backend)
+    cm._cache[key] = out
+    return {k: v.copy() for k, v in out.items()}
+
+
+def _evaluate(cm: CostModel, st, layouts: list[Layout], backend: str) -> dict[str, np.ndarray]:
     inp = cm.price_inputs(st, list(layouts))
     if backend == "numpy":
         out = price(np, inp, cm.dispatch)
@@ -71,23 +86,54 @@ def evaluate(module: Module, stage: str, layouts: list[Layout], *, config: CostC
     return _evaluate_jax(inp, cm.dispatch, len(layouts))
 
 
+#: jitted pricing functions, one per stage's fixed inputs and padded batch size (see :func:`_evaluate_jax`)
+_JITTED: dict = {}
+#: how many times :func:`_evaluate_jax` compiled (tests count them)
+JAX_COMPILES = [0]
+
+
+def _fingerprint(value):
+    """A hashable stand-in for a price input: numbers as they are, arrays by content, other objects by id
+    (length laws and profile fits are shared objects)."""
+    if isinstance(value, dict):
+        return tuple((k, _fingerprint(v)) for k, v in sorted(value.items()))
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    return ("id", id(value))
+
+
 def _evaluate_jax(inp, dispatch: float, n: int) -> dict[str, np.ndarray]:
+    """The formulas jitted in float64. The candidate batch is padded to a power of two (at least 64) by
+    repeating its last layout, and the jitted function is kept per stage inputs and padded size: a search
+    asking for many batch sizes of one stage compiles once per size class, not once per size."""
     try:
         import jax
         import jax.numpy as jnp
     except ImportError:
         raise RuntimeError("backend='jax' needs JAX: pip install 'rlhfc[jax]'") from None
+    size = max(64, 1 << max(n - 1, 0).bit_length())
+    lay_np = {k: np.pad(np.asarray(v, dtype=np.float64).reshape(-1), (0, size - n), mode="edge")
+              for k, v in inp.lay.items()}
+    key = (inp.family, _fingerprint(inp.hw), _fingerprint(inp.arch), _fingerprint(inp.work), id(inp.fit),
+           id(inp.opt_fit), id(inp.grid), dispatch, size)
     with jax.enable_x64(True):
-        lay = {k: jnp.asarray(v, dtype=jnp.float64) for k, v in inp.lay.items()}
-        work = {k: (jnp.asarray(v, dtype=jnp.float64) if isinstance(v, np.ndarray) else v)
-                for k, v in inp.work.items()}
-        static = inp
+        fn = _JITTED.get(key)
+        if fn is None:
+            work = {k: (jnp.asarray(v, dtype=jnp.float64) if isinstance(v, np.ndarray) else v)
+                    for k, v in inp.work.items()}
+            static = inp
 
-        def run(lay):
-            p = type(static)(static.family, static.hw, static.arch, work, lay, static.fit, static.opt_fit,
-                             static.flop_rc, static.grid)
-            out = price(jnp, p, dispatch)
-            return {k: jnp.broadcast_to(jnp.asarray(out[k], dtype=jnp.float64), (n,)) for k in KEYS}
+            def run(lay):
+                p = type(static)(static.family, static.hw, static.arch, work, lay, static.fit, static.opt_fit,
+                                 static.flop_rc, static.grid)
+                out = price(jnp, p, dispatch)
+                return {k: jnp.broadcast_to(jnp.asarray(out[k], dtype=jnp.float64), (size,)) for k in KEYS}
 
-        result = jax.jit(run)(lay)
-        return {k: np.asarray(v, dtype=np.float64) for k, v in result.items()}
+            if len(_JITTED) > 256:
+                _JITTED.clear()
+            fn = _JITTED[key] = jax.jit(run)
+            JAX_COMPILES[0] += 1
+        result = fn({k: jnp.asarray(v) for k, v in lay_np.items()})
+        return {k: np.asarray(v, dtype=np.float64)[:n] for k, v in result.items()}

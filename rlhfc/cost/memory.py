@@ -67,6 +67,15 @@ def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None,
     return issues
 
 
+def fits(module: Module, config: CostConfig | None = None, *, sim=None, cost_model: CostModel | None = None) -> bool:
+    """Whether every device's simulated peak is within its capacity: ``not memory_issues(...)`` without
+    building the issues' hints (what a placement search asks of every candidate)."""
+    from .simulator import simulate
+
+    result = sim or simulate(module, steps=1, cost_model=cost_model or CostModel(module, config))
+    return not any(d.peak_memory_bytes > d.capacity_bytes for d in result.devices)
+
+
 def check_memory(module: Module, sink: DiagnosticSink, config: CostConfig | None = None, *,
                  severity: str = "error", sim=None) -> list[MemoryIssue]:
     """Report memory overflows to ``sink`` (``error`` by default; ``warning`` to only inform)."""

@@ -37,6 +37,7 @@ from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
 from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the formulas' inputs; re-exported)
+from .shared import shared_cache
 
 #: the torch engine drops finished rows from the decode batch once a quarter of it has finished, so a decode
 #: step carries, on average, about an eighth more rows than are live (between none and a quarter)
@@ -185,7 +186,9 @@ class CostModel:
         self.continuous = (batching == "continuous") or (batching == "auto" and self.gpu)
         self.dispatch = self.config.dispatch_s if self.config.dispatch_s is not None else \
             DISPATCH_S["gpu" if self.gpu else "cpu"]
-        self._cache: dict = {}
+        shared, c = shared_cache(), self.config   # inside shared_prices(): one cache per configuration
+        self._cache: dict = {} if shared is None else \
+            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, self.kind), {})
 
     # -- what a stage computes -------------------------------------------------------------------
     def rollout_source(self, stage: Stage) -> Stage | None:
@@ -310,8 +313,10 @@ class CostModel:
                 "calls": calls, "useful_tokens": float(useful), "computed_tokens": float(rows * (prompt + response))}
 
     def _packs(self, stage: Stage) -> bool:
-        """Whether the stage's worker runs unpadded rollouts in length groups (the torch trainer does; FSDP
-        and megatron ranks run one cropped rectangle, since every rank must make the same calls)."""
+        """Whether the stage's worker packs unpadded rows in length groups (torch does; FSDP and megatron
+        ranks run one cropped rectangle, every rank making the same calls). Named trainers need no layout."""
+        if self.module.run.trainer in ("torch", "megatron"):
+            return self.module.run.trainer == "torch"
         trainer, _ = plan.worker_layout(self.module, stage.target, plan.stage_mesh(self.module, stage))
         return trainer == "torch"
 
@@ -330,7 +335,13 @@ class CostModel:
 
     # -- pricing -----------------------------------------------------------------------------------
     def layout(self, stage: Stage) -> Layout:
-        return plan.stage_layout(self.module, stage)
+        sig = plan.layout_signature(stage)
+        if sig is None:   # the home mesh depends on the model's other stages
+            return plan.stage_layout(self.module, stage)
+        key = ("layout", stage.name, stage.target, sig)
+        if key not in self._cache:   # parsed once: a stage's layout is read for every task and chunk priced
+            self._cache[key] = plan.stage_layout(self.module, stage)
+        return self._cache[key]
 
     def _fit(self, model, primitive: str):
         if self.profile is None:
@@ -338,18 +349,20 @@ class CostModel:
         return self.profile.fit(model_key(model), primitive)
 
     def stage_cost(self, stage: Stage, layout: Layout | None = None, rows: float | None = None) -> StageCost:
-        """Price ``stage`` (under ``layout``, default its annotations; ``rows`` overrides the batch,
-        e.g. for one streamed chunk)."""
-        key = ("stage", stage.name, layout, rows)
+        """Price ``stage`` (under ``layout``, default its annotations; ``rows`` overrides the batch: a chunk)."""
+        op, family = stage.op, stage.op.split(".", 1)[0]
+        model = self.module.models.get(stage.target or "") if family in ("generate", "forward", "train") else None
+        on_mesh = model is not None or (family in ("sync", "offload", "onload") and stage.target in self.module.models)
+        if on_mesh and layout is None:
+            layout = self.layout(stage)
+        key = ("stage", stage.name, layout, rows, repr(plan.recompute_decision(stage)),
+               self._packs(stage) if model is not None and not self.continuous and family != "generate" else None)
         if key in self._cache:
             return self._cache[key]
-        op = stage.op
-        family = op.split(".", 1)[0]
-        model = self.module.models.get(stage.target or "") if family in ("generate", "forward", "train") else None
         if model is None:
             cost = self._driver_cost(stage, rows)
         else:
-            cost = self._model_cost(stage, model, layout or self.layout(stage), rows)
+            cost = self._model_cost(stage, model, layout, rows)
         self._cache[key] = cost
         return cost
 

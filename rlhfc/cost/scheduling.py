@@ -84,6 +84,13 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
     steps, step_barrier = ctx.steps, ctx.step_barrier
     done: dict[tuple[str, int], Task] = {}
     free: dict[int, float] = {}
+    chunk_cost: dict[tuple[str, int], object] = {}   # a consumer's price per chunk size (asked every step)
+
+    def priced(s: Stage, rows: int):
+        if (s.name, rows) not in chunk_cost:
+            chunk_cost[(s.name, rows)] = cm.stage_cost(s, rows=float(rows))
+        return chunk_cost[(s.name, rows)]
+
     tasks: list[Task] = []
     step_end = [0.0] * steps
     for k in range(steps):
@@ -113,7 +120,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                     last = min((j + 1) * chunk, batch) - 1
                     avail = gen_task.end if j == n_chunks - 1 else \
                         gen_task.start + gen_cost.finish_offsets[last] if gen_cost.finish_offsets else gen_task.end
-                    c_cost = cm.stage_cost(s, rows=float(rows)).time_s
+                    c_cost = priced(s, rows).time_s
                     start = max(avail, t_prev, dev_free if j == 0 else t_prev)
                     if j == 0:
                         first_start = start
@@ -125,7 +132,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                 start, end = first_start, t_prev
                 why = f"%{src.name}@{k}"   # its last chunk waits for the end of generation
                 busy += extra.get(s.name, 0.0)
-                transient = cm.stage_cost(s, rows=float(min(chunk, batch))).transient_bytes
+                transient = priced(s, min(chunk, batch)).transient_bytes
             else:
                 start = max(ready, dev_free)
                 if dev_free > ready:

@@ -183,6 +183,22 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
              cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``steps`` steps of ``module`` (see the module docstring)."""
     cm = cost_model or CostModel(module, config)
+    if _shared_active():   # a placement search simulates the same plan more than once: memoised by its plan
+        key = ("simulate", steps, step_barrier, tuple((s.name, s.op, str(s.annotations), str(s.attrs))
+                                                      for s in module.graph.stages))
+        if key not in cm._cache:
+            cm._cache[key] = _simulate(module, cm, steps, step_barrier)
+        return cm._cache[key]
+    return _simulate(module, cm, steps, step_barrier)
+
+
+def _shared_active() -> bool:
+    from .shared import shared_cache
+
+    return shared_cache() is not None
+
+
+def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> SimResult:
     g = module.graph
     schedule = build_schedule(module)
     stages = [e.stage for e in schedule.launch_order()]   # tasks are submitted as the driver launches them
@@ -237,47 +253,86 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
                   core_busy: list | None = None) -> list[DeviceStats]:
     c = module.cluster
     n = c.nodes * c.per_node
-    static: list[dict] = [dict() for _ in range(n)]
-    for s in module.graph.stages:
-        cost = costs[s.name]
-        if cost.layout is None or s.target not in module.models:
-            continue
-        for d in cost.layout.devices:
-            if d >= n:
-                continue
-            key = f"@{s.target} weights"
-            static[d][key] = max(static[d].get(key, 0.0), cost.weights_bytes)
-            if cost.state_bytes:
-                skey = f"@{s.target} grads+optimizer"
-                static[d][skey] = max(static[d].get(skey, 0.0), cost.state_bytes)
+    static = resident_bytes(module, costs, n)
     lo, hi = window
     span = max(hi - lo, 1e-12)
     out = []
+    runs = [(t, a, b) for t in tasks for a, b in _runs(t.resources, n)]   # contiguous device ranges per task
+    cuts = sorted({0, n} | {x for _, a, b in runs for x in (a, b)})
     per_dev_tasks: list[list[Task]] = [[] for _ in range(n)]
-    for t in tasks:
-        for d in t.resources:
-            if 0 <= d < n:
-                per_dev_tasks[d].append(t)
+    for x, y in zip(cuts, cuts[1:]):   # devices between two cuts run the same tasks, in task order
+        if x < y:
+            shared = [t for t, a, b in runs if a <= x and y <= b]
+            for d in range(x, y):
+                per_dev_tasks[d] = shared
     capacity = cm.spec.memory
+    every = _events(tasks)   # sorted once; each group of devices takes its tasks' subsequence
+    by_core: dict[int, float] = {}
+    for a, b, core, share in core_busy or ():   # processor sharing: the core-seconds each task got of a core
+        by_core[core] = by_core.get(core, 0.0) + share * max(0.0, min(b, hi) - max(a, lo))
+    seen: dict[int, tuple] = {}   # devices running the same tasks have the same busy time and peak
+    bases: dict[int, float] = {}
     for d in range(n):
         mine = per_dev_tasks[d]
-        busy = 0.0
-        if core_busy is not None:   # processor sharing: the core-seconds each task got of this core
-            busy = sum(share * max(0.0, min(b, hi) - max(a, lo)) for a, b, core, share in core_busy if core == d)
-        else:
-            for t in mine:
-                intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
-                for a, b in intervals:
-                    busy += max(0.0, min(b, hi) - max(a, lo))
-        base = sum(static[d].values())
-        peak_extra, at_peak = _peak_overlap(mine)
+        sig = id(mine)
+        if sig not in seen:
+            busy = 0.0
+            if core_busy is None:
+                for t in mine:
+                    intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
+                    for a, b in intervals:
+                        busy += max(0.0, min(b, hi) - max(a, lo))
+            seen[sig] = (busy, _peak_overlap(mine, every))
+        busy, (peak_extra, at_peak) = seen[sig]
+        if core_busy is not None:
+            busy = by_core.get(d, 0.0)
+        held = static[d]
+        if id(held) not in bases:   # devices of a run share their resident dict
+            bases[id(held)] = sum(held.values())
+        base = bases[id(held)]
         out.append(DeviceStats(d, d // c.per_node, busy, min(1.0, busy / span), base + peak_extra, capacity,
                                static[d], at_peak))
     return out
 
 
-def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
-    """Largest sum of transient bytes of tasks running at the same time on a device, and which ones."""
+def _runs(devices, n: int) -> list[tuple[int, int]]:
+    """``devices`` (sorted indices) as [a, b) ranges of consecutive ones, within 0..n-1."""
+    out: list = []
+    for d in devices:
+        if not 0 <= d < n:
+            continue
+        if out and out[-1][1] == d:
+            out[-1][1] = d + 1
+        else:
+            out.append([d, d + 1])
+    return [(a, b) for a, b in out]
+
+
+def resident_bytes(module: Module, costs: dict, n: int) -> list[dict]:
+    """What stays on each of ``n`` devices for the whole run: ``{"@actor weights": bytes, "@actor
+    grads+optimizer": bytes}`` (the larger shard when a model has two layouts there). Devices covered by the
+    same stages share one dict (computed once per run of such devices; read it, do not change it)."""
+    spans = [(costs[s.name].layout, s.target, costs[s.name]) for s in module.graph.stages
+             if costs[s.name].layout is not None and s.target in module.models]
+    cuts = sorted({0, n} | {min(max(x, 0), n) for lay, _, _ in spans for x in (lay.first, lay.first + lay.count)})
+    out: list[dict] = [{}] * n
+    for lo, hi in zip(cuts, cuts[1:]):
+        if lo >= hi:
+            continue
+        held: dict = {}
+        for lay, target, cost in spans:
+            if lay.first <= lo and hi <= lay.first + lay.count:
+                key = f"@{target} weights"
+                held[key] = max(held.get(key, 0.0), cost.weights_bytes)
+                if cost.state_bytes:
+                    skey = f"@{target} grads+optimizer"
+                    held[skey] = max(held.get(skey, 0.0), cost.state_bytes)
+        out[lo:hi] = [held] * (hi - lo)
+    return out
+
+
+def _events(tasks: list[Task]) -> list[tuple]:
+    """Every task's (start, 1, task) and (end, 0, task) per interval it runs, in time order (ends first)."""
     events = []
     for t in tasks:
         intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
@@ -285,16 +340,30 @@ def _peak_overlap(tasks: list[Task]) -> tuple[float, list[str]]:
             events.append((a, 1, t))
             events.append((b, 0, t))
     events.sort(key=lambda e: (e[0], e[1]))
+    return events
+
+
+def _peak_overlap(tasks: list[Task], events: list | None = None) -> tuple[float, list[str]]:
+    """Largest sum of transient bytes of tasks running at the same time on a device, and which ones.
+    ``events``: :func:`_events` of a superset of ``tasks`` (the subsequence of a stable sort is the same)."""
+    if events is None:
+        events = _events(tasks)
+    else:
+        mine = {id(t) for t in tasks}
+        events = [e for e in events if id(e[2]) in mine]
     running: dict[int, Task] = {}
-    best, names = 0.0, []
+    best, names, approx = 0.0, [], 0.0
     for _, kind, t in events:
         if kind:
+            if id(t) not in running:
+                approx += t.transient_bytes
             running[id(t)] = t
-            total = sum(x.transient_bytes for x in running.values())
-            if total > best:
-                best, names = total, [f"%{x.stage}@{x.step}" for x in running.values()]
-        else:
-            running.pop(id(t), None)
+            if approx >= best * (1 - 1e-9):   # a running sum to skip; the peak itself summed afresh (exact)
+                total = sum(x.transient_bytes for x in running.values())
+                if total > best:
+                    best, names = total, [f"%{x.stage}@{x.step}" for x in running.values()]
+        elif running.pop(id(t), None) is not None:
+            approx -= t.transient_bytes
     return best, names
 
 

@@ -48,6 +48,18 @@ def sync_time(weight_bytes: float, src: Layout, dst: Layout, spec: DeviceSpec, p
         return 0.0
     intra = spec.intra_bw * spec.net_eff
     inter = spec.inter_bw * spec.net_eff
+    key = (weight_bytes, src, dst, intra, inter, per_node)
+    if key not in _SYNC_CACHE:   # a pure function of its arguments; placement searches ask for the same pairs
+        if len(_SYNC_CACHE) > 65536:
+            _SYNC_CACHE.clear()
+        _SYNC_CACHE[key] = _sync_time(weight_bytes, src, dst, intra, inter, per_node)
+    return _SYNC_CACHE[key]
+
+
+_SYNC_CACHE: dict = {}
+
+
+def _sync_time(weight_bytes: float, src: Layout, dst: Layout, intra: float, inter: float, per_node: int) -> float:
     cells: dict[tuple, list[int]] = {}
     for sh in shards(src):
         cells.setdefault((sh.layers, sh.cols), []).append(sh.device)

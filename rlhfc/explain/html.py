@@ -12,7 +12,7 @@ import html
 
 from rlhfc.ir.plan import stream_chunk
 
-from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text
+from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text, search_summary
 from .dot import model_colours
 
 DRIVER_COLOUR = "#9aa0a6"
@@ -238,6 +238,7 @@ def render_html(report: Report) -> str:
         f'(passes: {_e(", ".join(report.passes) or "none")}).'
         + (f" Bottleneck: %{_e(b['stage'])} ({_e(b['op'])}), {b['share'] * 100:.0f}% of the step, "
            f"{_e(b['bound'])}-bound. {_e(b.get('hint', ''))}" if b else "") + "</p>",
+        f'<p class="summary">{_e(search_summary(report))}.</p>' if report.search else "",
         f'<p class="legend">{legend}</p>', diag,
         "<h2>Stage graph</h2>", _graph_svg(report),
         "<h2>Timeline by stage</h2>", _bars_svg(report, _stage_rows(report), "timeline"),

@@ -10,7 +10,9 @@ Top level: ``module``, ``opt_level``, ``passes``, ``cluster``, ``device``,
 ``busy_s``, ``utilisation``, ``resident``), ``workers`` (what the job runs, as ``plan.json``
 says: per worker ``worker``, ``model``, ``mesh``, ``trainer``, ``dp``, ``tp``, ``pp``, ``ranks``),
 ``timeline`` (every simulated task),
-``critical_path``, ``bottleneck``, ``diagnostics`` and ``notes``.
+``critical_path``, ``bottleneck``, ``diagnostics``, ``notes`` and ``search`` (null unless the placement
+pass searched: ``strategy``, ``candidates`` priced, ``proposals``, ``seconds``, ``trajectory`` of
+``[candidate, best seconds per step]``, ``seeds`` (each strategy's plan's price), ``best_s``, ``fits``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def report_dict(report: Report) -> dict:
                          "need_bytes": i.need_bytes, "capacity_bytes": i.capacity_bytes, "message": i.message,
                          "hint": i.hint} for i in report.issues],
         "notes": report.notes,
+        "search": report.search,
     })
 
 

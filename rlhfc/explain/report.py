@@ -32,6 +32,8 @@ class Report:
     issues: list
     notes: list = field(default_factory=list)
     source: str | None = None
+    #: what the placement search did (:class:`rlhfc.passes.search.SearchReport` as a dict), when it ran
+    search: dict | None = None
 
     @property
     def costs(self):
@@ -91,8 +93,20 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     from .recompute import recompute_notes
 
     notes += recompute_notes(module, cm)
+    found = getattr(module, "search_report", None)   # set by the placement pass when it searched
     return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
-                  notes, source)
+                  notes, source, found.as_dict() if found is not None else None)
+
+
+def search_summary(report: Report) -> str | None:
+    """One line on the placement search (None when placement did not search): candidates, time, best."""
+    sr = report.search
+    if not sr:
+        return None
+    seeds = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sr["seeds"].items())
+    return (f"placement search ({sr['strategy']}): {sr['candidates']} candidate plans priced in "
+            f"{sr['seconds']:.1f} s, best {fmt_seconds(sr['best_s'])} per step "
+            f"({len(sr['trajectory'])} improvements; strategies: {seeds})")
 
 
 def worker_rows(module: Module) -> list[dict]:

@@ -7,7 +7,8 @@ import difflib
 from rlhfc.cost.model import CostModel
 from rlhfc.ir import plan
 
-from .report import Report, device_groups, fmt_bytes, fmt_seconds, ids_text, worker_rows, worker_text
+from .report import (Report, device_groups, fmt_bytes, fmt_seconds, ids_text, search_summary, worker_rows,
+                     worker_text)
 
 WIDTH = 64
 
@@ -135,6 +136,8 @@ def render_text(report: Report) -> str:
             f"cluster {report.device_label()}",
             f"predicted step time: {fmt_seconds(sim.step_time_s)} "
             f"({sim.steps} steps simulated; {samples} samples per step)"]
+    if report.search:
+        head.append(search_summary(report))
     changed = m.annotations.get("changes_training") or []
     if changed:
         head.append(f"note: {', '.join(changed)} changes what the job trains on (not an exact optimisation: "

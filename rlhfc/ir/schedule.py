@@ -84,6 +84,7 @@ class Schedule:
     at_end: tuple[str, ...] = ()
     by_name: dict = field(default_factory=dict)
     refill: Refill | None = None
+    _order: list | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.by_name = {e.name: e for e in self.entries}
@@ -94,6 +95,8 @@ class Schedule:
     def launch_order(self) -> list[Entry]:
         """The entries in the order the driver launches them: a stage inside a stream goes with it (the
         load it draws just before, its consumers just after), everything else in graph order."""
+        if self._order is not None:   # the entries do not change once built; the simulator asks per stage
+            return list(self._order)
         out = []
         for e in self.entries:
             if e.kind == "in_stream":
@@ -101,13 +104,16 @@ class Schedule:
             out += [x for x in self.entries if x.within == e.name and x.source is None]
             out.append(e)
             out += [self.by_name[c] for c in e.consumers]
-        return out
+        self._order = out
+        return list(out)
 
     def launch_deps(self, stage: str) -> list[str]:
         """Stages that must have finished before ``stage`` can start because of the driver's order, in
         launch order (data and weight-version dependencies come on top)."""
         e = self.by_name[stage]
-        return [x.name for x in self.launch_order() if x.name in e.after]
+        if self._order is None:
+            self.launch_order()
+        return [x.name for x in self._order if x.name in e.after]
 
 
 def build_schedule(module: Module) -> Schedule:

@@ -64,12 +64,20 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
     for s in stages:
         model = module.models[s.target]
         first, count = assign[s.name]
-        c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
-                              kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
-                              recompute=plan.RECOMPUTE_POLICIES if s.op == "train" else ("none",))
-        cands[s.name] = [x for x in c if runnable(module, model, x)]
-        if cands[s.name]:   # a few hundred candidates: NumPy prices them faster than one JAX compile per shape
-            res[s.name] = evaluate(module, s.name, cands[s.name], cost_model=cm, backend="numpy")
+        # kept in the cost model's cache: a placement search asks again for every candidate plan that puts
+        # the stage there (inside shared_prices() the cache outlives this cost model)
+        key = ("layout-table", s.name, first, count, repr(plan.recompute_decision(s)))
+        if key not in cm._cache:
+            c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
+                                  kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
+                                  recompute=plan.RECOMPUTE_POLICIES if s.op == "train" else ("none",))
+            c = [x for x in c if runnable(module, model, x)]
+            # a few hundred candidates: NumPy prices them faster than one JAX compile per shape, and whether
+            # JAX is installed must not change a plan
+            cm._cache[key] = (c, evaluate(module, s.name, c, cost_model=cm, backend="numpy") if c else None)
+        cands[s.name], r = cm._cache[key]
+        if r is not None:
+            res[s.name] = r
     held = _Resident(module, assign, stages, res)
     chosen: dict[tuple, tuple[int, int, int]] = {}
     for s in stages:

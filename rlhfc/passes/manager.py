@@ -45,7 +45,9 @@ class PassManager:
     off only to debug a pass). ``print_after``: pass names after which the IR
     text goes to ``printer(spec, text)`` (``"*"``: after every pass; unknown
     names are an error). ``printer`` defaults to writing to stderr.
-    ``records``: one :class:`PassRecord` per pass that ran.
+    ``records``: one :class:`PassRecord` per pass that ran. A pass with a ``run_in_pipeline(module,
+    downstream)`` method is called that way instead, with the passes that follow it (the placement search
+    prices each candidate plan as those passes will leave it).
     """
 
     passes: list[Pass]
@@ -70,9 +72,12 @@ class PassManager:
                                   + exc.diagnostics, exc.source_text) from None
         text = print_module(module)
         printer = self.printer or _print_to_stderr
-        for p in self.passes:
+        for i, p in enumerate(self.passes):
             try:
-                result = p.run(module)
+                if hasattr(p, "run_in_pipeline"):   # a pass that plans for the passes after it (placement)
+                    result = p.run_in_pipeline(module, self.passes[i + 1:])
+                else:
+                    result = p.run(module)
                 module = result if result is not None else module
             except CompileError as exc:
                 head = Diagnostic("error", f"pass {p.spec()} failed after [{', '.join(done)}]", None, None)

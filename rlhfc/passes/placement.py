@@ -15,8 +15,12 @@ or ``--placement``):
 - ``search`` (the default on clusters of more than one device) — start from the
   best of the three, then a Metropolis (MCMC) walk over per-model meshes
   (aligned power-of-two device ranges) and generation meshes, each plan priced
-  by the simulator over 3 unrolled steps; plans that overflow memory cost ×3
-  (as ReaL). Returns the fastest plan that fits; bounded by ``seconds``.
+  as the compile emits it (placed, then the passes after this one, then
+  simulated as ``explain`` does: :mod:`rlhfc.passes.search`); plans that
+  overflow memory cost ×3 (as ReaL). Returns the fastest plan that fits. The
+  search is bounded by ``candidates`` (plans priced, seeded by ``seed``), never
+  by wall-clock time: the same program compiles to the same plan on an idle and
+  on a busy machine.
 
 Every mesh is node-aligned (inside one node, or whole nodes) and every split obeys the hardware rules of
 :mod:`rlhfc.ir.plan.hardware` (tp inside a node dividing heads and kv heads, pp dividing layers); memory is
@@ -37,12 +41,10 @@ CPU every worker keeps one torch thread per core, so results are bitwise equal).
 
 from __future__ import annotations
 
-import math
-import random
-import time
 from dataclasses import dataclass, field
 
 from rlhfc.ir import DiagnosticSink, Module, plan
+from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import STRATEGIES
 
 from .base import Pass, register_pass
@@ -60,14 +62,33 @@ class Placement(Pass):
     exact = True
     strategy: str = field(default="auto", metadata={"doc": "flatten, interleave, separate, search, auto, or "
                                                             "baseline:dschat|openrlhf|verl|nemo"})
-    seconds: float = field(default=15.0, metadata={"doc": "time budget of the search"})
+    candidates: int = field(default=400, metadata={"doc": "plans the search may price (its budget; no time limit)"})
     seed: int = field(default=0, metadata={"doc": "seed of the search's random walk"})
+    profile: str = field(default="", metadata={
+        "doc": "measured profile the search prices with (a path, as explain's --profile; empty: catalog rates)"})
+    response_lengths: str = field(default="auto", metadata={
+        "doc": "response-length law the search prices (as explain's --response-lengths: auto, max, "
+               "geometric:P, lognormal:F:S)"})
 
     def __post_init__(self) -> None:
+        if self.candidates < 1:
+            raise ValueError("candidates must be >= 1 (the number of plans the search may price)")
+        from rlhfc.cost import response_dist
+
+        try:
+            response_dist(self.response_lengths, 8, vocab=100, pretrained=False)
+        except (ValueError, IndexError) as exc:
+            raise ValueError(f"bad response_lengths {self.response_lengths!r}: {exc} (e.g. max or "
+                             "lognormal:0.25:1.0)") from None
         if self.strategy not in plan.PLACEMENTS:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or auto")
 
     def run(self, module: Module) -> Module:
+        return self.run_in_pipeline(module, [])
+
+    def run_in_pipeline(self, module: Module, downstream: list) -> Module:
+        """Place ``module``; ``downstream``: the passes the pipeline runs after this one (the search prices
+        every candidate plan as they will leave it: :mod:`rlhfc.passes.search`)."""
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
         if strategy.startswith("baseline:"):   # another system's plan, as it would run (passes/baselines.py)
             from .baselines import build
@@ -79,21 +100,38 @@ class Placement(Pass):
         if assign_fn is not None:
             assign = respect_fixed(module, assign_fn(module))
         else:
-            assign = search(module, self.seconds, self.seed)
+            from rlhfc.cost import CostConfig, ProfileError, load_profile
+
+            from .search import search
+
+            try:
+                prof = load_profile(self.profile) if self.profile else None
+            except ProfileError as exc:
+                raise error(f"placement: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
+            assign, report = search(module, self.candidates, self.seed, downstream,
+                                    CostConfig(profile=prof, response_lengths=self.response_lengths))
+            module.search_report = report   # not IR: what explain reports about the search
         from rlhfc.cost import check_memory, memory_issues
 
-        for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
-            apply(module, assign, squeeze=squeeze)
-            if module.cluster.device == "cpu" or not memory_issues(module):
-                break
-        plan.set_strategy(module, strategy)
-
+        place(module, assign, strategy)
         if memory_issues(module) and not memory_issues(with_full_recompute(module)):
             return module   # it fits once the trained models recompute their activations: the recompute pass decides
         sink = DiagnosticSink()
         check_memory(module, sink)
         sink.raise_if_errors()
         return module
+
+
+def place(module: Module, assign: dict[str, tuple[int, int]], strategy: str) -> None:
+    """Annotate ``module`` with the plan ``assign`` (meshes per stage) as the pass emits it: each stage's
+    layout (:func:`apply`), each stage's memory budget tightened until the devices' totals fit, the strategy."""
+    from rlhfc.cost import fits
+
+    for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
+        apply(module, assign, squeeze=squeeze)
+        if module.cluster.device == "cpu" or fits(module):
+            break
+    plan.set_strategy(module, strategy)
 
 
 def with_full_recompute(module: Module) -> Module:
@@ -343,80 +381,3 @@ def _meshes(n: int, per_node: int) -> list[tuple[int, int]]:
     return out
 
 
-#: proposals without improvement after which the walk stops
-PATIENCE = 150
-#: a search space at most this large is enumerated instead of sampled
-EXHAUSTIVE = 256
-
-
-def search(module: Module, seconds: float, seed: int) -> dict[str, tuple[int, int]]:
-    """The fastest plan that fits: the strategies' plans, then every per-model mesh assignment when
-    there are few, else a Metropolis walk (ReaL) until ``seconds`` or ``PATIENCE`` idle proposals."""
-    import itertools
-
-    from rlhfc.cost import memory_issues, simulate
-
-    cache: dict[tuple, float] = {}
-    fitting: dict[tuple, float] = {}
-
-    def price(assign) -> float:
-        key = tuple(sorted(assign.items()))
-        if key not in cache:
-            trial = module.clone()
-            apply(trial, assign)
-            t = simulate(trial, steps=3).step_time_s
-            fits = not memory_issues(trial)
-            cache[key] = t if fits else t * 3   # ReaL's penalty keeps the walk moving through overflows
-            if fits:
-                fitting[key] = t
-        return cache[key]
-
-    def result(best):
-        """The fastest plan that fits, when any does (else the best penalised one, reported later)."""
-        if fitting:
-            return dict(min(fitting, key=fitting.get))
-        return best
-
-    start = time.perf_counter()
-    by_model = _model_stages(module)
-    seeds = [flatten(module), interleave(module)]
-    if SPLIT_GENERATION and module.cluster.num_devices > 1:
-        seeds.append(separate(module))
-    seeds = [respect_fixed(module, a) for a in seeds]
-    best = min(seeds, key=price)
-    best_t = price(best)
-    n = module.cluster.num_devices
-    fixed = _fixed_sizes(module)
-    free = _meshes(n, module.cluster.per_node)
-    # a fixed-layout model moves only between meshes of its size (aligned to it)
-    meshes_of = {m: [(f, fixed[m]) for f in range(0, n - fixed[m] + 1, fixed[m])] if m in fixed else free
-                 for m in by_model}
-    models = sorted(by_model)
-    if math.prod(len(meshes_of[m]) for m in models) <= EXHAUSTIVE:
-        for combo in itertools.product(*(meshes_of[m] for m in models)):
-            if time.perf_counter() - start > seconds:
-                break
-            cand = {s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]}
-            if price(cand) < best_t:
-                best, best_t = cand, price(cand)
-        return result(best)
-    keys = [(m, False) for m in models]
-    if SPLIT_GENERATION:
-        keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
-    rng = random.Random(seed)
-    temp = max(best_t, 1e-9) * 0.05
-    cur, cur_t, idle = best, best_t, 0
-    while time.perf_counter() - start < seconds and idle < PATIENCE:
-        model, gen_only = rng.choice(keys)
-        mesh = rng.choice(meshes_of[model])
-        prop = dict(cur)
-        for s in by_model[model]:
-            if (s.op == "generate") == gen_only or not gen_only:
-                prop[s.name] = mesh
-        t = price(prop)
-        idle += 1
-        if t < cur_t or rng.random() < math.exp(-(t - cur_t) / temp):
-            cur, cur_t = prop, t
-            if t < best_t:
-                best, best_t, idle = prop, t, 0
-    return result(best)

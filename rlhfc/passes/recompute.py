@@ -53,7 +53,7 @@ class RecomputePass(Pass):
                              "budget=1000000})")
 
     def run(self, module: Module) -> Module:
-        from rlhfc.cost import memory_issues
+        from rlhfc.cost import fits
 
         trains = []
         for s in [s for s in module.graph.stages if s.op == "train" and s.target in module.models]:
@@ -70,7 +70,7 @@ class RecomputePass(Pass):
                 decision = decide(module, stage, self.policy, self.budget or None, squeeze=squeeze)
                 if decision is not None:
                     plan.set_recompute(stage, decision)
-            if self.policy != "auto" or not memory_issues(module):
+            if self.policy != "auto" or fits(module):
                 break
         return module
 
@@ -110,12 +110,13 @@ def stage_trace(module: Module, stage, cm=None):
 def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> float:
     """Bytes one block may keep per micro-batch (its input aside) so that the stage fits its devices."""
     from rlhfc.cost import formulas as F
-    from rlhfc.cost.simulator import simulate
+    from rlhfc.cost.simulator import resident_bytes
 
-    res = simulate(module, steps=1, cost_model=cm)
+    n = module.cluster.nodes * module.cluster.per_node
+    resident = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n)
     layout = cm.layout(stage)
-    static = max((sum(d.static.values()) for d in res.devices if d.index in layout.devices), default=0.0)
-    capacity = min((d.capacity_bytes for d in res.devices if d.index in layout.devices), default=cm.spec.memory)
+    static = max((sum(resident[d].values()) for d in layout.devices if d < n), default=0.0)
+    capacity = cm.spec.memory
     work = dict(inp.work, rc_kept=0.0, rc_autograd=float(trace.autograd_bytes), rc_seconds=1.0 if recompute else 0.0)
     base = float(F.traced_train_activation_bytes(__import__("numpy"), inp.hw, inp.arch, work, inp.lay)[0])
     lay = inp.lay

@@ -14,7 +14,8 @@ but pays a fixed cost per chunk (a remote call and a forward launch per
 consumer). With consumer work ``W`` for the whole batch and per-chunk cost
 ``o``, the exposed time is about ``W / k + k·o`` for ``k`` chunks, minimised at
 ``k = sqrt(W / o)``; ``W`` comes from the cost model's forward-time estimate.
-``chunk = N`` overrides it.
+``chunk = N`` overrides it. A cost-model failure (an exception, or a time that is not a finite number
+of seconds) is a compile error at the generate stage, never a silent fallback to another chunk size.
 
 Exact up to float rounding: a consumer computes each chunk's rows in a forward
 over fewer rows than the whole batch, and batched kernels may round a row
@@ -32,7 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlhfc.ir import Module
+from rlhfc.ir import CompileError, Module, where
+from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import Stream as StreamAttr
 from rlhfc.ir.plan import set_stream_from
 
@@ -81,7 +83,22 @@ def auto_chunk(module: Module, gen, consumers) -> int:
 
 
 def forward_seconds(module: Module, stage, gen) -> float:
-    """Predicted time of one forward stage over the whole rollout (the cost model, catalog rates)."""
+    """Predicted time of one forward stage over the whole rollout (the cost model, catalog rates). A
+    cost-model failure is a compile error located at ``gen`` (the stage whose chunk size it decides)."""
     from rlhfc.cost import CostModel  # catalog rates: the same build on every machine
 
-    return float(CostModel(module).stage_cost(stage).time_s)
+    try:
+        seconds = float(CostModel(module).stage_cost(stage).time_s)
+    except CompileError:
+        raise
+    except Exception as exc:
+        raise error(f"stream: the cost model failed to price %{stage.name}, which %{gen.name} streams to "
+                    f"({type(exc).__name__}: {exc}); the chunk size cannot be chosen", where(gen),
+                    f"set the chunk yourself (stream{{chunk=N}}) or fix the cost model; RLHFC_DEBUG=1 shows "
+                    "the traceback") from exc
+    if not math.isfinite(seconds) or seconds < 0:
+        raise error(f"stream: the cost model priced %{stage.name} at {seconds} s, not a time; the chunk size "
+                    f"of %{gen.name} cannot be chosen", where(gen),
+                    "set the chunk yourself (stream{chunk=N}) or fix the cost model (a profile with a broken "
+                    "fit gives such numbers: re-run `rlhfc profile`)")
+    return seconds

@@ -44,9 +44,9 @@ from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, 
                     Sync, describe, opt_level)
 from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
-from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, mesh, microbatches, on_worker,
-                    overcommit, overcommit_delta, overlap_group, policy_temperature, recompute, recompute_decision,
-                    set_flag, set_layout, set_overlap, set_recompute, unset,
+from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
+                    microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
+                    recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
                     stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
                     worker_ranks, workers, planned_layout, resolve_trainer, worker_layout)

@@ -56,6 +56,16 @@ def recompute_decision(stage: Stage) -> Recompute | None:
     return _read(stage, Recompute) if stage.op == "train" else None
 
 
+def layout_signature(stage: Stage) -> tuple | None:
+    """The raw values of the annotations a stage's layout is read from (``mesh``, ``parallel``,
+    ``microbatches``, ``recompute``), for memoising what depends on them; None when the stage has no mesh of
+    its own (its layout then depends on its model's other stages: :func:`home_mesh`)."""
+    a = stage.annotations
+    if Mesh.key not in a:
+        return None
+    return (str(a[Mesh.key]), str(a.get(Parallel.key)), a.get("microbatches"), str(a.get(Recompute.key)))
+
+
 def set_recompute(stage: Stage, decision: Recompute) -> None:
     """Annotate a train stage with ``decision`` (``none`` without numbers: the annotation is removed)."""
     value = decision.print()
