@@ -82,7 +82,7 @@ def test_examples_compile_to_rule_abiding_plans():
         roll = plan.stage_layout(out, out.graph.stage("roll"))
         assert roll.first % 8 == 0 and roll.count % 8 == 0, roll
     small = _load(ROOT / "examples" / "ppo_7b.rlhf", 2, 8)   # the search's plans obey them too
-    _assert_rules(P.Placement(strategy="search", seconds=2.0).run(small), "search on 2x8")
+    _assert_rules(P.Placement(strategy="search", candidates=60).run(small), "search on 2x8")
 
 
 def test_flatten_counts_memory_once():

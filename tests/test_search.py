@@ -165,6 +165,20 @@ def test_search_is_never_worse_than_a_strategy():
     assert found.proposals >= found.candidates == 40 and found.strategy == "mcmc"
 
 
+def test_search_is_never_slower_than_a_baseline_systems_placement():
+    """Each baseline system's meshes (DeepSpeed-Chat, OpenRLHF, verl, NeMo-Aligner) are seeds of the search,
+    priced as rlhfc compiles them (its own layouts per mesh): the plan found is at least as fast as each.
+    (Not asserted: faster than each baseline plan as that system runs it — its own layouts and passes; see
+    docs/benchmarks.md, "Baselines".)"""
+    from rlhfc.ir.plan import BASELINES
+
+    module = run_passes(gpu_module(), SMALL.format(extra=""))
+    found = module.search_report
+    assert {f"baseline:{b}" for b in BASELINES} <= set(found.seeds)
+    for name in BASELINES:
+        assert found.best_s <= found.seeds[f"baseline:{name}"]
+
+
 def test_explain_text_reports_the_search(capsys):
     from rlhfc.cli import main as cli
 

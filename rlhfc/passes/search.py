@@ -150,12 +150,16 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
     from . import placement as P
 
     start = time.perf_counter()
+    # built outside shared_prices(): a baseline-marked module is priced with that system's costs, which
+    # must not enter the shared stage prices
+    baselines = _baseline_meshes(module, P._model_stages(module))
     with shared_prices():
         pricer = PlanPricer(module, downstream, config)
         by_model = P._model_stages(module)
         seeds = {"flatten": P.flatten(module), "interleave": P.interleave(module)}
         if P.SPLIT_GENERATION and module.cluster.num_devices > 1:
             seeds["separate"] = P.separate(module)
+        seeds.update(baselines)
         seeds = {name: P.respect_fixed(module, a) for name, a in seeds.items()}
         n = module.cluster.num_devices
         fixed = P._fixed_sizes(module)
@@ -186,6 +190,25 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
     report.seconds = time.perf_counter() - start
     report.best_s, report.fits = pricer.price(best)
     return best, report
+
+
+def _baseline_meshes(module: Module, by_model: dict) -> dict[str, dict]:
+    """The meshes each baseline system's plan gives the stages (``baseline:NAME`` seeds of the search; GPU
+    clusters): priced as rlhfc compiles them, so the plan found is never slower than another system's
+    placement run by rlhfc's pipeline."""
+    from rlhfc.ir import plan
+    from rlhfc.ir.plan import BASELINES
+
+    from .baselines import build
+
+    if module.cluster.device == "cpu":
+        return {}
+    out = {}
+    for name in BASELINES:
+        trial = build(module.clone(), name)
+        out[f"baseline:{name}"] = {s.name: plan.stage_mesh(trial, trial.graph.stage(s.name)).pair()
+                                   for stages in by_model.values() for s in stages}
+    return out
 
 
 class _Walk:
