@@ -14,7 +14,7 @@ from rlhfc.ir import CompileError, Diagnostic, print_module
 
 from .app import app
 from .load import load, load_plugins
-from .optimise import PLACEMENT_HELP, Optimised, optimise
+from .optimise import PLACEMENT_HELP, ROLLOUT_HELP, Optimised, optimise
 
 
 @app.command()
@@ -43,6 +43,7 @@ def compile_cmd(
     print_after: List[str] = typer.Option([], "--print-after", help="print the IR after this pass"),
     no_verify: bool = typer.Option(False, "--no-verify-each", help="skip the verifier between passes (debugging)"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
 ):
     """Compile a program: optimise it and write canonical IR or a runnable job."""
     if emit not in ("ir", "job"):
@@ -50,7 +51,7 @@ def compile_cmd(
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, verify_each=not no_verify,
                     print_after={"*"} if print_after_all else set(print_after), placement=placement,
-                    memory_check=True if emit == "job" else "warn")
+                    memory_check=True if emit == "job" else "warn", rollout=rollout)
     if emit == "ir":
         ir = print_module(done.module)
         if out:
@@ -103,6 +104,7 @@ def run(
     plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers passes"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
 ):
     """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address.
 
@@ -118,6 +120,7 @@ def run(
         cmd += ["-O", opt] if opt is not None else []
         cmd += ["--passes", passes] if passes is not None else []
         cmd += ["--placement", placement] if placement is not None else []
+        cmd += ["--rollout", rollout] if rollout is not None else []
         for p in plugin:
             cmd += ["--plugin", p]
         cmd += ["--steps", str(steps)] if steps is not None else []
@@ -136,7 +139,7 @@ def run(
             if out is not None and not resume:   # before compiling: never write over an earlier run
                 ckpt.check_fresh_run_folder(out, None, shlex.join(resume_command(out)))
             module, _ = load(target, plugin)
-            done = optimise(module, opt, passes, placement=placement)
+            done = optimise(module, opt, passes, placement=placement, rollout=rollout)
             out = out or default_run_dir(done.module.name, resume)
             job_dir = os.path.join(out, "job")
             if resume:

@@ -12,7 +12,7 @@ from rlhfc.ir import CompileError, Diagnostic
 
 from .app import app, print_diagnostics
 from .load import load
-from .optimise import PLACEMENT_HELP, optimise
+from .optimise import PLACEMENT_HELP, ROLLOUT_HELP, optimise
 
 
 def resolve_profile(path: str | None, no_profile: bool, device_kind: str):
@@ -47,6 +47,7 @@ def explain(
                                 help="response-length law: auto | max | geometric:P | lognormal:F:S"),
     strict: bool = typer.Option(False, "--strict", help="exit 2 when the plan does not fit in memory"),
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
 ):
     """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
     from rlhfc.cost import CostConfig, response_dist
@@ -61,7 +62,7 @@ def explain(
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
     module, _ = load(file, plugin)
-    done = optimise(module, opt, passes, placement=placement, memory_check=False)
+    done = optimise(module, opt, passes, placement=placement, memory_check=False, rollout=rollout)
     module = done.module
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,

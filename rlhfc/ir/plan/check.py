@@ -27,6 +27,9 @@ def verify_plan(module: Module, sink: DiagnosticSink) -> None:
             _verify_stage(module, stage, total, sink)
     if total is not None and all(s.outputs for s in module.graph.stages):
         _verify_layouts(module, total, sink)
+    from .rollout import verify_rollout
+
+    verify_rollout(module, sink)
 
 
 # -- fixed layouts and trainers -------------------------------------------------------------------------
