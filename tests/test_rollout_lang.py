@@ -84,3 +84,21 @@ def test_rollout_flag_overrides_the_program_and_is_checked(tmp_path, vllm_instal
         optimise(_load(tmp_path, "bad"), "O0", None, rollout="vlm")
     with pytest.raises(CompileError, match="head size 16"):   # the engine's own checks run on the override
         optimise(_load(tmp_path, "heads", heads=4), "O0", None, rollout="vllm")
+
+
+def test_the_cost_model_prices_the_engines_refit_in_the_generate_stage(tmp_path, vllm_installed):
+    from rlhfc.cli.optimise import optimise
+    from rlhfc.cost import CostModel
+    from rlhfc.cost.sync import refit_time
+
+    costs = {}
+    for name, run in (("torch", ""), ("vllm", "run { rollout = vllm }\n")):
+        module = optimise(_load(tmp_path, name, run=run), "O2", None).module
+        gen = next(s for s in module.graph.stages if s.op == "generate")
+        assert gen.annotations.get("refit_mb") == (64 if name == "vllm" else None)   # the realloc pass's option
+        cm = CostModel(module)
+        costs[name] = cm.stage_cost(gen)
+    refit = costs["vllm"].parts["refit"]
+    assert refit == pytest.approx(refit_time(costs["vllm"].weights_bytes, 64, cm.spec)) and refit > 0
+    assert "refit" not in costs["torch"].parts
+    assert costs["vllm"].time_s == pytest.approx(costs["torch"].time_s + refit)

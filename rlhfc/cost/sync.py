@@ -66,3 +66,11 @@ def sync_time(weight_bytes: float, src: Layout, dst: Layout, spec: DeviceSpec, p
 def host_copy_time(nbytes: float, spec: DeviceSpec) -> float:
     """Offload/onload of ``nbytes`` per device over the host link (all devices in parallel)."""
     return nbytes / (spec.host_bw * spec.net_eff)
+
+
+def refit_time(nbytes: float, bucket_mb: int, spec: DeviceSpec) -> float:
+    """The vLLM engine's refit (``run { rollout = vllm }``): the generating worker copies ``nbytes`` of weights
+    into the engine in its own process, in buckets of ``bucket_mb`` MiB — one read and one write of each byte
+    at the device's memory bandwidth, plus a start-up per bucket."""
+    buckets = max(1.0, -(-nbytes // (max(1, bucket_mb) * 2**20)))
+    return buckets * spec.latency + 2 * nbytes / (spec.hbm_bw * spec.mem_eff)
