@@ -250,7 +250,9 @@ def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vo
         name = str(n.target)[5:]
         moved = _moved_bytes(n) if fresh.get(n.name, 0) else 0.0   # a view moves nothing
         flops = _flops(n)
-        seconds = max(flops / flops_per_s, moved / bytes_per_s) + op_s
+        # an op that allocates and computes nothing (a view) is priced free: its few microseconds of dispatch
+        # would make the estimate depend on how many views a transformers release writes into a block
+        seconds = max(flops / flops_per_s, moved / bytes_per_s) + (op_s if moved or flops else 0.0)
         nodes.append(OpNode(n.name, f"{name}#{k}", fresh.get(n.name, 0), needed.get(n.name, 0), seconds, flops,
                             n.name in core, n.name in savers))
     input_bytes = rows * seq * hidden * torch.empty((), dtype=torch_dtype).element_size()
