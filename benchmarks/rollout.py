@@ -10,10 +10,12 @@ about 1/96 a token, so response lengths are long-tailed, geometric up to ``--max
 - ``standalone vllm``: ``vllm.LLM.generate`` on the same engine and the same token ids (no rlhfc code);
 - ``rlhfc torch``: a model worker with the torch decode loop (``slots`` = all rows).
 
-Each is timed ``--repeat`` times after one warm-up; the table gives generated tokens/s (median) and the
+Each runs once to warm up, then ``--repeat`` rounds time the three in turn; the table gives generated tokens/s
+(tokens of the last round over the median seconds; sampled lengths differ between engines) and the
 integration cost of rlhfc's vLLM path against standalone vLLM. Then the refit: for each hidden size of
 ``--refit-hidden`` an engine starts and the worker's weights are loaded into it in 64 MiB buckets
-(median of ``--repeat``), against the bytes moved.
+(median of ``--repeat``), against the bytes moved and the cost model's prediction
+(:func:`rlhfc.cost.sync.refit_time`, catalog CPU figures).
 
     python benchmarks/rollout.py [--layers 4] [--hidden 256] [--prompts 32] [--max-new 256] [--repeat 3]
 """
@@ -31,16 +33,6 @@ import torch
 
 def _spec(layers: int, hidden: int) -> dict:
     return dict(arch="llama", layers=layers, hidden=hidden, heads=hidden // 64, vocab=96, max_seq=1024)
-
-
-def _timed(fn, repeat: int) -> tuple[float, int]:
-    fn()   # warm-up
-    times, tokens = [], 0
-    for _ in range(repeat):
-        start = time.perf_counter()
-        tokens = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), tokens
 
 
 def main() -> None:
@@ -87,17 +79,31 @@ def main() -> None:
     print(f"model: llama {args.layers} x {args.hidden} (head 64), {params / 1e6:.1f}M params; {args.prompts} "
           f"prompts, up to {args.max_new} new tokens, temperature 1; torch threads {args.threads}")
     print(f"{'engine':<16} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    runs = (("rlhfc vllm", rlhfc_vllm), ("standalone vllm", standalone), ("rlhfc torch", rlhfc_torch))
+    times: dict[str, list[float]] = {name: [] for name, _ in runs}
+    tokens: dict[str, int] = {}
+    for name, fn in runs:   # warm-up
+        fn()
+    for _ in range(args.repeat):   # rounds interleave the engines, so a machine's load drift hits all three
+        for name, fn in runs:
+            torch.set_num_threads(args.threads)
+            start = time.perf_counter()
+            tokens[name] = fn()
+            times[name].append(time.perf_counter() - start)
     rates = {}
-    for name, fn in (("rlhfc vllm", rlhfc_vllm), ("standalone vllm", standalone), ("rlhfc torch", rlhfc_torch)):
-        torch.set_num_threads(args.threads)
-        seconds, tokens = _timed(fn, args.repeat)
-        rates[name] = tokens / seconds
-        print(f"{name:<16} {tokens:>7} {seconds:>8.3f} {rates[name]:>9.0f}")
+    for name, _ in runs:
+        seconds = statistics.median(times[name])
+        rates[name] = tokens[name] / seconds
+        print(f"{name:<16} {tokens[name]:>7} {seconds:>8.3f} {rates[name]:>9.0f}")
     print(f"integration cost (1 - rlhfc vllm / standalone vllm): {1 - rates['rlhfc vllm'] / rates['standalone vllm']:+.1%}")
     print(f"vllm / torch tokens/s: {rates['rlhfc vllm'] / rates['rlhfc torch']:.2f}x")
     w_vllm.engine.shutdown()
 
-    print(f"\n{'hidden':>6} {'params':>8} {'MiB':>7} {'buckets':>7} {'refit s':>8} {'GB/s':>6}")
+    from rlhfc.cost.hardware import device_spec
+    from rlhfc.cost.sync import refit_time
+
+    spec = device_spec("cpu")
+    print(f"\n{'hidden':>6} {'params':>8} {'MiB':>7} {'buckets':>7} {'refit s':>8} {'GB/s':>6} {'predicted s':>11}")
     for hidden in (int(h) for h in args.refit_hidden.split(",")):
         w = ModelWorker("actor", _spec(args.layers, hidden), {"kind": "random"}, 0, threads=args.threads,
                         rollout={"engine": "vllm", "folder": os.path.join(folder, f"h{hidden}")})
@@ -106,7 +112,7 @@ def main() -> None:
         s = statistics.median(r["refit_s"] for r in runs)
         mb, n = runs[0]["refit_mb"], int(runs[0]["refit_buckets"])
         print(f"{hidden:>6} {sum(p.numel() for p in w.model.parameters()) / 1e6:>7.1f}M {mb:>7.1f} {n:>7} "
-              f"{s:>8.4f} {mb / 1024 / s:>6.2f}")
+              f"{s:>8.4f} {mb / 1024 / s:>6.2f} {refit_time(mb * 2**20, 64, spec):>11.4f}")
         w.engine.shutdown()
 
 

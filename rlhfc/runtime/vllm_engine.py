@@ -47,7 +47,7 @@ def engine_env(folder: str) -> None:
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
         os.environ[key] = os.path.join(folder, sub)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process: refit reaches it
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # its chat-template warm-up warns without a tokenizer
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB of KV cache on CPU (vLLM's default is larger)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # the worker already holds its cores
 
