@@ -96,6 +96,8 @@ def test_the_cost_model_prices_the_engines_refit_in_the_generate_stage(tmp_path,
         module = optimise(_load(tmp_path, name, run=run), "O2", None).module
         gen = next(s for s in module.graph.stages if s.op == "generate")
         assert gen.annotations.get("refit_mb") == (64 if name == "vllm" else None)   # the realloc pass's option
+        text = print_module(module)
+        assert print_module(parse_ir(text)) == text   # the annotation round-trips
         cm = CostModel(module)
         costs[name] = cm.stage_cost(gen)
     refit = costs["vllm"].parts["refit"]
