@@ -144,10 +144,11 @@ class VllmEngine:
                                     max_tokens=int(budgets[i]), stop_token_ids=[int(eos_id)], seed=int(seeds[i]),
                                     logprobs=0 if logprobs else None,
                                     prompt_logprobs=0 if logprobs and resumed[i] else None, detokenize=False,
-                                    output_kind=RequestOutputKind.CUMULATIVE)
+                                    output_kind=RequestOutputKind.DELTA)
             self._call("generate", lambda: engine.add_request(ids[i], TokensPrompt(prompt_token_ids=list(row)), params))
         index = {r: i for i, r in enumerate(ids)}
-        latest: dict[int, tuple[int, ...]] = {}
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}      # each request's tokens so far
+        lps: dict[int, list[float]] = {i: [] for i in range(len(rows))}        # and their log-probs
         left, done, step = set(range(len(rows))), 0, 0
         try:
             while left:
@@ -155,38 +156,34 @@ class VllmEngine:
                     break
                 outs = self._call("generate", engine.step)
                 step += 1
-                for out in outs:
+                for out in outs:   # DELTA outputs: the tokens each request gained this step
                     i = index.get(out.request_id)
                     if i is None:
                         continue
                     comp = out.outputs[0]
-                    latest[i] = tuple(comp.token_ids)
+                    new = list(comp.token_ids)
+                    tokens[i] += new
+                    if logprobs:
+                        if resumed[i] and out.prompt_logprobs:   # a carried part: vLLM's prompt log-probs
+                            carried = list(rows[i])[len(rows[i]) - resumed[i]:]
+                            plp = out.prompt_logprobs[len(rows[i]) - resumed[i]:]
+                            lps[i] += [float(d[t].logprob) if d else 0.0 for d, t in zip(plp, carried)]
+                        lps[i] += [float(d[t].logprob) for d, t in zip(comp.logprobs or [], new)]
                     if not out.finished:
                         continue
                     left.discard(i)
                     done += 1
-                    yield self._finished(i, rows[i], comp, out, step, logprobs, resumed[i], eos_id)
+                    got = tuple(tokens[i])
+                    yield FinishedSample(i, tuple(rows[i]), got, bool(got) and got[-1] == eos_id, step - 1,
+                                         tuple(lps[i]), float(len(rows[i]) + max(len(got) - 1, 0)))
             if left:   # stop_after reached: the rest are carried with their tokens so far
                 self._call("abort", lambda: engine.abort_request([ids[i] for i in sorted(left)]))
                 for i in sorted(left):
-                    yield PartialSample(i, tuple(rows[i]), latest.get(i, ()))
+                    yield PartialSample(i, tuple(rows[i]), tuple(tokens[i]))
                 left = set()
         finally:
             if left and self.llm is not None:   # the consumer stopped early: free the engine's requests
                 engine.abort_request([ids[i] for i in sorted(left)])
-
-    @staticmethod
-    def _finished(i: int, row, comp, out, step: int, logprobs: bool, resumed: int, eos_id: int) -> FinishedSample:
-        tokens = tuple(comp.token_ids)
-        lps: tuple[float, ...] = ()
-        if logprobs:
-            lps = tuple(float(d[t].logprob) for d, t in zip(comp.logprobs or [], tokens))
-            if resumed:
-                carried = list(row)[len(row) - resumed:]
-                plp = (out.prompt_logprobs or [])[len(row) - resumed:]
-                lps = tuple(float(d[t].logprob) if d else 0.0 for d, t in zip(plp, carried)) + lps
-        eos = bool(tokens) and tokens[-1] == eos_id
-        return FinishedSample(i, tuple(row), tokens, eos, step - 1, lps, float(len(row) + max(len(tokens) - 1, 0)))
 
     def shutdown(self) -> None:
         """Stop the engine (a later call is an :class:`EngineError` naming the model)."""
