@@ -7,10 +7,11 @@ about 1/96 a token, so response lengths are long-tailed, geometric up to ``--max
 
 - ``rlhfc vllm``: a model worker with ``rollout = vllm`` (``ModelWorker.generate``: per-request outputs of the
   engine's step loop, per-row seeds, sampled-token log-probs, the rollout built from them);
-- ``standalone vllm``: ``vllm.LLM.generate`` on the same engine and the same token ids (no rlhfc code);
+- ``standalone vllm``: ``vllm.LLM.generate`` on the same engine and the same token ids (no rlhfc code), and
+  ``standalone seeded`` the same with a seed per request (as rlhfc seeds each row);
 - ``rlhfc torch``: a model worker with the torch decode loop (``slots`` = all rows).
 
-Each runs once to warm up, then ``--repeat`` rounds time the three in turn; the table gives generated tokens/s
+Each runs once to warm up, then ``--repeat`` rounds time them in turn; the table gives generated tokens/s
 (tokens of the last round over the median seconds; sampled lengths differ between engines) and the
 integration cost of rlhfc's vLLM path against standalone vLLM. Then the refit: for each hidden size of
 ``--refit-hidden`` an engine starts and the worker's weights are loaded into it in 64 MiB buckets
@@ -66,9 +67,9 @@ def main() -> None:
     ids = [w_vllm.tokenizer.encode(p, add_bos=True) for p in prompts]
     llm = w_vllm.engine.llm
 
-    def standalone() -> int:
-        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_new,
-                                stop_token_ids=[w_vllm.tokenizer.eos_id], detokenize=False)
+    def standalone(seeded: bool = False) -> int:
+        params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_new, seed=1000 + i if seeded else None,
+                                 stop_token_ids=[w_vllm.tokenizer.eos_id], detokenize=False) for i in range(len(ids))]
         outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -79,7 +80,8 @@ def main() -> None:
     print(f"model: llama {args.layers} x {args.hidden} (head 64), {params / 1e6:.1f}M params; {args.prompts} "
           f"prompts, up to {args.max_new} new tokens, temperature 1; torch threads {args.threads}")
     print(f"{'engine':<16} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-    runs = (("rlhfc vllm", rlhfc_vllm), ("standalone vllm", standalone), ("rlhfc torch", rlhfc_torch))
+    runs = (("rlhfc vllm", rlhfc_vllm), ("standalone vllm", standalone),
+            ("standalone seeded", lambda: standalone(True)), ("rlhfc torch", rlhfc_torch))
     times: dict[str, list[float]] = {name: [] for name, _ in runs}
     tokens: dict[str, int] = {}
     for name, fn in runs:   # warm-up
