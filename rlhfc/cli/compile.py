@@ -14,7 +14,7 @@ from rlhfc.ir import CompileError, Diagnostic, print_module
 
 from .app import app
 from .load import load, load_plugins
-from .optimise import PLACEMENT_HELP, Optimised, optimise
+from .optimise import PLACEMENT_HELP, ROLLOUT_HELP, Optimised, optimise
 
 
 @app.command()
@@ -48,6 +48,7 @@ def compile_cmd(
                                      "max | geometric:P | lognormal:F:S"),
     profile: Optional[str] = typer.Option(None, "--profile", help="measured profile the placement search "
                                           "prices with (default: catalog rates; as explain --profile)"),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
 ):
     """Compile a program: optimise it and write canonical IR or a runnable job."""
     if emit not in ("ir", "job"):
@@ -55,7 +56,8 @@ def compile_cmd(
     module, _ = load(file, plugin)
     done = optimise(module, opt, passes, verify_each=not no_verify,
                     print_after={"*"} if print_after_all else set(print_after), placement=placement,
-                    memory_check=True if emit == "job" else "warn", response_lengths=lengths, profile=profile)
+                    memory_check=True if emit == "job" else "warn", response_lengths=lengths, profile=profile,
+                    rollout=rollout)
     if emit == "ir":
         ir = print_module(done.module)
         if out:
@@ -110,6 +112,7 @@ def run(
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
     trace: bool = typer.Option(False, "--trace", help="write the measured timeline, RUNDIR/trace.json "
                                "(Chrome/Perfetto trace events; compare it with `rlhfc compare RUNDIR`)"),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
 ):
     """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address.
 
@@ -125,6 +128,7 @@ def run(
         cmd += ["-O", opt] if opt is not None else []
         cmd += ["--passes", passes] if passes is not None else []
         cmd += ["--placement", placement] if placement is not None else []
+        cmd += ["--rollout", rollout] if rollout is not None else []
         for p in plugin:
             cmd += ["--plugin", p]
         cmd += ["--steps", str(steps)] if steps is not None else []
@@ -143,7 +147,7 @@ def run(
             if out is not None and not resume:   # before compiling: never write over an earlier run
                 ckpt.check_fresh_run_folder(out, None, shlex.join(resume_command(out)))
             module, _ = load(target, plugin)
-            done = optimise(module, opt, passes, placement=placement)
+            done = optimise(module, opt, passes, placement=placement, rollout=rollout)
             out = out or default_run_dir(done.module.name, resume)
             job_dir = os.path.join(out, "job")
             if resume:

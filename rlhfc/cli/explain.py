@@ -12,7 +12,7 @@ from rlhfc.ir import CompileError, Diagnostic
 
 from .app import app, print_diagnostics
 from .load import load
-from .optimise import PLACEMENT_HELP, optimise
+from .optimise import PLACEMENT_HELP, ROLLOUT_HELP, optimise
 
 
 def resolve_profile(path: str | None, no_profile: bool, device_kind: str):
@@ -50,6 +50,7 @@ def explain(
     placement: Optional[str] = typer.Option(None, "--placement", help=PLACEMENT_HELP),
     compare: bool = typer.Option(False, "--compare", help="print rlhfc's plan beside the plans of DeepSpeed-Chat, "
                                  "OpenRLHF, verl and NeMo-Aligner (baseline:NAME), predicted step times and ratios"),
+    rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
 ):
     """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
     from rlhfc.cost import CostConfig, response_dist
@@ -72,7 +73,7 @@ def explain(
     # an explicit --profile prices the placement search too (as `compile --profile`); the machine's default
     # profile prices only what explain reports, so explain shows the plan `compile` emits
     done = optimise(module, opt, passes, placement=placement, memory_check=False, response_lengths=lengths,
-                    profile=profile)
+                    profile=profile, rollout=rollout)
     module = done.module
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,

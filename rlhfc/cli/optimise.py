@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from rlhfc.ir import CompileError, Diagnostic, Module
-from rlhfc.ir.plan import PLACEMENTS, opt_level, placement_problem
+from rlhfc.ir.plan import PLACEMENTS, ROLLOUTS, opt_level, placement_problem
 
 if TYPE_CHECKING:
     from rlhfc.passes import PassManager
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 #: ``--placement``'s help: the strategies, then auto
 PLACEMENT_HELP = "|".join(PLACEMENTS[1:] + PLACEMENTS[:1])
+#: ``--rollout``'s help: the engines of the generate stages
+ROLLOUT_HELP = "|".join(ROLLOUTS) + " (overrides run { rollout = ... })"
 
 
 @dataclass
@@ -49,13 +51,34 @@ def check_placement(placement: str) -> str:
     return placement
 
 
+def check_rollout(rollout: str) -> str:
+    if rollout not in ROLLOUTS:
+        raise CompileError([Diagnostic("error", f"unknown --rollout '{rollout}'", None,
+                                       f"engines: {', '.join(ROLLOUTS)}")])
+    return rollout
+
+
+def override_rollout(module: Module, rollout: str | None) -> None:
+    """``--rollout``: replace the program's ``run { rollout = ... }`` and check what the new engine needs
+    (vLLM installed, models and sampling it runs: :func:`rlhfc.ir.plan.verify_rollout`)."""
+    if rollout is None:
+        return
+    from rlhfc.ir import DiagnosticSink
+    from rlhfc.ir.plan import verify_rollout
+
+    module.run.rollout = check_rollout(rollout)
+    sink = DiagnosticSink()
+    verify_rollout(module, sink)
+    sink.raise_if_errors()
+
+
 def optimise(module: Module, level: str | None, passes: str | None, *, verify_each: bool = True,
              print_after: set[str] | None = None, placement: str | None = None,
              memory_check: bool | str = True, response_lengths: str | None = None,
-             profile: str | None = None) -> Optimised:
+             profile: str | None = None, rollout: str | None = None) -> Optimised:
     """Run ``passes`` (``--passes a,b{opt=1}``) if given, else the pipeline of ``level`` (default: the
     program's ``run { optimize = ... }``). ``placement`` overrides the program's ``run { placement = ... }``
-    strategy. A bad level or placement is a :class:`~rlhfc.ir.CompileError`, before any pass runs.
+    strategy, ``rollout`` its ``run { rollout = ... }`` engine. A bad level, placement or rollout is a :class:`~rlhfc.ir.CompileError`, before any pass runs.
 
     ``response_lengths`` (``--response-lengths``): the response-length law the placement search prices
     (given to every ``placement`` pass that does not set its own ``response_lengths``); ``profile``
@@ -72,6 +95,7 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
         level = opt_level(level)
     if placement is not None:
         module.run.placement = check_placement(placement)
+    override_rollout(module, rollout)
     if passes is not None:
         level, chosen = None, parse_pipeline(passes)
     else:

@@ -178,6 +178,11 @@ class PythonEmitter:
         rows = (s.outputs[0].type.batch or 1) + (oc.delta if oc else 0)
         return [f"slots={-(-rows // m)}"]
 
+    def refit(self, s: Stage) -> list[str]:
+        """``refit_mb=N`` for a generate whose vLLM engine refits in buckets of N MiB (the realloc pass)."""
+        n = s.annotations.get("refit_mb") if s.op == "generate" else None
+        return [f"refit_mb={n}"] if n is not None else []
+
     def stage_line(self, s: Stage) -> str:
         """The line(s) that run stage ``s``, by its schedule entry and its op's emit rule."""
         e = self.schedule[s.name]
@@ -202,7 +207,8 @@ class PythonEmitter:
             return (f"{outs} = job.sync({name!r}, {self.worker(s)}, w.{dst}, "
                     f"bucket_mb={sync.bucket_mb}, after={py_name(s.inputs[0].name)}{how})")
         if e.kind == "remote":
-            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s) + self.slots(s) + self.threads(s))
+            call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s) + self.slots(s) + self.refit(s)
+                             + self.threads(s))
             remote = f"{self.worker(s)}.{rule.target}.remote({call})"
             return f"{outs} = {remote}" if e.future else f"{outs} = job.get({name!r}, {remote})"
         if e.kind == "compute":
@@ -222,7 +228,7 @@ class PythonEmitter:
         chunk = plan.stream_chunk(s) or 0
         oc = plan.overcommit(s)
         gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _flags(s) \
-            + self.slots(s) + self.threads(s)
+            + self.slots(s) + self.refit(s) + self.threads(s)
         launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
         lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",

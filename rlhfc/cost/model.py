@@ -431,6 +431,12 @@ class CostModel:
                        "decode_rows": work["decode_rows"], "useful_tokens": work["useful_tokens"],
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
+            if self.module.run.rollout == "vllm" and model.trainable:   # the new weights go into the engine first
+                from .sync import refit_time
+
+                bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
+                first["refit"] = refit_time(first["weights_bytes"], bucket, self.spec)
+                first["total"] += first["refit"]
         else:
             rc = 0 if "rc_kept" in work else RECOMPUTE_POLICIES.index(layout.recompute)
             factor = 1.0 if inp.family == "forward" else F.TRAIN_FLOP_FACTOR[rc] * work["epochs"]

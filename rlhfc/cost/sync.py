@@ -93,3 +93,11 @@ def reshard_time(weight_bytes: float, held: float, bucket_mb: float, layout: Lay
     bw = (spec.inter_bw if len(layout.nodes(per_node)) > 1 else spec.intra_bw) * spec.net_eff
     buckets = math.ceil(weight_bytes * held / (bucket_mb * 2 ** 20))
     return buckets * spec.latency + lacking / bw
+
+
+def refit_time(nbytes: float, bucket_mb: int, spec: DeviceSpec) -> float:
+    """The vLLM engine's refit (``run { rollout = vllm }``): the generating worker copies ``nbytes`` of weights
+    into the engine in its own process, in buckets of ``bucket_mb`` MiB — one read and one write of each byte
+    at the device's memory bandwidth, plus a start-up per bucket."""
+    buckets = max(1.0, -(-nbytes // (max(1, bucket_mb) * 2**20)))
+    return buckets * spec.latency + 2 * nbytes / (spec.hbm_bw * spec.mem_eff)

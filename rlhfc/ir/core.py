@@ -170,7 +170,9 @@ class RunConfig:
     ``precision`` (``fp32`` | ``bf16``): the arithmetic of forwards, generation and training; ``bf16``
     runs them under bf16 autocast while weights and optimizer state stay float32 (printed only when not
     ``fp32``). ``log_samples``: samples per step written to the run folder's ``samples.jsonl`` and
-    TensorBoard text (0 = none; printed only when not the default 4)."""
+    TensorBoard text (0 = none; printed only when not the default 4). ``rollout`` (``torch`` | ``vllm``): the
+    engine of the generate stages — rlhfc's own decode loop, or a vLLM engine owned by the generating model's
+    worker and refitted after every train step (printed only when not ``torch``)."""
 
     steps: int = 10
     seed: int = 0
@@ -181,6 +183,7 @@ class RunConfig:
     trainer: str = "torch"
     precision: str = "fp32"
     log_samples: int = 4
+    rollout: str = "torch"
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
@@ -196,6 +199,8 @@ class RunConfig:
             out["precision"] = self.precision
         if self.log_samples != 4:
             out["log_samples"] = self.log_samples
+        if self.rollout != "torch":
+            out["rollout"] = self.rollout
         return out
 
 

@@ -315,7 +315,10 @@ register_op(OpSpec(
      Attr("loss_agg", "str", "token_mean", choices=LOSS_AGGS, omit_default=True,
           doc="how per-token losses average over a minibatch"),
      Attr("ratio", "str", "token", choices=("token", "sequence"), omit_default=True,
-          doc="token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio")),
+          doc="token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio"),
+     Attr("tis_cap", "float", None, min=0.0, omit_default=True,
+          doc="truncated importance sampling between the rollout engine's and the trainer's old log-probs: "
+              "each token's loss is weighted by min(exp(old_logp - rollout_logp), tis_cap) (rollout = vllm)")),
     ("PolicyLoss",), doc="clipped PPO policy loss"))
 
 register_op(OpSpec(

@@ -23,7 +23,7 @@ from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
 from .lora import lora_problems
 from .ops import OpSpec
-from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, TRAINERS, placement_problem
+from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, ROLLOUTS, TRAINERS, placement_problem
 from .plan import describe as _describe
 
 #: the arithmetic a run may choose (``run { precision = ... }``)
@@ -322,6 +322,10 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
                 " ".join(filter(None, [did_you_mean(str(r.precision), PRECISIONS),
                                        "fp32 computes in float32; bf16 runs forwards, generation and training "
                                        "under bf16 autocast with float32 weights"])))
+    if r.rollout not in ROLLOUTS:
+        f.error("rollout", f"rollout must be one of {', '.join(ROLLOUTS)}, got {_name(r.rollout)}",
+                " ".join(filter(None, [did_you_mean(str(r.rollout), ROLLOUTS),
+                                       "torch decodes in rlhfc's own loop; vllm runs a vLLM engine"])))
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         f.error("reward_modules", f"reward_modules must be a list of module names, got {show(mods)}",

@@ -31,6 +31,11 @@ from the training layout to that one). Without the stage the ranks would gather 
 the first generate, unpriced.
 
 Exact: the copy holds bit-identical weights before it is used again.
+
+Under ``run { rollout = vllm }`` the generating worker's vLLM engine holds one more copy: the pass marks
+each generate stage of a trained model ``refit_mb = N`` (option ``refit_mb``), the bucket size in MiB in
+which that worker loads its new weights into the engine, in memory, before it generates with them
+(:meth:`rlhfc.runtime.vllm_engine.VllmEngine.refit`; each step's ``refit_s`` metric).
 """
 
 from __future__ import annotations
@@ -50,12 +55,13 @@ class Realloc(Pass):
     description = "insert sync stages where a trained model is used on another mesh"
     exact = True
     bucket_mb: int = field(default=64, metadata={"doc": "transfer bucket size in MiB"})
+    refit_mb: int = field(default=64, metadata={"doc": "bucket size in MiB of the vLLM engine's refit (rollout = vllm)"})
     transport: str = field(default="auto", metadata={
         "doc": "object_store, collective (NCCL/gloo broadcast), or auto: collective on GPU clusters"})
 
     def __post_init__(self) -> None:
-        if self.bucket_mb < 1:
-            raise ValueError("bucket_mb must be >= 1")
+        if self.bucket_mb < 1 or self.refit_mb < 1:
+            raise ValueError("bucket_mb and refit_mb must be >= 1")
         if self.transport not in ("auto",) + TRANSPORTS:
             raise ValueError(f"transport must be auto, {' or '.join(TRANSPORTS)}")
 
@@ -87,5 +93,10 @@ class Realloc(Pass):
                              Sync(dest, self.bucket_mb, transport).attrs(), {Mesh.key: home.print()}, train.loc)
                 g.insert(at, sync)
                 at += 1
+        for s in g.stages:
+            s.annotations.pop("refit_mb", None)
+            if s.op == "generate" and module.run.rollout == "vllm" and \
+                    any(t.op == "train" and t.target == s.target for t in g.stages):
+                s.annotations["refit_mb"] = self.refit_mb
         module.refresh_versions()
         return module

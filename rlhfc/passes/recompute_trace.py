@@ -145,6 +145,10 @@ def op_kind(name: str, flops: float, fresh: int) -> str:
 
 def _seconds(kind: str, flops: float, moved: float, flops_per_s: float, bytes_per_s: float, kind_bw: dict,
              op_s: float) -> float:
+    # an op that allocates and computes nothing (a view) is priced free: its few microseconds of dispatch would
+    # make the estimate depend on how many views a transformers release writes into a block
+    if not moved and not flops:
+        return 0.0
     if kind == "matmul":
         return max(flops / flops_per_s, moved / kind_bw.get("matmul", bytes_per_s)) + op_s
     return moved / kind_bw.get(kind, bytes_per_s) + op_s

@@ -20,6 +20,11 @@ Exact in real arithmetic; in floating point, incremental decoding with a KV
 cache and a full forward sum in a different order, so values can differ in the
 last bits (measured ~1e-7). ``rlhfc passes`` lists it as exact up to rounding;
 tested end to end against -O0 (docs/runtime.md, "Exactness").
+
+Not under ``run { rollout = vllm }``: vLLM's sampled-token log-probs come from other kernels (and, on
+CPU, other arithmetic) than the trainer's forward, so they are not the old log-probs PPO's ratio needs;
+the trainer's forward stays, and the step records how far apart the two are
+(``rollout_logprob_diff_mean``/``_max``; ``ppo_clip(..., tis_cap = C)`` corrects for it).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class ReuseLogprobs(Pass):
     def run(self, module: Module) -> Module:
         g = module.graph
         changed = False
+        if module.run.rollout == "vllm":   # the engine's log-probs are not the trainer's (module docstring)
+            return module
         for s in list(g.stages):
             if s.op != "forward.logprobs" or len(s.inputs) != 1:
                 continue

@@ -136,3 +136,23 @@ def lr_factor(step: int, schedule: str = "constant", warmup: int = 0, total: int
 
 __all__ = ["LOSS_AGGS", "aggregate", "loss_units", "lr_factor", "overlong_penalty", "reinforce_pp_advantages",
            "remax_advantages", "sequence_log_ratio", "uniform_groups"]
+
+
+def rollout_logprob_gap(logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                        tis_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rollout engine's log-probs against the trainer's on the same tokens: (the truncated importance
+    weights ``min(exp(logp - rollout_logp), tis_cap)`` [B, R] — 1 without a cap or where masked —, stats).
+
+    Stats: ``rollout_logprob_diff_mean`` / ``_max`` (|rollout − trainer| over the response tokens) and, with
+    a cap, ``tis_weight_mean``. Truncated importance sampling: Yao et al. (2025), "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training" (verl's ``tis_imp_ratio_cap``)."""
+    m = mask.bool()
+    diff = (rollout_logp.float() - logp.float()).abs()[m]
+    stats = {"rollout_logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
+             "rollout_logprob_diff_max": float(diff.max()) if diff.numel() else 0.0}
+    weight = torch.ones_like(logp)
+    if tis_cap is not None:
+        ratio = torch.exp((logp - rollout_logp.to(logp.dtype)).clamp(max=50.0)).clamp(max=float(tis_cap))
+        weight = torch.where(m, ratio, weight)
+        stats["tis_weight_mean"] = float(weight[m].mean()) if m.any() else 1.0
+    return weight.detach(), stats

@@ -123,11 +123,13 @@ class Cluster:
             args = (model_name, model["spec"], model["init"], self.seed)
             device = "cuda" if use_gpu else "cpu"
             precision = self.plan["run"].get("precision", "fp32")
+            engine = self.plan["run"].get("rollout", "torch")   # a vLLM engine lives in a one-rank worker
+            rollout = {"engine": engine, "folder": os.path.join(os.path.abspath(self.out), "vllm")}
             if trainer == "torch" and ranks == 1:
                 actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
                                        max_restarts=0)(ModelWorker)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
-                    *args, w.get("threads", 1), device, w.get("cores"), precision)]
+                    *args, w.get("threads", 1), device, w.get("cores"), precision, rollout)]
             else:   # the ranks share the worker's devices: one core (or GPU) each, round robin
                 store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
                 worker_cls, extra = _group_class(trainer, w, precision)

@@ -115,9 +115,15 @@ def rule(rollout: Rollout, *, fn: str, extract: str = "") -> torch.Tensor:
 def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_logp: TokenValues | None = None, *,
              clip: float, entropy_coef: float, kl_coef: float, estimator: str, temperature: float = 1.0,
              clip_low: float | None = None, clip_high: float | None = None, loss_agg: str = "token_mean",
-             ratio: str = "token") -> PolicyLossInput:
+             ratio: str = "token", tis_cap: float | None = None) -> PolicyLossInput:
     """Bundle what the policy's train step needs (the loss itself is computed per minibatch there). Rows the
-    advantages leave out (``keep``: dynamic sampling) are dropped here, so the loss averages over the rest."""
+    advantages leave out (``keep``: dynamic sampling) are dropped here, so the loss averages over the rest.
+
+    When the rollout carries its engine's log-probs (``rollout = vllm``) the stats report how far they are
+    from the trainer's ``logp`` (:func:`rlhfc.runtime.algorithms.rollout_logprob_gap`) and, with ``tis_cap``,
+    the advantages are weighted by the truncated importance ratio min(exp(logp - rollout logp), tis_cap) —
+    the same loss as weighting each token's clipped surrogate by it, since the weight is positive and
+    carries no gradient."""
     old, adv, ref = logp.values, advantages.values, ref_logp.values if ref_logp is not None else None
     stats: dict = {}
     if advantages.keep is not None:
@@ -130,6 +136,12 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
         rollout = select_rows(rollout, index)
         old, adv = old[index.to(old.device)], adv[index.to(adv.device)]
         ref = ref[index.to(ref.device)] if ref is not None else None
+    if rollout.logprobs is not None and rollout.rollout_engine != "torch":
+        from .algorithms import rollout_logprob_gap
+
+        weight, gap = rollout_logprob_gap(old, rollout.logprobs.to(old.device), rollout.mask.to(old.device), tis_cap)
+        stats.update(gap)
+        adv = adv * weight if tis_cap is not None else adv
     return PolicyLossInput(rollout, old, adv, ref, clip if clip_low is None else clip_low, entropy_coef, kl_coef,
                            estimator, temperature, clip if clip_high is None else clip_high, loss_agg, ratio, stats)
 

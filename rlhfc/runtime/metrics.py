@@ -38,7 +38,8 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
         if key == "policy":
             m["policy_loss"] = stats.get("pg_loss", stats.get("loss", float("nan")))
             for k in ("entropy", "clipfrac", "approx_kl", "grad_norm", "lr", "dropped_groups", "kept_samples",
-                      "sample_rounds", "sampled_groups"):
+                      "sample_rounds", "sampled_groups", "rollout_logprob_diff_mean", "rollout_logprob_diff_max",
+                      "tis_weight_mean"):
                 if k in stats:
                     m[f"policy_{k}" if k in ("grad_norm", "lr") else k] = stats[k]
         else:
@@ -58,6 +59,7 @@ def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: di
         m["decode_steps"] = roll.decode_steps
         m.update(padding_efficiency(roll))
         m["gen_version"] = roll.version
+        m.update(roll.engine)   # rollout = vllm: refit_s, refit_mb, refit_buckets, engine_start_s
         m["samples"] = roll.size
         if roll.born:
             stale = [roll.version - b for b in roll.born]

@@ -58,6 +58,11 @@ class Rollout:
     #: per sample, the data fields of its prompt (``{name: JSON value}``; ``{}`` when the data declares none):
     #: a prompt's fields go with each of its ``n`` samples, through streamed chunks and carried samples
     fields: list[dict] = field(default_factory=list)
+    #: the rollout engine's statistics of this generate (rollout = vllm: ``refit_s``, ``refit_mb``,
+    #: ``engine_start_s``); a streamed stage's first chunk carries them
+    engine: dict = field(default_factory=dict)
+    #: the engine that generated it (``run { rollout = ... }``): ``torch`` or ``vllm``
+    rollout_engine: str = "torch"
 
     @property
     def size(self) -> int:
@@ -177,7 +182,8 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
                    torch.cat([_pad_cols(c.logprobs, width) for c in chunks])[order]
                    if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks),
                    sum(c.computed_tokens for c in chunks),
-                   [fields[i] for i in order] if len(fields) == len(order) else [])
+                   [fields[i] for i in order] if len(fields) == len(order) else [],
+                   {k: v for c in chunks for k, v in c.engine.items()}, chunks[0].rollout_engine)
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

@@ -51,10 +51,14 @@ class ModelWorker(CollectiveSync, TracedWorker):
     weights of model NAME (built here from the same seed, so no transfer is needed).
     ``precision``: ``"fp32"``, or ``"bf16"`` — generation, forwards and the loss's forward run under bf16
     autocast; the weights, gradients and optimizer state stay as built (float32).
+    ``rollout``: the engine of its generate calls — ``{"engine": "torch"}`` (rlhfc's decode loop, the default)
+    or ``{"engine": "vllm", "folder": DIR}``: a vLLM engine this worker starts at its first generate, in
+    ``DIR/<name>`` (:mod:`rlhfc.runtime.vllm_engine`), refitted before a generate whenever the worker's
+    weights version moved on.
     """
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
-                 cores: list[int] | None = None, precision: str = "fp32"):
+                 cores: list[int] | None = None, precision: str = "fp32", rollout: dict | None = None):
         if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -83,6 +87,10 @@ class ModelWorker(CollectiveSync, TracedWorker):
         self.version = 0
         self._stores: dict[str, Any] = {}    # collective sync: rendezvous stores this worker hosts, by key
         self._groups: dict[str, Any] = {}    # collective sync: two-rank process groups, by key
+        self.rollout = dict(rollout or {"engine": "torch"})
+        self.seed = seed
+        self.engine = None                   # the vLLM engine (rollout = vllm), started by the first generate
+        self.engine_stats: dict[str, float] = {}   # its start/refit statistics, reported with the next rollout
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def ready(self) -> dict:
@@ -110,20 +118,21 @@ class ModelWorker(CollectiveSync, TracedWorker):
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
                  n: int = 1, unpad: bool = False, logprobs: bool = False, chat: bool = False,
-                 slots: int | None = None) -> Rollout:
+                 slots: int | None = None, refit_mb: int = 64) -> Rollout:
         """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
         pass); ``chat``: each prompt as a user turn in the tokenizer's chat template; ``slots``: at most that
         many rows decode at once, waiting prompts joining as rows finish (continuous batching; the plan's
-        micro-batches of generation)."""
+        micro-batches of generation); ``refit_mb``: the vLLM engine's refit bucket size (rollout = vllm)."""
         return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                         top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs, chat=chat,
-                                        slots=slots)))
+                                        slots=slots, refit_mb=refit_mb)))
 
     @stage_call
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
-                        unpad: bool = False, logprobs: bool = False, chat: bool = False, slots: int | None = None):
+                        unpad: bool = False, logprobs: bool = False, chat: bool = False, slots: int | None = None,
+                        refit_mb: int = 64):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
@@ -132,7 +141,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
         with torch.no_grad():
             yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
-                                      logprobs=logprobs, chat=chat, slots=slots)
+                                      logprobs=logprobs, chat=chat, slots=slots, refit_mb=refit_mb)
 
     def _inputs(self, prompts, n: int, carry=(), chat: bool = False) -> list[dict]:
         """What a generation call decodes: carried partial samples first, then ``n`` samples per prompt
@@ -145,7 +154,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
             for (t, f), i in zip(parts, ids)]
 
     def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
-                carry=False, share: tuple[int, int] | None = None, slots: int | None = None):
+                carry=False, share: tuple[int, int] | None = None, slots: int | None = None, refit_mb: int = 64):
         """Decode ``inputs`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
         ``index`` the row in ``inputs``, its response including a carried part) as each finishes, or, once
         ``take`` samples are done, a carry dict for each unfinished one. Row ``i`` samples from the random
@@ -154,13 +163,17 @@ class ModelWorker(CollectiveSync, TracedWorker):
         base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
         lo, hi = share or (0, len(inputs))
         mine = inputs[lo:hi]
-        stream = generate_stream(self.model, [list(c["prompt_ids"]) + list(c["partial"]) for c in mine],
-                                 max_new_tokens, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-                                 temperature=temperature, top_p=top_p,
-                                 budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
-                                 stop_after=take, logprob_temperature=temperature if logprobs else None,
-                                 resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)),
-                                 slots=slots)
+        rows = [list(c["prompt_ids"]) + list(c["partial"]) for c in mine]
+        kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
+                  budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
+                  stop_after=take, logprob_temperature=temperature if logprobs else None,
+                  resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)), slots=slots)
+        if self.rollout.get("engine") == "vllm":   # the worker's vLLM engine, refitted first
+            from .vllm_engine import worker_stream
+
+            stream = worker_stream(self, rows, max_new_tokens, refit_mb=refit_mb, **kw)
+        else:
+            stream = generate_stream(self.model, rows, max_new_tokens, **kw)
         for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
@@ -171,8 +184,9 @@ class ModelWorker(CollectiveSync, TracedWorker):
                                  item.computed)
 
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False, chat=False, slots=None):
+                  unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64):
         inputs = self._inputs(prompts, n, carry, chat)
+        logprobs = logprobs or self.rollout.get("engine") == "vllm"
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         buf: list[FinishedSample] = []
         left: list[dict] = []
@@ -180,7 +194,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
         width_r = None if unpad else max_new_tokens
         done = 0
         for item in self._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 take=take, logprobs=logprobs, carry=bool(carry), slots=slots):
+                                 take=take, logprobs=logprobs, carry=bool(carry), slots=slots, refit_mb=refit_mb):
             if isinstance(item, dict):
                 left.append(item)
                 continue
@@ -213,7 +227,13 @@ class ModelWorker(CollectiveSync, TracedWorker):
                        self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
                        max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
                        computed_tokens=sum(s.computed for s in samples),
-                       fields=[inputs[i].get("fields") or {} for i in rows])
+                       fields=[inputs[i].get("fields") or {} for i in rows], engine=self._take_engine_stats(),
+                       rollout_engine=self.rollout.get("engine", "torch"))
+
+    def _take_engine_stats(self) -> dict[str, float]:
+        """The rollout engine's statistics since the last rollout (the first chunk of a stream carries them)."""
+        stats, self.engine_stats = self.engine_stats, {}
+        return stats
 
     #: whether forwards and training of unpadded rollouts run in length groups (every rank of an FSDP group
     #: must run the same number of forwards, so its ranks do not)

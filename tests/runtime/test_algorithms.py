@@ -211,3 +211,45 @@ def test_data_parallel_shares_weigh_a_sequence_mean_by_rows(loss_agg):
     whole = run(None)
     assert whole != 0.0
     assert (run((0, 2)) + run((1, 2))) / 2 == pytest.approx(whole, rel=1e-6)
+
+
+def test_truncated_importance_weights_scale_the_clipped_loss():
+    """ppo_clip(tis_cap = C) under rollout = vllm: the advantages carry w = min(exp(logp - rollout_logp), C),
+    which gives the loss of weighting each token's clipped surrogate by w (Yao et al. 2025); the gap between
+    the engine's and the trainer's log-probs is reported over response tokens only."""
+    from rlhfc.runtime.algorithms import rollout_logprob_gap
+    from rlhfc.runtime.compute import ppo_clip
+    from rlhfc.runtime.generation import RolloutBatch
+    from rlhfc.runtime.ppo import policy_loss
+    from rlhfc.runtime.values import Rollout, TokenValues
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    old = torch.randn(2, 4, generator=g) * mask
+    engine = (old + 0.5 * torch.randn(2, 4, generator=g)) * mask
+    engine[0, 3] = 9.0   # past the response: never counted
+    adv = torch.randn(2, 4, generator=g) * mask
+    new = old + 0.3 * torch.randn(2, 4, generator=g)
+    weight, stats = rollout_logprob_gap(old, engine, mask, tis_cap=1.5)
+    want = torch.where(mask.bool(), torch.exp(old - engine).clamp(max=1.5), torch.ones_like(old))
+    assert torch.allclose(weight, want) and float(weight.max()) <= 1.5
+    gap = (engine - old).abs()[mask.bool()]
+    assert stats["rollout_logprob_diff_max"] == pytest.approx(float(gap.max()))
+    assert stats["rollout_logprob_diff_mean"] == pytest.approx(float(gap.mean()))
+    # weighting the advantages == weighting each token's clipped surrogate
+    loss_w, _ = policy_loss(new, old, adv * weight, mask, clip=0.2)
+    ratio = torch.exp(new - old)
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * weight
+    assert float(loss_w) == pytest.approx(float((per_token * mask).sum() / mask.sum()), rel=1e-6)
+    # through ppo_clip: only a rollout of the vLLM engine carries the weights
+    batch = RolloutBatch(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long), mask, 2,
+                         mask.sum(1), torch.tensor([2, 2]), torch.tensor([False, False]))
+    roll = Rollout(batch, ["a", "b"], ["x", "y"], "actor", 0, "char:96", [0, 1], [0, 0], logprobs=engine,
+                   rollout_engine="vllm")
+    settings = dict(clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3", tis_cap=1.5)
+    loss = ppo_clip(roll, TokenValues(old, mask), TokenValues(adv, mask), **settings)
+    assert torch.allclose(loss.advantages, adv * weight) and loss.stats["tis_weight_mean"] <= 1.5
+    from dataclasses import replace
+
+    plain = ppo_clip(replace(roll, rollout_engine="torch"), TokenValues(old, mask), TokenValues(adv, mask), **settings)
+    assert torch.equal(plain.advantages, adv) and plain.stats == {}

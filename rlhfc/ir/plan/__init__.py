@@ -39,11 +39,12 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 from __future__ import annotations
 
 from .attrs import BASELINES, placement_problem
-from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, RUN_TRAINERS, STRATEGIES, TRAINERS,
-                    TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream,
-                    Sync, describe, opt_level)
+from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, ROLLOUTS, RUN_TRAINERS, STRATEGIES,
+                    TRAINERS, TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute,
+                    Stream, Sync, describe, opt_level)
 from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
+from .rollout import VLLM_INSTALL, vllm_head_problem, verify_rollout
 from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
@@ -55,7 +56,8 @@ __all__ = [
     "BASELINES", "placement_problem", "unset",
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
     "LAYOUT_FACTORS", "RUN_TRAINERS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
-    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
+    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "ROLLOUTS", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
+    "VLLM_INSTALL", "verify_rollout", "vllm_head_problem",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",

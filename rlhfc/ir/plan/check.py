@@ -28,6 +28,9 @@ def verify_plan(module: Module, sink: DiagnosticSink) -> None:
             _verify_stage(module, stage, total, sink)
     if total is not None and all(s.outputs for s in module.graph.stages):
         _verify_layouts(module, total, sink)
+    from .rollout import verify_rollout
+
+    verify_rollout(module, sink)
 
 
 # -- fixed layouts and trainers -------------------------------------------------------------------------
@@ -193,6 +196,9 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
                            "(megatron-core tensor/pipeline parallel ranks), or trainer = torch (one process)")
         except PlanError as exc:
             report(exc)
+    if "refit_mb" in ann and not (_is_int(ann["refit_mb"]) and ann["refit_mb"] >= 1):
+        sink.error(f"{label}: refit_mb must be an integer >= 1, got {describe(ann['refit_mb'])}", at,
+                   "write refit_mb = 64 (MiB per bucket of the vLLM engine's refit)")
     if "microbatches" in ann and not (_is_int(ann["microbatches"]) and ann["microbatches"] >= 1):
         sink.error(f"{label}: microbatches must be an integer >= 1, got {describe(ann['microbatches'])}", at,
                    "write microbatches = 4 (micro-batches per forward / per optimizer step)")

@@ -1,0 +1,247 @@
+"""The vLLM rollout engine (``run { rollout = vllm }``): a ``vllm.LLM`` owned by the generating model's worker.
+
+Same weights, no hub: the engine starts from the worker's own model — its Hugging Face module written once
+with ``save_pretrained`` into ``<run folder>/vllm/<model>/hf`` (the seeded initial weights, or those of the
+model's local folder) — and vLLM's files (compile caches, temporary files) stay under that folder too.
+The engine runs in the worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its model is reachable
+for refit; on CPU with ``enforce_eager`` (no compilation), in the model's dtype.
+
+Refit (:meth:`VllmEngine.refit`): the trainer's parameters go into the running engine in buckets of about
+``bucket_mb`` MiB, in memory, through vLLM's own weight loader (``model.load_weights`` on an iterator of
+``(Hugging Face name, tensor)`` pairs, which fuses q/k/v and gate/up as vLLM lays them out) — no
+safetensors round trip on disk.
+
+Generation (:meth:`VllmEngine.stream`) has the contract of :func:`rlhfc.runtime.decoding.generate_stream`:
+one :class:`FinishedSample` per row as vLLM finishes it (per-request outputs of the engine's step loop, so
+the ``stream`` pass's chunks leave as requests complete), and with ``stop_after`` the unfinished requests
+aborted once that many are done, each returned as a :class:`PartialSample` with its tokens so far (the
+``overcommit`` pass carries them; resumed, the partial response is part of the prompt). Each row samples
+from vLLM's generator seeded with its row key, so a run is reproducible and resumes to the same tokens.
+The log-prob of each sampled token is vLLM's (``processed_logprobs``: log-softmax of logits / T — what the
+sampler drew from); a resumed row's carried tokens get vLLM's prompt log-probs (temperature 1).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from .decoding import FinishedSample, PartialSample
+
+__all__ = ["VllmEngine", "EngineError", "engine_env", "worker_stream", "INSTALL_HINT"]
+
+#: how to install vLLM (the ``[vllm]`` extra; the README has the CUDA install)
+INSTALL_HINT = "install the extra: pip install -c constraints.txt -e '.[vllm]'"
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine of a model failed, stopped, or cannot start; the message names the model."""
+
+
+def engine_env(folder: str) -> None:
+    """Point vLLM's files into ``folder`` and run its engine in this process (before ``import vllm``)."""
+    for key, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TMPDIR", "tmp")):
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        os.environ[key] = os.path.join(folder, sub)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process: refit reaches it
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # its chat-template warm-up warns without a tokenizer
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB of KV cache on CPU (vLLM's default is larger)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # the worker already holds its cores
+
+
+class VllmEngine:
+    """A vLLM engine for ``model`` (a :class:`~rlhfc.runtime.models.PolicyModel`) of worker ``name``.
+
+    ``version``: the trainer version of the weights the engine holds (the worker refits when its own is newer).
+    ``max_seqs``: requests decoded at once (vLLM's continuous batching; None = vLLM's default)."""
+
+    def __init__(self, model, folder: str, *, name: str, seed: int, device: str = "cpu",
+                 max_seqs: int | None = None, version: int = 0):
+        self.name, self.folder, self.version, self.calls = name, folder, version, 0
+        engine_env(folder)
+        hf_dir = os.path.join(folder, "hf")
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            model.hf.save_pretrained(hf_dir)   # once: the same seeded weights the trainer starts from
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise EngineError(f"model '{name}' generates under rollout = vllm, but vLLM cannot be imported "
+                              f"({exc}); {INSTALL_HINT}") from exc
+        threads = torch.get_num_threads()
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        options = {"max_num_seqs": max_seqs} if max_seqs else {}
+        try:
+            self.llm = LLM(model=hf_dir, skip_tokenizer_init=True, enforce_eager=device == "cpu", dtype=dtype,
+                           seed=seed, generation_config="vllm", enable_prefix_caching=False,
+                           logprobs_mode="processed_logprobs", **options)
+        except Exception as exc:
+            raise EngineError(f"the vLLM engine of model '{name}' did not start: {type(exc).__name__}: {exc}") from exc
+        finally:
+            torch.set_num_threads(threads)   # vLLM lowers the process's torch threads for serving
+
+    # -- weights -----------------------------------------------------------------------------------
+    def refit(self, model, version: int, bucket_mb: int = 64) -> dict[str, float]:
+        """Load ``model``'s parameters into the engine in buckets of about ``bucket_mb`` MiB; returns
+        ``refit_s`` (seconds), ``refit_mb`` (MiB moved) and ``refit_buckets``.
+
+        One reload session of vLLM's layerwise in-place reload (what its ``reload_weights`` does for a
+        single iterator): the engine's layers are reset, each bucket goes through the model's
+        ``load_weights`` (checkpoint names; a layer is processed into its kernel layout once all its
+        tensors arrived), and the session is finalised."""
+        start, total, buckets = time.perf_counter(), 0, 0
+        limit = max(1, int(bucket_mb)) * 2**20
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        self._rpc("refit", _reload_begin)
+        for name, p in model.hf.named_parameters():
+            bucket.append((name, p.detach()))
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                self._rpc("refit", _reload_bucket, bucket)
+                total, buckets, bucket, size = total + size, buckets + 1, [], 0
+        if bucket:
+            self._rpc("refit", _reload_bucket, bucket)
+            total, buckets = total + size, buckets + 1
+        self._rpc("refit", _reload_end)
+        self.version = int(version)
+        return {"refit_s": time.perf_counter() - start, "refit_mb": total / 2**20, "refit_buckets": float(buckets)}
+
+    def _rpc(self, what: str, fn, *args):
+        """``fn(vllm_worker, *args)`` on the engine's worker (in this process: tensors are not copied)."""
+        return self._call(what, lambda: self.llm.collective_rpc(fn, args=args))
+
+    def _call(self, what: str, fn):
+        if self.llm is None:
+            raise EngineError(f"the vLLM engine of model '{self.name}' is not running (it was shut down); "
+                              f"{what} needs it")
+        try:
+            return fn()
+        except EngineError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"the vLLM engine of model '{self.name}' failed during {what}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+    # -- generation --------------------------------------------------------------------------------
+    def stream(self, rows: Sequence[Sequence[int]], budgets: Sequence[int], *, eos_id: int, temperature: float,
+               top_p: float, seeds: Sequence[int], stop_after: int | None = None, logprobs: bool = False,
+               resumed: Sequence[int] | None = None) -> Iterator[FinishedSample | PartialSample]:
+        """Generate up to ``budgets[i]`` tokens after each row (prompt, and a carried partial response of
+        ``resumed[i]`` tokens); yield samples as they finish (:mod:`module docstring <rlhfc.runtime.vllm_engine>`)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        resumed = list(resumed or [0] * len(rows))
+        engine, call = self.llm.llm_engine if self.llm is not None else None, self.calls
+        self.calls += 1
+        ids = [f"{call}-{i}" for i in range(len(rows))]
+        for i, row in enumerate(rows):
+            params = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p),
+                                    max_tokens=int(budgets[i]), stop_token_ids=[int(eos_id)], seed=int(seeds[i]),
+                                    logprobs=0 if logprobs else None,
+                                    prompt_logprobs=0 if logprobs and resumed[i] else None, detokenize=False,
+                                    output_kind=RequestOutputKind.DELTA)
+            self._call("generate", lambda: engine.add_request(ids[i], TokensPrompt(prompt_token_ids=list(row)), params))
+        index = {r: i for i, r in enumerate(ids)}
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}      # each request's tokens so far
+        lps: dict[int, list[float]] = {i: [] for i in range(len(rows))}        # and their log-probs
+        left, done, step = set(range(len(rows))), 0, 0
+        try:
+            while left:
+                if stop_after is not None and done >= stop_after:
+                    break
+                outs = self._call("generate", engine.step)
+                step += 1
+                for out in outs:   # DELTA outputs: the tokens each request gained this step
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    comp = out.outputs[0]
+                    new = list(comp.token_ids)
+                    tokens[i] += new
+                    if logprobs:
+                        if resumed[i] and out.prompt_logprobs:   # a carried part: vLLM's prompt log-probs
+                            carried = list(rows[i])[len(rows[i]) - resumed[i]:]
+                            plp = out.prompt_logprobs[len(rows[i]) - resumed[i]:]
+                            lps[i] += [float(d[t].logprob) if d else 0.0 for d, t in zip(plp, carried)]
+                        lps[i] += [float(d[t].logprob) for d, t in zip(comp.logprobs or [], new)]
+                    if not out.finished:
+                        continue
+                    left.discard(i)
+                    done += 1
+                    got = tuple(tokens[i])
+                    yield FinishedSample(i, tuple(rows[i]), got, bool(got) and got[-1] == eos_id, step - 1,
+                                         tuple(lps[i]), float(len(rows[i]) + max(len(got) - 1, 0)))
+            if left:   # stop_after reached: the rest are carried with their tokens so far
+                self._call("abort", lambda: engine.abort_request([ids[i] for i in sorted(left)]))
+                for i in sorted(left):
+                    yield PartialSample(i, tuple(rows[i]), tuple(tokens[i]))
+                left = set()
+        finally:
+            if left and self.llm is not None:   # the consumer stopped early: free the engine's requests
+                engine.abort_request([ids[i] for i in sorted(left)])
+
+    def shutdown(self) -> None:
+        """Stop the engine (a later call is an :class:`EngineError` naming the model)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+
+
+def _reload_begin(worker) -> None:
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _reload_bucket(worker, bucket) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        worker.model_runner.get_model().load_weights(iter(bucket))
+
+
+def _reload_end(worker) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    if getattr(worker.vllm_config.model_config.hf_config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        # a tied output layer (gpt2) gets no tensor of its own in the reload, so its kernel layout (on CPU a
+        # prepacked GEMM of the embedding) is rebuilt from the reloaded embedding
+        with set_current_vllm_config(worker.vllm_config):
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_id: int, pad_id: int,
+                  temperature: float, top_p: float, budgets=None, stop_after=None, logprob_temperature=None,
+                  resumed=None, row_keys=None, slots=None):
+    """:func:`~rlhfc.runtime.decoding.generate_stream`'s arguments, decoded by ``worker``'s vLLM engine: started
+    at the first call (``engine_start_s``), refitted when the worker's weights version is not the engine's
+    (``refit_s``, ``refit_mb``, ``refit_buckets``; kept in ``worker.engine_stats`` for the rollout). Row
+    ``i`` samples from vLLM's generator seeded with ``row_keys[i]``. ``slots`` is vLLM's own continuous
+    batching here (its scheduler admits requests as KV-cache blocks free up)."""
+    del pad_id, slots
+    if worker.engine is None:
+        start = time.perf_counter()
+        folder = os.path.join(os.path.abspath(worker.rollout.get("folder") or "vllm"), worker.name)
+        written = not os.path.isfile(os.path.join(folder, "hf", "config.json"))
+        worker.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
+                                   version=worker.version if written else -1)
+        worker.engine_stats["engine_start_s"] = time.perf_counter() - start
+    if worker.engine.version != worker.version:
+        worker.engine_stats.update(worker.engine.refit(worker.model, worker.version, refit_mb))
+    keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
+    return worker.engine.stream(rows, list(budgets) if budgets is not None else [max_new_tokens] * len(rows),
+                                eos_id=eos_id, temperature=temperature, top_p=top_p,
+                                seeds=[k % 2**63 for k in keys], stop_after=stop_after,
+                                logprobs=logprob_temperature is not None, resumed=resumed)

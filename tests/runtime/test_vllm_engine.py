@@ -1,0 +1,132 @@
+"""The vLLM rollout engine (``run { rollout = vllm }``, issue #15) inside a model worker, in this process.
+
+Skipped where vLLM is not installed (``pip install -c constraints.txt -e '.[vllm]'``). One engine per
+architecture for the whole module (a vLLM start is ~10-40 s on CPU); the llama tests share one worker and
+run in file order (greedy, then train + refit, then stream/overcommit, then the engine's shutdown).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rlhfc.runtime.compute import ppo_clip  # noqa: E402
+from rlhfc.runtime.values import CarryOver, TokenValues  # noqa: E402
+from rlhfc.runtime.vllm_engine import EngineError  # noqa: E402
+from rlhfc.runtime.worker import ModelWorker  # noqa: E402
+
+#: head size 64 (what vLLM's CPU attention runs), two layers
+SPECS = {"llama": dict(arch="llama", layers=2, hidden=128, heads=2, vocab=96, max_seq=128),
+         "gpt2": dict(arch="gpt2", layers=2, hidden=128, heads=2, vocab=96, max_seq=128)}
+PROMPTS = [f"{w} {i}" for i in range(8) for w in ("the cat", "hello", "xyz", "a")]
+
+
+def _pair(arch: str, folder) -> tuple[ModelWorker, ModelWorker]:
+    """(a worker generating on vLLM, a worker generating on rlhfc's torch loop), same name and seed."""
+    vllm = ModelWorker("actor", SPECS[arch], {"kind": "random"}, 0, rollout={"engine": "vllm", "folder": str(folder)})
+    torch_ = ModelWorker("actor", SPECS[arch], {"kind": "random"}, 0)
+    return vllm, torch_
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    vllm, torch_ = _pair("llama", tmp_path_factory.mktemp("vllm"))
+    yield vllm, torch_
+    if vllm.engine is not None:
+        vllm.engine.shutdown()
+
+
+def _greedy_rows_agree(vllm: ModelWorker, torch_: ModelWorker, max_new_tokens: int = 24) -> None:
+    """At equal weights, greedy tokens of both engines agree on >= 95 % of rows; where a row differs, the
+    trainer's logits at the first differing token hold a near-tie (the top two within 1e-3)."""
+    a = vllm.generate(PROMPTS, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0)
+    b = torch_.generate(PROMPTS, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0)
+    rows_a, rows_b = a.batch.response_token_lists(), b.batch.response_token_lists()
+    differ = [i for i, (x, y) in enumerate(zip(rows_a, rows_b)) if x != y]
+    assert len(differ) <= 0.05 * len(PROMPTS), differ
+    for i in differ:
+        t = next(k for k, (x, y) in enumerate(zip(rows_a[i], rows_b[i])) if x != y)
+        ids = a.batch.prompt_token_lists()[i] + rows_b[i][:t]
+        logits = torch_.model.forward_logits(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0, -1]
+        top = torch.topk(logits, 2).values
+        assert float(top[0] - top[1]) < 1e-3, (i, t)
+
+
+def test_greedy_tokens_equal_the_torch_engines_at_equal_weights(llama):
+    vllm, torch_ = llama
+    _greedy_rows_agree(vllm, torch_)
+    assert vllm.engine is not None and (vllm.engine.folder and "vllm" in vllm.engine.folder)
+
+
+def test_after_a_training_step_the_refitted_engine_gives_the_trainers_logprobs(llama):
+    vllm, torch_ = llama
+    roll = vllm.generate(PROMPTS, max_new_tokens=16, temperature=1.0, top_p=1.0)
+    logp = vllm.logprobs(roll)
+    gap = (roll.logprobs - logp.values).abs()[roll.mask.bool()]
+    assert float(gap.max()) < 1e-3   # the engine's sampled-token log-probs are the trainer's at equal weights
+    adv = TokenValues(torch.randn(roll.mask.shape) * roll.mask, roll.mask)
+    loss = ppo_clip(roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3", tis_cap=2.0)
+    assert loss.stats["rollout_logprob_diff_max"] < 1e-3 and 0.99 < loss.stats["tis_weight_mean"] <= 2.0
+    stats = vllm.train(loss, lr=3e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
+    assert stats["rollout_logprob_diff_mean"] < 1e-3 and vllm.version == 1
+
+    after = vllm.generate(PROMPTS, max_new_tokens=16, temperature=1.0, top_p=1.0)   # refits first
+    assert after.engine["refit_buckets"] >= 1 and after.engine["refit_s"] > 0 and vllm.engine.version == 1
+    mask = after.mask.bool()
+    trainer = vllm.logprobs(after).values
+    assert float((after.logprobs - trainer).abs()[mask].max()) < 1e-3
+    before = torch_.logprobs(after).values   # the initial weights (the torch worker never trained)
+    assert float((after.logprobs - before).abs()[mask].max()) > 1e-2   # so the refit really changed them
+
+
+def test_bucketed_refit_loads_the_same_weights_as_one_bucket(llama):
+    vllm, _ = llama
+    with torch.no_grad():
+        for p in vllm.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    vllm.version += 1
+    roll = vllm.generate(PROMPTS[:8], max_new_tokens=8, temperature=1.0, top_p=1.0, refit_mb=1)
+    assert roll.engine["refit_buckets"] >= 2   # ~0.4 MiB of weights per MiB bucket: several buckets
+    assert float((roll.logprobs - vllm.logprobs(roll).values).abs()[roll.mask.bool()].max()) < 1e-3
+
+
+def test_streamed_chunks_and_overcommit_carry_partial_samples_on_vllm(llama):
+    vllm, _ = llama
+    out = list(vllm.generate_chunks(PROMPTS[:12], chunk=4, max_new_tokens=16, temperature=1.0, top_p=1.0, take=8))
+    *chunks, carry = out
+    assert isinstance(carry, CarryOver) and [c.size for c in chunks] == [4, 4] and len(carry.samples) == 4
+    assert len({r for c in chunks for r in c.rows}) == 8   # the first 8 to finish, each once
+    partial = {c["prompt"]: c["partial"] for c in carry.samples}
+    resumed = next(iter(vllm.generate_chunks(PROMPTS[:1], chunk=0, max_new_tokens=16, temperature=1.0, top_p=1.0,
+                                             carry=carry.samples)))
+    assert resumed.size == 5
+    for row, prompt in enumerate(resumed.prompts):
+        if prompt in partial:   # a carried sample keeps its partial tokens and continues after them
+            got = resumed.batch.response_token_lists()[row]
+            assert got[:len(partial[prompt])] == list(partial[prompt])
+    lp = vllm.logprobs(resumed).values
+    assert float((resumed.logprobs - lp).abs()[resumed.mask.bool()].max()) < 1e-3
+
+
+def test_a_stopped_engine_gives_an_error_naming_it(llama):
+    vllm, _ = llama
+    vllm.engine.shutdown()
+    with pytest.raises(EngineError, match="vLLM engine of model 'actor'"):
+        vllm.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, top_p=1.0)
+
+
+def test_gpt2_greedy_tokens_and_refit(tmp_path):
+    vllm, torch_ = _pair("gpt2", tmp_path)
+    try:
+        _greedy_rows_agree(vllm, torch_, max_new_tokens=16)
+        with torch.no_grad():
+            for p in vllm.model.parameters():   # the tied embedding / output layer included
+                p.add_(0.05 * torch.randn_like(p))
+        vllm.version += 1
+        roll = vllm.generate(PROMPTS[:8], max_new_tokens=8, temperature=1.0, top_p=1.0)
+        assert float((roll.logprobs - vllm.logprobs(roll).values).abs()[roll.mask.bool()].max()) < 1e-3
+    finally:
+        if vllm.engine is not None:
+            vllm.engine.shutdown()
