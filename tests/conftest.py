@@ -3,6 +3,11 @@
 ``--fuzz-n N``: how many mutated programs the fuzz tests (``tests/test_fuzz.py``) check; the data-file and
 command-line fuzzers scale with it. CI runs the default (2000 programs, about half a minute); a long local
 run is ``pytest tests/test_fuzz.py --fuzz-n 10000``.
+
+``--slow``: also run the long end-to-end tests (marked ``slow``: fault injection, multi-rank layouts, the
+resume and claims runs, prediction through Ray; about 12 more minutes on 2 cores). The default run (the
+README's test command, CI's) skips them, saying so, to stay well inside CI's 30 minutes; the README's
+first command and its claims, and the vLLM job, run by default.
 """
 
 from __future__ import annotations
@@ -14,6 +19,19 @@ DEFAULT_FUZZ_N = 2000
 def pytest_addoption(parser):
     parser.addoption("--fuzz-n", type=int, default=DEFAULT_FUZZ_N, metavar="N",
                      help=f"mutated programs the fuzz tests check (default {DEFAULT_FUZZ_N}; e.g. 10000 locally)")
+    parser.addoption("--slow", action="store_true", help="also run the long end-to-end tests (marked slow)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without ``--slow``, tests marked ``slow`` are skipped (with the reason, so the summary counts them)."""
+    if config.getoption("--slow"):
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="long end-to-end run: pytest --slow runs it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def _pretend_megatron_installed(monkeypatch) -> None:

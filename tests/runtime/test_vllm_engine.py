@@ -7,6 +7,8 @@ run in file order (greedy, then train + refit, then stream/overcommit, then the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,17 @@ def _pair(arch: str, folder) -> tuple[ModelWorker, ModelWorker]:
     vllm = ModelWorker("actor", SPECS[arch], {"kind": "random"}, 0, rollout={"engine": "vllm", "folder": str(folder)})
     torch_ = ModelWorker("actor", SPECS[arch], {"kind": "random"}, 0)
     return vllm, torch_
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_environment():
+    """The engine points TMPDIR and vLLM's caches into its folder, in its own process: a Ray worker in a job,
+    the test process here. Put the test process's environment back for the tests after these (Ray, started
+    by a later test, would put its sockets under the long TMPDIR, past AF_UNIX's 107 bytes)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
