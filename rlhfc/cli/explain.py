@@ -79,12 +79,7 @@ def explain(
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,
                           source=file, config=CostConfig(profile=prof, response_lengths=lengths))
     text = render(report, fmt)
-    if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        typer.echo(f"wrote {out}", err=True)
-    else:
-        typer.echo(text, nl=False)
+    _emit(text, out)
     diags = []
     for issue in report.issues:
         try:
@@ -96,6 +91,16 @@ def explain(
         if strict:
             raise CompileError(diags)
         print_diagnostics(diags)
+
+
+def _emit(text: str, out: str | None) -> None:
+    """Write ``text`` to ``out`` (saying so on stderr), or to stdout without ``-o``."""
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        typer.echo(f"wrote {out}", err=True)
+    else:
+        typer.echo(text, nl=False)
 
 
 def _compare(file, opt, passes, plugin, placement, steps, pricing, out, fmt) -> None:
@@ -117,12 +122,7 @@ def _compare(file, opt, passes, plugin, placement, steps, pricing, out, fmt) -> 
                         response_lengths=lengths)
     rows = compare_rows(modules, steps=steps, config=config)
     text = render_compare_json(rows) if fmt == "json" else render_compare(rows)
-    if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        typer.echo(f"wrote {out}", err=True)
-    else:
-        typer.echo(text, nl=False)
+    _emit(text, out)
 
 
 @app.command(name="profile")
