@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 #: ``--placement``'s help: the strategies, then auto
 PLACEMENT_HELP = "|".join(PLACEMENTS[1:] + PLACEMENTS[:1])
 #: ``--rollout``'s help: the engines of the generate stages
-ROLLOUT_HELP = "|".join(ROLLOUTS) + " (overrides run { rollout = ... })"
+ROLLOUT_HELP = "|".join(ROLLOUTS) + " (overrides run { rollout = ... }; auto: the cost model picks per model)"
 
 
 @dataclass
@@ -118,8 +118,8 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
                   if p.name == "placement" and getattr(p, "response_lengths", None) == "auto" else p
                   for p in chosen]
     if profile:
-        chosen = [dataclasses.replace(p, profile=profile) if p.name == "placement" and getattr(p, "profile", None)
-                  == "" else p for p in chosen]
+        chosen = [dataclasses.replace(p, profile=profile) if p.name in ("placement", "engine") and
+                  getattr(p, "profile", None) == "" else p for p in chosen]
 
     def show(spec: str, text: str) -> None:
         typer.echo(f"// ----- IR after {spec} -----", err=True)

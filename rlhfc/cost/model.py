@@ -30,6 +30,7 @@ import numpy as np
 
 from rlhfc.ir import Module, Stage
 
+from . import engine as E
 from . import formulas as F
 from .hardware import DeviceSpec, device_spec
 from rlhfc.ir import plan
@@ -68,12 +69,15 @@ class CostConfig:
     (:func:`rlhfc.cost.lengths.response_dist`). ``dispatch_s``: per-remote-stage
     overhead (None: 2 ms on CPU clusters, 10 ms on GPU clusters; 0 for in-process
     measurements). ``batching``: ``static``/``continuous``/``auto`` (cpu static, GPU continuous).
+    ``engine``: price every generate stage on this rollout engine (``torch``/``vllm``; None: the plan's,
+    :func:`rlhfc.ir.plan.stage_engine`; vLLM's pricing: :mod:`rlhfc.cost.engine`).
     """
 
     profile: Profile | None = None
     response_lengths: str = "auto"
     dispatch_s: float | None = None
     batching: str = "auto"
+    engine: str | None = None
 
 
 @dataclass
@@ -188,7 +192,7 @@ class CostModel:
             DISPATCH_S["gpu" if self.gpu else "cpu"]
         shared, c = shared_cache(), self.config   # inside shared_prices(): one cache per configuration
         self._cache: dict = {} if shared is None else \
-            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, self.kind), {})
+            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, c.engine, self.kind), {})
 
     # -- what a stage computes -------------------------------------------------------------------
     def rollout_source(self, stage: Stage) -> Stage | None:
@@ -236,13 +240,19 @@ class CostModel:
         return response_dist(self.config.response_lengths, int(gen.attrs.get("max_new_tokens", 32)),
                              vocab=model.vocab, pretrained=self.pretrained(gen.target))
 
-    def generation_work(self, gen: Stage, micro: int = 1) -> dict:
+    def engine(self, stage: Stage) -> str:
+        """The rollout engine a generate stage is priced on (the configuration's, else the plan's)."""
+        return self.config.engine or plan.stage_engine(self.module, stage)
+
+    def generation_work(self, gen: Stage, micro: int = 1, continuous: bool | None = None) -> dict:
         """Rows, lengths and per-step weights of one wave of a generate stage (see formulas.generate_time).
 
         With ``microbatches = M`` the replicas generate their prompts in M waves one after another; a wave
         holds ``rows`` = (B + delta) / M prompts and decodes until its own longest response ends.
-        """
-        key = ("gen", gen.name, micro)
+        ``continuous``: price continuous batching (vLLM) or the torch loop's static batch (default: the
+        configuration's batching)."""
+        continuous = self.continuous if continuous is None else continuous
+        key = ("gen", gen.name, micro, continuous)
         if key in self._cache:
             return self._cache[key]
         B = gen.outputs[0].type.batch or 1
@@ -255,7 +265,7 @@ class CostModel:
         T = dist.T
         t = np.arange(T, dtype=np.float64)
         steps_w = dist.kth_running(B, n) if (delta and micro == 1) else dist.p_running(wave)
-        if self.continuous:
+        if continuous:
             active = np.clip(dist.expected_active(wave) / np.maximum(steps_w, 1e-12), 1.0, wave)
             prompt = prompts.mean()
             kv_tokens = float(np.max(dist.expected_active(wave) * (prompt + t + 1))) if T else 0.0
@@ -264,7 +274,7 @@ class CostModel:
             active = np.clip(live * COMPACT_OVERHANG, 1.0, wave)
             prompt = prompts.expected_max(wave)
             kv_tokens = float(wave * (prompt + steps_w.sum()))
-        if micro > 1 and not self.continuous:
+        if micro > 1 and not continuous:
             # the torch engine runs the M waves as one continuous batch of `wave` slots: prompts join as rows
             # finish (rlhfc.runtime.decoding). While prompts wait, the slots stay about full (a quarter frees
             # before they join); then the last `wave` rows drain like one wave. Same row-steps, fewer steps.
@@ -398,7 +408,8 @@ class CostModel:
             micro = {l.microbatches for l in layouts}
             if len(micro) > 1:
                 raise ValueError("price_inputs: generate layouts must share one microbatches value")
-            work = dict(self.generation_work(stage, micro.pop()))
+            work = dict(self.generation_work(stage, micro.pop())) if self.engine(stage) != "vllm" else \
+                E.vllm_inputs(self, stage, model, lay)   # continuous batching, waves of what vLLM runs at once
             if rows is not None:
                 work["rows"] = float(rows)
         else:
@@ -413,6 +424,8 @@ class CostModel:
                                 rc_seconds=float(traced.seconds or 0.0))
                     lay["rc"] = 0.0 * lay["rc"]
         fit = self._fit(model, family)
+        if family == "generate" and self.engine(stage) == "vllm":   # its own fit, else the torch rates (assumed)
+            fit = E.vllm_fit(self, model, fit)
         grid = self._fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
                            [l.recompute for l in layouts], grid)
@@ -431,12 +444,8 @@ class CostModel:
                        "decode_rows": work["decode_rows"], "useful_tokens": work["useful_tokens"],
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
-            if self.module.run.rollout == "vllm" and model.trainable:   # the new weights go into the engine first
-                from .sync import refit_time
-
-                bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
-                first["refit"] = refit_time(first["weights_bytes"], bucket, self.spec)
-                first["total"] += first["refit"]
+            if self.engine(stage) == "vllm":   # its source; the refit of a trained model's new weights first
+                E.add_refit(self, stage, model, first, summary)
         else:
             rc = 0 if "rc_kept" in work else RECOMPUTE_POLICIES.index(layout.recompute)
             factor = 1.0 if inp.family == "forward" else F.TRAIN_FLOP_FACTOR[rc] * work["epochs"]
