@@ -189,3 +189,21 @@ def add_refit(cm, stage, model, first: dict, summary: dict) -> None:
         bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
         first["refit"], summary["refit_source"] = refit_seconds(cm, model, first["weights_bytes"], bucket)
         first["total"] += first["refit"]
+
+
+def reusable_forwards(module, gens: list) -> list:
+    """The forwards ``reuse_logprobs`` would replace on the torch engine: the generating model's log-probs
+    over its own rollout at the sampling temperature, with no train of it in between."""
+    g = module.graph
+    out = []
+    for gen in gens:
+        for s in g.stages:
+            if s.op != "forward.logprobs" or s.target != gen.target or len(s.inputs) != 1 or s.inputs[0] \
+                    is not gen.outputs[0]:
+                continue
+            temperature = float(s.attrs.get("temperature", 1.0))
+            between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]
+            if temperature > 0 and float(gen.attrs.get("temperature", 1.0)) == temperature and \
+                    not any(x.op == "train" and x.target == s.target for x in between):
+                out.append(s)
+    return out

@@ -46,7 +46,7 @@ class EngineChoice:
 def choose_engines(module: Module, downstream_names=(), config=None) -> list[EngineChoice]:
     """The choice for every generating model of ``module`` under ``rollout = auto`` (module docstring)."""
     from rlhfc.cost import CostConfig, CostModel
-    from rlhfc.cost.engine import engine_prices, unsupported
+    from rlhfc.cost.engine import engine_prices, reusable_forwards, unsupported
 
     g = module.graph
     config = config or CostConfig()
@@ -69,24 +69,6 @@ def choose_engines(module: Module, downstream_names=(), config=None) -> list[Eng
         out.append(EngineChoice(name, engine, prices, saved,
                                 f"vllm {vllm_s * 1e3:.1f} ms (with refit) vs torch {prices['torch'] * 1e3:.1f} ms"
                                 f"{credit} per step"))
-    return out
-
-
-def reusable_forwards(module: Module, gens: list) -> list:
-    """The forwards ``reuse_logprobs`` would replace on the torch engine: the generating model's log-probs
-    over its own rollout at the sampling temperature, with no train of it in between."""
-    g = module.graph
-    out = []
-    for gen in gens:
-        for s in g.stages:
-            if s.op != "forward.logprobs" or s.target != gen.target or len(s.inputs) != 1 or s.inputs[0] \
-                    is not gen.outputs[0]:
-                continue
-            temperature = float(s.attrs.get("temperature", 1.0))
-            between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]
-            if temperature > 0 and float(gen.attrs.get("temperature", 1.0)) == temperature and \
-                    not any(x.op == "train" and x.target == s.target for x in between):
-                out.append(s)
     return out
 
 
