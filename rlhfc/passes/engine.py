@@ -12,11 +12,15 @@ remove.
 A model vLLM cannot run stays on torch, with a note, not an error
 (:func:`rlhfc.ir.plan.vllm_model_problem`: its head size, a generate's ``top_p``, a trainer that may run it
 as several ranks, vLLM not installed where it compiles, or a profile that recorded the engine failing on
-that shape). Runs before ``reuse_logprobs``, whose decision depends on the engine, and so before placement:
-the prices are taken on the stages' layouts at that point (the whole cluster when nothing is placed yet).
+that shape).
 
-Not exact: the engines sample with different generators, so the tokens differ (the user opted in with
-``auto``). Under ``torch``/``vllm`` the pass changes nothing; it is idempotent.
+Not in the -O pipelines: ``compile``/``run``/``explain`` run it first at every level, -O0 included, whenever
+the program says ``rollout = auto`` (:func:`rlhfc.cli.optimise.optimise`), so every level runs the same
+engine and an -O2 build still trains as the -O0 one. So it runs before ``reuse_logprobs`` (whose decision
+depends on the engine) and before placement: the prices are taken on the stages' layouts at that point (the
+whole cluster when nothing is placed yet). Not exact in itself: the engines sample with different generators,
+so the tokens differ from torch's (the program opted in with ``auto``). Under ``torch``/``vllm`` the pass
+changes nothing; it is idempotent.
 """
 
 from __future__ import annotations

@@ -3,12 +3,11 @@
 | level | meaning |
 | ----- | ------- |
 | O0    | no passes: the program runs exactly as written, one stage at a time |
-| O1    | cleanups that cannot change results (and, under ``rollout = auto``, the engine choice) |
+| O1    | cleanups that cannot change results |
 | O2    | O1 + the exact performance passes (padding removal, log-prob reuse, overlap, placement, recompute, reallocation) |
 | O3    | O2 + passes that change which samples a step trains on (opt-in) |
 
-``engine`` (a no-op unless ``run { rollout = auto }``) runs before ``reuse_logprobs``, which depends on the
-engine. Placement runs last so its search prices plans with the overlap decisions
+Placement runs last so its search prices plans with the overlap decisions
 (overlap groups, streaming, overcommitment) already in the IR.
 """
 
@@ -20,9 +19,9 @@ from .base import Pass, parse_pipeline
 
 PIPELINES: dict[str, list[str]] = {
     "O0": [],
-    "O1": ["dce", "engine"],
-    "O2": ["dce", "unpad", "engine", "reuse_logprobs", "parallelize", "stream", "placement", "recompute", "realloc"],
-    "O3": ["dce", "unpad", "engine", "reuse_logprobs", "parallelize", "stream", "overcommit", "placement", "recompute",
+    "O1": ["dce"],
+    "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "recompute", "realloc"],
+    "O3": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "overcommit", "placement", "recompute",
            "realloc"],
 }
 assert tuple(PIPELINES) == OPT_LEVELS, "every -O level of rlhfc.ir.plan.OPT_LEVELS has a pipeline, in order"

@@ -123,7 +123,7 @@ def _compile(module, tmp_path, prof: Profile | None, level="O2"):
     return optimise(module, level, None, profile=path).module
 
 
-def test_auto_picks_vllm_where_its_measured_speed_is_higher_and_torch_otherwise(tmp_path, vllm_installed):
+def test_auto_picks_vllm_where_its_measured_speed_is_higher_and_torch_otherwise_at_every_level(tmp_path, vllm_installed):
     from rlhfc.codegen.plan import placement
     from rlhfc.explain.report import build_report
     from rlhfc.ir import parse_ir, print_module
@@ -135,6 +135,8 @@ def test_auto_picks_vllm_where_its_measured_speed_is_higher_and_torch_otherwise(
         out = _compile(module, tmp_path, prof)
         gen = out.graph.stage("roll")
         picked[name] = gen.annotations.get("engine", "torch")
+        at_o0 = _compile(_load(tmp_path, name + "0"), tmp_path, prof, "O0").graph.stage("roll")
+        assert at_o0.annotations.get("engine", "torch") == picked[name]   # every level runs the same engine
         text = print_module(out)
         assert print_module(parse_ir(text)) == text   # the choice is canonical IR
         ops = [s.op for s in out.graph.stages]
