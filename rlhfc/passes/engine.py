@@ -2,7 +2,8 @@
 cost model.
 
 For every model with generate stages the pass prices those stages on rlhfc's torch decode loop and on the
-vLLM engine (:func:`rlhfc.cost.engine.engine_prices`: vLLM's measured speed from the profile, continuous
+vLLM engine (:func:`rlhfc.cost.engine.engine_prices`: vLLM's measured speed from the profile — the pass's
+``profile`` option (``--profile``), else this machine's default profile that ``rlhfc profile`` saved —, continuous
 batching, its refit when the model is trained; or the documented catalog assumption) and marks the
 model's generate stages ``engine = "vllm"`` when vLLM is cheaper; torch is the unmarked default. Under
 vLLM the trainer's log-prob forward stays (``reuse_logprobs`` does not apply to the engine's log-probs), so
@@ -83,7 +84,8 @@ class Engine(Pass):
     description = "rollout = auto: pick torch or vllm per generating model from the cost model"
     exact = False
     profile: str = field(default="", metadata={
-        "doc": "measured profile the engines are priced with (a path, as explain's --profile; empty: catalog)"})
+        "doc": "measured profile the engines are priced with (a path, as explain's --profile; empty: this "
+               "machine's default profile, the one `rlhfc profile` saves, else the catalog assumption)"})
 
     def run(self, module: Module) -> Module:
         return self.run_in_pipeline(module, [])
@@ -93,10 +95,10 @@ class Engine(Pass):
             return module
         for s in module.graph.stages:   # idempotent: chosen again from the prices
             s.annotations.pop(plan.ENGINE_KEY, None)
-        from rlhfc.cost import CostConfig, ProfileError, load_profile
+        from rlhfc.cost import CostConfig, ProfileError, find_default_profile, load_profile
 
-        try:
-            prof = load_profile(self.profile) if self.profile else None
+        try:   # the measured speeds of this machine are what auto is for: its default profile unless one is given
+            prof = load_profile(self.profile) if self.profile else find_default_profile(module.cluster.device)
         except ProfileError as exc:
             raise error(f"engine: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
         choices = choose_engines(module, [p.name for p in downstream], CostConfig(profile=prof))
