@@ -142,10 +142,16 @@ def refit_seconds(cm, model, nbytes: float, bucket_mb: int) -> tuple[float, str]
     (module docstring): ``profile`` when the per-layer term was measured, else ``assumed``."""
     entry, _ = vllm_entry(cm.profile, model_key(model))
     per_layer = (entry or {}).get("fit", {}).get("refit_layer_s")
-    source = "profile" if per_layer is not None else "assumed"
+    return predict_refit(nbytes, model.layers, bucket_mb, cm.spec, per_layer), \
+        "profile" if per_layer is not None else "assumed"
+
+
+def predict_refit(nbytes: float, layers: int, bucket_mb: int, spec, per_layer: float | None = None) -> float:
+    """Seconds of a refit of ``nbytes`` over ``layers`` layers on device ``spec`` (module docstring);
+    ``per_layer`` None: the catalog's :data:`VLLM_REFIT_LAYER_S`."""
     if per_layer is None:
-        per_layer = VLLM_REFIT_LAYER_S["cpu" if cm.spec.is_cpu else "gpu"]
-    return float(refit_time(nbytes, bucket_mb, cm.spec) + model.layers * per_layer), source
+        per_layer = VLLM_REFIT_LAYER_S["cpu" if spec.is_cpu else "gpu"]
+    return float(refit_time(nbytes, bucket_mb, spec) + layers * per_layer)
 
 
 def engine_prices(module, stages, config=None) -> dict[str, float]:
