@@ -80,6 +80,9 @@ def test_rollout_flag_overrides_the_program_and_is_checked(tmp_path, vllm_instal
 
     done = optimise(_load(tmp_path, "flag"), "O0", None, rollout="vllm")
     assert done.module.run.rollout == "vllm"
+    done = optimise(_load(tmp_path, "auto", heads=4), "O0", None, rollout="auto")   # head size 16: torch, no error
+    assert done.module.run.rollout == "auto" and done.passes == ["engine"]
+    assert "engine" not in done.module.graph.stages[1].annotations
     with pytest.raises(CompileError, match="unknown --rollout 'vlm'"):
         optimise(_load(tmp_path, "bad"), "O0", None, rollout="vlm")
     with pytest.raises(CompileError, match="head size 16"):   # the engine's own checks run on the override

@@ -67,7 +67,8 @@ def model_engine(module: Module, model: str) -> str:
 def vllm_model_problem(module: Module, model: str) -> str | None:
     """Why ``rollout = auto`` must keep generating model ``model`` on torch (None when vLLM can run it): the
     checks of ``rollout = vllm`` — head size, a generate's ``top_p``, vLLM installed — and that the model may
-    run as several ranks (a trainer other than torch, unless its fixed layout is one process)."""
+    run as several ranks (a trainer other than torch, unless its fixed layout is one process or the cluster
+    has one device)."""
     from .rules import fixed_layout
 
     m = module.models.get(model)
@@ -82,7 +83,8 @@ def vllm_model_problem(module: Module, model: str) -> str | None:
         if isinstance(top_p, (int, float)) and top_p <= 0:
             return f"%{s.name} samples with top_p = {top_p}, which vLLM does not support"
     fixed = fixed_layout(m)
-    if module.run.trainer != "torch" and (fixed is None or fixed.size > 1):
+    one_device = module.cluster.num_devices == 1
+    if module.run.trainer != "torch" and (fixed is None or fixed.size > 1) and not one_device:
         return f"trainer = {module.run.trainer} may run it as several ranks (a vLLM engine lives in one process)"
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed ({VLLM_INSTALL})"
