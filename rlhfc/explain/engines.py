@@ -1,7 +1,9 @@
 """What ``explain`` says about the rollout engines (``run { rollout = vllm | auto }``): per generate stage the
 engine it runs on, its price per step and where the price comes from (the profile's vLLM measurements or the
 catalog assumption, :mod:`rlhfc.cost.engine`); under ``auto``, per generating model the engine the ``engine``
-pass chose and why: both engines' prices at the compiled plan, or what keeps the model off vLLM."""
+pass chose and why: both engines' prices at the compiled plan and, when the pass ran in this process, the
+prices it compared (before placement, torch credited with a reused log-prob forward), or what keeps the model
+off vLLM."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def engine_notes(module: Module, cm) -> list[str]:
         return notes
     from rlhfc.cost.engine import engine_prices
 
+    chosen = {c.model: c for c in getattr(module, "engine_choices", [])}   # the engine pass's own prices, if run
     for name in dict.fromkeys(s.target for s in gens):
         mine = [s for s in gens if s.target == name]
         engine = plan.model_engine(module, name)
@@ -39,7 +42,8 @@ def engine_notes(module: Module, cm) -> list[str]:
             notes.append(f"rollout = auto keeps @{name} on torch: {problem}")
             continue
         prices = engine_prices(module, mine, cm.config)
+        why = f" (the engine pass chose it before placement: {chosen[name].why})" if name in chosen else ""
         notes.append(f"rollout = auto runs @{name} on {engine}: at this plan its generate stages cost "
                      f"{prices['vllm'] * 1e3:.1f} ms a step on vllm (refit included) vs {prices['torch'] * 1e3:.1f} ms "
-                     "on torch")
+                     f"on torch{why}")
     return notes

@@ -70,10 +70,10 @@ def choose_engines(module: Module, downstream_names=(), config=None) -> list[Eng
             saved = sum(cm.stage_cost(s).time_s for s in reusable_forwards(module, gens))
         torch_s, vllm_s = prices["torch"] - saved, prices["vllm"]
         engine = "vllm" if vllm_s < torch_s else "torch"
-        credit = f" less {saved * 1e3:.1f} ms of log-prob forward reused" if saved else ""
+        credit = f" minus the {saved * 1e3:.1f} ms log-prob forward its sampling log-probs replace" if saved else ""
         out.append(EngineChoice(name, engine, prices, saved,
-                                f"vllm {vllm_s * 1e3:.1f} ms (with refit) vs torch {prices['torch'] * 1e3:.1f} ms"
-                                f"{credit} per step"))
+                                f"vllm {vllm_s * 1e3:.1f} ms (refit included) vs torch {prices['torch'] * 1e3:.1f} ms"
+                                f"{credit}, per step"))
     return out
 
 

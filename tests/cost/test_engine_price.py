@@ -144,6 +144,8 @@ def test_auto_picks_vllm_where_its_measured_speed_is_higher_and_torch_otherwise_
         notes = build_report(out, config=CostConfig(profile=prof)).notes
         choice = next(n for n in notes if n.startswith("rollout = auto runs @actor"))
         assert "on vllm (refit included)" in choice and "on torch" in choice   # both prices
+        assert "the engine pass chose it before placement: vllm" in choice   # and the pass's own comparison
+        assert "log-prob forward its sampling log-probs replace" in choice   # torch is credited with reuse
         if picked[name] == "vllm":   # the trainer's log-prob forward stays; the worker starts the engine
             assert 'engine = "vllm"' in text and "forward.logprobs" in ops and gen.annotations["refit_mb"] == 64
             assert [w.get("engine") for w in workers.values()] == ["vllm"]
