@@ -81,7 +81,8 @@ def choose_engines(module: Module, downstream_names=(), config=None) -> list[Eng
 @dataclass(frozen=True)
 class Engine(Pass):
     name = "engine"
-    description = "rollout = auto: pick torch or vllm per generating model from the cost model"
+    description = ("rollout = auto: pick torch or vllm per generating model from the cost model (run first, at "
+                   "every level, whenever a program says rollout = auto)")
     exact = False
     profile: str = field(default="", metadata={
         "doc": "measured profile the engines are priced with (a path, as explain's --profile; empty: this "
