@@ -2,7 +2,10 @@
 
 A plan here is ``{stage name: (first, count)}``. :func:`apply` annotates every model stage with its mesh and
 picks its ``(dp, tp, pp)``, micro-batches and recompute policy among the splits the hardware rules allow
-(:mod:`rlhfc.ir.plan.hardware`) and the run's trainer can run.
+(:mod:`rlhfc.ir.plan.hardware`) and the run's trainer can run. A stage whose value is a whole
+:class:`~rlhfc.ir.plan.Layout` instead of a mesh is *pinned*: it keeps that layout (the placement search's
+candidates that carry a baseline system's layouts, or a layout its local search chose), and the other stages
+are chosen around what it holds.
 
 Memory is counted once: a stage may use what its devices have left after what the *other* models placed
 there hold (their chosen layout's weights and optimizer state, or the least any of their layouts needs
@@ -33,10 +36,19 @@ def runnable(module: Module, model, lay: Layout) -> bool:
     return True
 
 
-def set_meshes(module: Module, assign: dict[str, tuple[int, int]]) -> None:
-    """Every assigned stage's mesh, split dp only (a fixed-layout model's: its layout, on a mesh of its size)."""
+def mesh_of(value) -> tuple[int, int]:
+    """``(first, count)`` of a plan's value for a stage: a mesh pair, or a pinned :class:`Layout`."""
+    return (value.first, value.count) if isinstance(value, Layout) else value
+
+
+def set_meshes(module: Module, assign: dict) -> None:
+    """Every assigned stage's mesh, split dp only (a fixed-layout model's: its layout, on a mesh of its size);
+    a pinned stage (its value a :class:`Layout`): that layout."""
     for s in module.graph.stages:
         if s.name not in assign:
+            continue
+        if isinstance(assign[s.name], Layout):
+            plan.set_layout(s, assign[s.name])
             continue
         first, count = assign[s.name]
         fixed = plan.fixed_layout(module.models.get(s.target or ""))
@@ -46,43 +58,38 @@ def set_meshes(module: Module, assign: dict[str, tuple[int, int]]) -> None:
             plan.set_layout(s, Layout(first, count, dp=count))
 
 
-def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
+def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) -> None:
     """Annotate every model stage with its mesh and the fastest parallel split that fits (a fixed-layout
-    model's stages: its layout, on a mesh of its size)."""
+    model's stages: its layout, on a mesh of its size; a pinned stage: its layout, chosen first so the
+    others fit around it)."""
     set_meshes(module, assign)
     if not layouts or module.cluster.device == "cpu":
         return
-    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+    from rlhfc.cost import CostModel
 
     cm = CostModel(module)
     # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
     # the split its train stage (else its first stage there) gets
     one_split = module.run.trainer != "torch"
-    stages = [s for s in sorted(module.graph.stages, key=lambda s: s.op != "train")
+    stages = [s for s in sorted(module.graph.stages, key=lambda s: (not isinstance(assign.get(s.name), Layout),
+                                                                   s.op != "train"))
               if s.name in assign and s.op.split(".")[0] in ("generate", "forward", "train")]
     cands, res = {}, {}
     for s in stages:
-        model = module.models[s.target]
-        first, count = assign[s.name]
-        # kept in the cost model's cache: a placement search asks again for every candidate plan that puts
-        # the stage there (inside shared_prices() the cache outlives this cost model)
-        key = ("layout-table", s.name, first, count, repr(plan.recompute_decision(s)))
-        if key not in cm._cache:
-            c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
-                                  kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
-                                  recompute=plan.RECOMPUTE_POLICIES if s.op == "train" else ("none",))
-            c = [x for x in c if runnable(module, model, x)]
-            # a few hundred candidates: NumPy prices them faster than one JAX compile per shape, and whether
-            # JAX is installed must not change a plan
-            cm._cache[key] = (c, evaluate(module, s.name, c, cost_model=cm, backend="numpy") if c else None)
-        cands[s.name], r = cm._cache[key]
+        cands[s.name], r = layout_table(module, cm, s, *mesh_of(assign[s.name]))
         if r is not None:
             res[s.name] = r
     held = _Resident(module, assign, stages, res)
     chosen: dict[tuple, tuple[int, int, int]] = {}
     for s in stages:
-        first, count = assign[s.name]
+        first, count = mesh_of(assign[s.name])
         key = (s.target, first, count)
+        if isinstance(assign[s.name], Layout):   # pinned: kept, and held on its devices
+            lay = assign[s.name]
+            c = cm.stage_cost(s, lay)
+            held.choose(s, c.weights_bytes, c.state_bytes, c.transient_bytes)
+            chosen.setdefault(key, (lay.dp, lay.tp, lay.pp))
+            continue
         c = cands[s.name]
         idx = list(range(len(c)))
         if one_split and key in chosen:
@@ -99,6 +106,26 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         chosen.setdefault(key, (c[pick].dp, c[pick].tp, c[pick].pp))
 
 
+def layout_table(module: Module, cm, stage, first: int, count: int) -> tuple[list, dict | None]:
+    """The layouts ``stage`` may take on devices ``first .. first+count-1`` (the hardware rules', runnable by the
+    run's trainer) and their prices (:func:`rlhfc.cost.evaluate`, arrays aligned with the list; None when there
+    are none). Kept in ``cm``'s cache: a placement search asks again for every candidate plan that puts the
+    stage there (inside ``shared_prices()`` the cache outlives the cost model)."""
+    from rlhfc.cost import candidate_layouts, evaluate
+
+    key = ("layout-table", stage.name, first, count, repr(plan.recompute_decision(stage)))
+    if key not in cm._cache:
+        model = module.models[stage.target]
+        c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
+                              kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
+                              recompute=plan.RECOMPUTE_POLICIES if stage.op == "train" else ("none",))
+        c = [x for x in c if runnable(module, model, x)]
+        # a few hundred candidates: NumPy prices them faster than one JAX compile per shape, and whether
+        # JAX is installed must not change a plan
+        cm._cache[key] = (c, evaluate(module, stage.name, c, cost_model=cm, backend="numpy") if c else None)
+    return cm._cache[key]
+
+
 class _Resident:
     """Per device, what each model keeps resident (weights; gradients + optimizer state: the largest over the
     model's stages there, as the simulator counts them) and the largest activations / KV cache of the stages
@@ -109,7 +136,7 @@ class _Resident:
     the overlaps)."""
 
     def __init__(self, module: Module, assign: dict, stages: list, res: dict):
-        self.devices = {s.name: range(assign[s.name][0], sum(assign[s.name])) for s in stages}
+        self.devices = {s.name: range(mesh_of(assign[s.name])[0], sum(mesh_of(assign[s.name]))) for s in stages}
         self.floor: dict[str, dict[int, float]] = {}
         for s in stages:
             if s.name not in res:
