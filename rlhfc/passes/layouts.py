@@ -136,41 +136,60 @@ class _Resident:
     the overlaps)."""
 
     def __init__(self, module: Module, assign: dict, stages: list, res: dict):
-        self.devices = {s.name: range(mesh_of(assign[s.name])[0], sum(mesh_of(assign[s.name]))) for s in stages}
-        self.floor: dict[str, dict[int, float]] = {}
+        import numpy as np
+
+        self.np = np
+        self.n = max([module.cluster.num_devices] + [sum(mesh_of(assign[s.name])) for s in stages])
+        self.devices = {s.name: slice(mesh_of(assign[s.name])[0], sum(mesh_of(assign[s.name]))) for s in stages}
+        self.floor: dict[str, np.ndarray] = {}
         for s in stages:
             if s.name not in res:
                 continue
             low = float((res[s.name]["weights_bytes"] + res[s.name]["state_bytes"]).min())
-            per = self.floor.setdefault(s.target, {})
-            for d in self.devices[s.name]:
-                per[d] = max(per.get(d, 0.0), low)
-        self.weights: dict[str, dict[int, float]] = {}
-        self.state: dict[str, dict[int, float]] = {}
-        self.transient: dict[int, float] = {}
+            per = self.floor.setdefault(s.target, np.zeros(self.n))
+            sl = self.devices[s.name]
+            per[sl] = np.maximum(per[sl], low)
+        # per model: weights, gradients + optimizer state, and where a stage of it was chosen
+        self.weights: dict[str, np.ndarray] = {}
+        self.state: dict[str, np.ndarray] = {}
+        self.chosen: dict[str, np.ndarray] = {}
+        self.transient = np.zeros(self.n)
 
-    def _held(self, model: str, d: int) -> float:
-        if d in self.weights.get(model, {}):
-            return self.weights[model][d] + self.state[model][d]
-        return self.floor.get(model, {}).get(d, 0.0)
+    def _held(self, model: str, sl: slice):
+        np = self.np
+        floor = self.floor.get(model)
+        floor = floor[sl] if floor is not None else np.zeros(sl.stop - sl.start)
+        if model not in self.chosen:
+            return floor
+        return np.where(self.chosen[model][sl], self.weights[model][sl] + self.state[model][sl], floor)
 
     def need(self, stage, r, idx: list[int]) -> tuple[float, dict[int, float]]:
         """The most any device of ``stage``'s mesh holds now (``base``), and its peak under each candidate."""
-        models = set(self.floor) | set(self.weights)
-        own = stage.target
-        profiles = set()
-        for d in self.devices[stage.name]:
-            others = sum(self._held(m, d) for m in models if m != own)
-            profiles.add((others, self.weights.get(own, {}).get(d, 0.0), self.state.get(own, {}).get(d, 0.0),
-                          self.transient.get(d, 0.0), self._held(own, d)))
-        base = max(o + held + t for o, _, _, t, held in profiles)
-        w, st, tr = (r[k] for k in ("weights_bytes", "state_bytes", "transient_bytes"))
-        return base, {i: max(o + max(wd, float(w[i])) + max(sd, float(st[i])) + max(t, float(tr[i]))
-                             for o, wd, sd, t, _ in profiles) for i in idx}
+        np = self.np
+        own, sl = stage.target, self.devices[stage.name]
+        zero = np.zeros(sl.stop - sl.start)
+        others = zero.copy()
+        for m in sorted(set(self.floor) | set(self.weights)):
+            if m != own:
+                others = others + self._held(m, sl)
+        wd = self.weights[own][sl] if own in self.weights else zero
+        sd = self.state[own][sl] if own in self.state else zero
+        # the devices' distinct situations (a mesh's devices mostly hold the same)
+        profiles = np.unique(np.stack([others, wd, sd, self.transient[sl], self._held(own, sl)], axis=1), axis=0)
+        base = float(max(o + held + t for o, _, _, t, held in profiles.tolist()))
+        ix = np.asarray(idx, dtype=int)
+        w, st, tr = (np.asarray(r[k], dtype=float)[ix] for k in ("weights_bytes", "state_bytes", "transient_bytes"))
+        peak = None
+        for o, wdp, sdp, t, _ in profiles.tolist():
+            p = o + np.maximum(wdp, w) + np.maximum(sdp, st) + np.maximum(t, tr)
+            peak = p if peak is None else np.maximum(peak, p)
+        return base, dict(zip(idx, peak.tolist()))
 
     def choose(self, stage, weights: float, state: float, transient: float) -> None:
-        ws, ss = self.weights.setdefault(stage.target, {}), self.state.setdefault(stage.target, {})
-        for d in self.devices[stage.name]:
-            ws[d] = max(ws.get(d, 0.0), weights)
-            ss[d] = max(ss.get(d, 0.0), state)
-            self.transient[d] = max(self.transient.get(d, 0.0), transient)
+        np, sl, m = self.np, self.devices[stage.name], stage.target
+        for table in (self.weights, self.state, self.chosen):
+            table.setdefault(m, np.zeros(self.n, dtype=bool if table is self.chosen else float))
+        self.weights[m][sl] = np.maximum(self.weights[m][sl], weights)
+        self.state[m][sl] = np.maximum(self.state[m][sl], state)
+        self.chosen[m][sl] = True
+        self.transient[sl] = np.maximum(self.transient[sl], transient)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from .trace_cache import RawOp, load, monomials, primes_above, save, value_at
+
 #: tiny proxy shapes whose dimensions are all distinct: a captured block input's dims map back by size
 _PROXY = {"rows": 3, "seq": 7, "head_dim": 4, "heads": 2}
 
@@ -198,8 +200,8 @@ def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vo
                  *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9,
                  bytes_per_s: float = 8e9, kind_bw: tuple = (), op_s: float = 5e-6) -> BlockTrace:
     ops, autograd = _scaled(arch, hidden, heads, kv_heads, ffn, vocab, dtype, attn)
-    return _priced(arch, rows, seq, hidden, dtype, [op.at(rows, seq) for op in ops], _at(autograd, rows, seq),
-                   flops_per_s, bytes_per_s, kind_bw, op_s)
+    return _priced(arch, rows, seq, hidden, dtype, [op.at(rows, seq) for op in ops],
+                   value_at(autograd, rows, seq), flops_per_s, bytes_per_s, kind_bw, op_s)
 
 
 def fresh_trace(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
@@ -208,35 +210,8 @@ def fresh_trace(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, voc
     """:func:`trace_block` traced at ``rows x seq`` itself rather than scaled from the model's one trace (what
     the tests compare the scaled trace with; not cached)."""
     ops, autograd = _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
-    return _priced(arch, rows, seq, hidden, dtype, [op.at(rows, seq) for op in ops], _at(autograd, rows, seq),
-                   flops_per_s, bytes_per_s, kind_bw, op_s)
-
-
-def _at(poly: tuple, rows: int, seq: int) -> int:
-    """A polynomial ``((c, a, b), ...)`` (see :class:`_RawOp`) at ``rows x seq``."""
-    return sum(c * rows ** a * seq ** b for c, a, b in poly)
-
-
-@dataclass(frozen=True)
-class _RawOp:
-    """One aten call of a traced block with its sizes as polynomials in the micro-batch's ``rows`` and ``seq``:
-    each of ``fresh`` (bytes of the storages it allocates), ``needed`` (of those, what autograd saves),
-    ``moved`` (bytes its outputs and inputs span) and ``flops`` is ``((coefficient, rows power, seq power),
-    ...)``: a sum of monomials, every tensor's size being one (rows enter once, as the batch; seq once, or twice
-    in attention's scores)."""
-
-    name: str
-    target: str
-    fresh: tuple
-    needed: tuple
-    moved: tuple
-    flops: tuple
-    core_attention: bool
-    saves: bool
-
-    def at(self, rows: int, seq: int) -> tuple:
-        return self.name, self.target, _at(self.fresh, rows, seq), _at(self.needed, rows, seq), \
-            float(_at(self.moved, rows, seq)), float(_at(self.flops, rows, seq)), self.core_attention, self.saves
+    return _priced(arch, rows, seq, hidden, dtype, [op.at(rows, seq) for op in ops],
+                   value_at(autograd, rows, seq), flops_per_s, bytes_per_s, kind_bw, op_s)
 
 
 def _priced(arch, rows, seq, hidden, dtype, ops, autograd, flops_per_s, bytes_per_s, kind_bw, op_s) -> BlockTrace:
@@ -256,49 +231,33 @@ def _priced(arch, rows, seq, hidden, dtype, ops, autograd, flops_per_s, bytes_pe
                       sum(x.seconds for x in nodes))
 
 
-def _primes_above(n: int, count: int) -> list[int]:
-    out, k = [], n + 1
-    while len(out) < count:
-        if k > 1 and all(k % d for d in range(2, int(k ** 0.5) + 1)):
-            out.append(k)
-        k += 1
-    return out
-
-
 @functools.lru_cache(maxsize=16)
 def _scaled(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, dtype: str, attn: str):
     """The block traced once per model, at ``rows`` and ``seq`` two primes larger than any of its dimensions:
     every size a tensor of the trace has is then ``c · rows^a · seq^b`` with ``c`` a product of the model's
     dimensions, which neither prime divides, so ``a`` and ``b`` are read off by division. The ops at another
-    micro-batch shape are these polynomials evaluated there (a test checks them against a fresh trace)."""
-    rows, seq = _primes_above(max(hidden, heads, kv_heads, ffn, 64), 2)
-    return _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
+    micro-batch shape are these polynomials evaluated there (a test checks them against a fresh trace). Kept
+    on disk too (:mod:`rlhfc.passes.trace_cache`): a compile in a new process neither imports torch and
+    transformers nor traces again."""
+    key = (arch, hidden, heads, kv_heads, ffn, vocab, dtype, attn)
+    cached = load(key)
+    if cached is not None:
+        return cached
+    rows, seq = primes_above(max(hidden, heads, kv_heads, ffn, 64), 2)
+    ops, autograd = _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
+    save(key, ops, autograd)
+    return ops, autograd
 
 
-def _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn) -> tuple[list[_RawOp], tuple]:
+def _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn) -> tuple[list[RawOp], tuple]:
     """The block's aten ops traced at ``rows x seq`` (see the module docstring) and the bytes autograd saves in
-    all, sizes as sums of monomials in ``rows`` and ``seq`` (:class:`_RawOp`: a true polynomial when those
+    all, sizes as sums of monomials in ``rows`` and ``seq`` (:class:`RawOp`: a true polynomial when those
     are primes no other dimension shares; at other shapes, exact at ``rows x seq`` only)."""
     import warnings
 
     with warnings.catch_warnings():   # torch's pytree deprecation notes while tracing are not the user's business
         warnings.simplefilter("ignore", FutureWarning)
         return _raw_trace_inner(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
-
-
-def _monomials(values, rows: int, seq: int) -> tuple:
-    """``values`` (sizes traced at ``rows x seq``) as ``((c, a, b), ...)`` with value = c · rows^a · seq^b."""
-    out: dict[tuple, int] = {}
-    for v in values:
-        v, a, b = int(v), 0, 0
-        if v == 0:
-            continue
-        while rows > 1 and v % rows == 0:
-            v, a = v // rows, a + 1
-        while seq > 1 and v % seq == 0:
-            v, b = v // seq, b + 1
-        out[(a, b)] = out.get((a, b), 0) + v
-    return tuple((c, a, b) for (a, b), c in sorted(out.items()))
 
 
 def _raw_trace_inner(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn):
@@ -392,10 +351,10 @@ def _raw_trace_inner(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype
     for n in gm.graph.nodes:
         if n.op != "call_function" or not str(n.target).startswith("aten."):
             continue
-        ops.append(_RawOp(n.name, str(n.target), _monomials(fresh.get(n.name, ()), rows, seq),
-                          _monomials(needed.get(n.name, ()), rows, seq), _monomials(_moved_bytes(n), rows, seq),
-                          _monomials([_flops(n)], rows, seq), n.name in core, n.name in savers))
-    return ops, _monomials([b for bs in needed.values() for b in bs], rows, seq)
+        ops.append(RawOp(n.name, str(n.target), monomials(fresh.get(n.name, ()), rows, seq),
+                          monomials(needed.get(n.name, ()), rows, seq), monomials(_moved_bytes(n), rows, seq),
+                          monomials([_flops(n)], rows, seq), n.name in core, n.name in savers))
+    return ops, monomials([b for bs in needed.values() for b in bs], rows, seq)
 
 
 def _moved_bytes(node) -> list[int]:
