@@ -92,6 +92,12 @@ class PlanPricer:
         self.config = config
         self.steps = steps
         self.prices: dict[tuple, tuple[float, bool]] = {}
+        # shared by every candidate's copy: the declarations (see _placed) and the frozen source locations and
+        # value types of the stages (copying them is most of a copy's time otherwise)
+        shared = [module.models, module.data, module.cluster]
+        for s in module.graph.stages:
+            shared += [s.loc, s.ir_loc, *s.field_locs.values(), *(v.type for v in s.inputs + s.outputs)]
+        self._shared = {id(x): x for x in shared if x is not None}
 
     def compile(self, assign: dict) -> Module:
         """The module the pipeline emits for ``assign``: placed, then the downstream passes."""
@@ -103,9 +109,7 @@ class PlanPricer:
         # the models, data sources and cluster are shared with the base module: no pass after placement
         # changes them (placement, recompute and realloc annotate and add stages), and copying 70B programs'
         # declarations for every candidate is most of a candidate's price otherwise
-        base = self.base
-        trial = copy.deepcopy(base, {id(base.models): base.models, id(base.data): base.data,
-                                     id(base.cluster): base.cluster})
+        trial = copy.deepcopy(self.base, dict(self._shared))
         place(trial, assign, "search")
         return trial
 
