@@ -92,6 +92,11 @@ class VllmEngine:
         threads = torch.get_num_threads()
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         options = {"max_num_seqs": max_seqs} if max_seqs else {}
+        #: on CUDA the engine sleeps between generate calls (its KV cache freed, weights offloaded to host
+        #: memory) while the co-located trainer trains: vLLM's sleep mode (CUDA only; untested here)
+        self.sleeps, self.asleep = device.startswith("cuda"), False
+        if self.sleeps:
+            options["enable_sleep_mode"] = True
         try:
             self.llm = LLM(model=hf_dir, skip_tokenizer_init=True, enforce_eager=device == "cpu", dtype=dtype,
                            seed=seed, generation_config="vllm", enable_prefix_caching=False,
@@ -127,6 +132,26 @@ class VllmEngine:
         self._rpc("refit", _reload_end)
         self.version = int(version)
         return {"refit_s": time.perf_counter() - start, "refit_mb": total / 2**20, "refit_buckets": float(buckets)}
+
+    # -- sleep mode (CUDA) --------------------------------------------------------------------------
+    def sleep(self) -> float:
+        """After a generate call, on CUDA: free the KV cache and offload the weights to host memory (vLLM's
+        sleep level 1) so the trainer has the device's memory; a no-op on CPU. Returns the seconds it took."""
+        if not self.sleeps or self.asleep or self.llm is None:
+            return 0.0
+        start = time.perf_counter()
+        self._call("sleep", lambda: self.llm.sleep(level=1))
+        self.asleep = True
+        return time.perf_counter() - start
+
+    def wake_up(self) -> float:
+        """Before a refit or generate call: the weights back on the device and the KV cache reallocated."""
+        if not self.asleep:
+            return 0.0
+        start = time.perf_counter()
+        self._call("wake_up", self.llm.wake_up)
+        self.asleep = False
+        return time.perf_counter() - start
 
     def _rpc(self, what: str, fn, *args):
         """``fn(vllm_worker, *args)`` on the engine's worker (in this process: tensors are not copied)."""
@@ -207,6 +232,7 @@ class VllmEngine:
         finally:
             if left and self.llm is not None:   # the consumer stopped early: free the engine's requests
                 engine.abort_request([ids[i] for i in sorted(left)])
+            self.sleep()   # CUDA: the trainer gets the KV cache's memory until the next call
 
     def shutdown(self) -> None:
         """Stop the engine (a later call is an :class:`EngineError` naming the model)."""
@@ -295,6 +321,9 @@ def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_
         worker.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
                                    version=worker.version if written else -1)
         worker.engine_stats["engine_start_s"] = time.perf_counter() - start
+    wake = worker.engine.wake_up()   # CUDA: the engine slept while the trainer trained
+    if wake:
+        worker.engine_stats["engine_wake_s"] = wake
     if worker.engine.version != worker.version:
         worker.engine_stats.update(worker.engine.refit(worker.model, worker.version, refit_mb))
     keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
