@@ -185,13 +185,16 @@ class VllmEngine:
         engine, call = self.llm.llm_engine if self.llm is not None else None, self.calls
         self.calls += 1
         ids = [f"{call}-{i}" for i in range(len(rows))]
+        # each request's output once, when it finishes; under stop_after (overcommit) its tokens every step,
+        # for those aborted unfinished (vLLM returns nothing for an aborted request)
+        kind = RequestOutputKind.DELTA if stop_after is not None else RequestOutputKind.FINAL_ONLY
         for i, row in enumerate(rows):
             params = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p),
                                     max_tokens=int(budgets[i]), stop_token_ids=[int(eos_id)],
                                     seed=None if seeds is None else int(seeds[i]),
                                     logprobs=0 if logprobs else None,
                                     prompt_logprobs=0 if logprobs and resumed[i] else None, detokenize=False,
-                                    output_kind=RequestOutputKind.DELTA)
+                                    output_kind=kind)
             self._call("generate", lambda: engine.add_request(ids[i], TokensPrompt(prompt_token_ids=list(row)), params))
         index = {r: i for i, r in enumerate(ids)}
         tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}      # each request's tokens so far
@@ -204,7 +207,7 @@ class VllmEngine:
                     break
                 outs = self._call("generate", lambda: rng.run(engine.step))
                 step += 1
-                for out in outs:   # DELTA outputs: the tokens each request gained this step
+                for out in outs:   # the tokens each request gained this step (FINAL_ONLY: all, once finished)
                     i = index.get(out.request_id)
                     if i is None:
                         continue
