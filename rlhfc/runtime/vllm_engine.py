@@ -256,7 +256,9 @@ class _StepGenerators:
         self.state = None
         if seed is not None:
             outer = self._get()
-            torch.manual_seed(int(seed))   # seeds the CPU generator and every CUDA device's
+            torch.random.default_generator.manual_seed(int(seed))   # as torch.manual_seed, on this process's
+            if self.cuda:                                              # CPU and CUDA device only
+                torch.cuda.manual_seed(int(seed))
             self.state = self._get()
             self._set(outer)
 
