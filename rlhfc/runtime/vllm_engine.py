@@ -20,8 +20,9 @@ aborted once that many are done, each returned as a :class:`PartialSample` with 
 Seeding, one per batch: the requests go in unseeded, and every engine step of the call samples from a
 generator state of its own, seeded once from the batch's key (:func:`batch_seed` of its row keys) and
 swapped in as the process's default generator around each step (vLLM samples unseeded requests from the
-default generator: on CPU one draw per row of the persistent batch). A seed per request instead costs vLLM
-one generator draw and a host sync per request and step (~25 % of the tokens/s on CPU). The tokens of a call
+default generator: on CPU one draw per row of the persistent batch). A seed per request instead makes vLLM
+draw each request's noise from its own generator at every step, and on CUDA turns off its FlashInfer
+sampler (docs/benchmarks.md: on this CPU the cost could not be told from noise). The tokens of a call
 follow from its rows, in order, and its key — not from what the engine generated before (each call starts on
 an empty persistent batch, so its rows take slots 0.. in order, as in a fresh engine) — so a run is
 reproducible and a resumed step (same rows, carried partial samples first, same key from the checkpointed
