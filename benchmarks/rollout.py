@@ -3,17 +3,21 @@ against rlhfc's torch decode loop, and refit time against model size.
 
 A llama of ``--layers`` x ``--hidden`` (head size 64, vocab 96: random weights emit EOS with probability
 about 1/96 a token, so response lengths are long-tailed, geometric up to ``--max-new`` tokens) generates
-``--prompts`` responses at temperature 1, three ways, in one process:
+``--prompts`` responses at temperature 1, six ways, in one process:
 
 - ``rlhfc vllm``: a model worker with ``rollout = vllm`` (``ModelWorker.generate``: per-request outputs of the
-  engine's step loop, per-row seeds, sampled-token log-probs, the rollout built from them);
-- ``standalone vllm``: ``vllm.LLM.generate`` on the same engine and the same token ids (no rlhfc code), and
-  ``standalone seeded`` the same with a seed per request (as rlhfc seeds each row);
+  engine's step loop, one seed per call, sampled-token log-probs, the rollout built from them), and
+  ``rlhfc loop, no lp`` the engine's step loop alone (``VllmEngine.stream``, one seed, no log-probs);
+- ``standalone vllm``: ``vllm.LLM.generate`` on the same engine and the same token ids (no rlhfc code),
+  ``standalone lp`` the same asking for the sampled tokens' log-probs, and ``standalone seeded`` with a
+  seed per request (what rlhfc did before one seed per call); every run but ``standalone seeded`` and
+  ``rlhfc torch`` samples the very tokens of the round's ``rlhfc vllm`` call (its seed: the default generator
+  seeded as rlhfc seeds its call's), which the table checks;
 - ``rlhfc torch``: a model worker with the torch decode loop (``slots`` = all rows).
 
 Each runs once to warm up, then ``--repeat`` rounds time them in turn; the table gives generated tokens/s
-(tokens of the last round over the median seconds; sampled lengths differ between engines) and the
-integration cost of rlhfc's vLLM path against standalone vLLM. Then the refit: for each hidden size of
+(median over rounds) and the integration cost of rlhfc's vLLM path against standalone vLLM on the same
+tokens (median over rounds of the time ratio). Then the refit: for each hidden size of
 ``--refit-hidden`` an engine starts and the worker's weights are loaded into it in 64 MiB buckets
 (median of ``--repeat``), against the bytes moved and the cost model's predictions: the bytes alone
 (:func:`rlhfc.cost.sync.refit_time`, what the cost model priced before it had a per-layer term) and the
@@ -71,18 +75,41 @@ def generation(args, folder: str, prompts: list[str]) -> None:
     w_torch = ModelWorker("actor", spec, {"kind": "random"}, 0, threads=args.threads)
     kw = dict(max_new_tokens=args.max_new, temperature=1.0, top_p=1.0, unpad=True)
 
+    from rlhfc.runtime.vllm_engine import batch_seed
+
+    call: dict = {}   # the seed and tokens of this round's rlhfc call: the same-seed runs sample the same tokens
+
     def rlhfc_vllm() -> int:
-        return int(w_vllm.generate(prompts, **kw).batch.response_lengths.sum())
+        g = torch.Generator()
+        g.set_state(w_vllm.sample_gen.get_state())
+        base = int(torch.randint(0, 2**62, (1,), generator=g))   # the draw the worker's call makes (its row keys)
+        call["seed"] = batch_seed(range(base, base + len(prompts)))
+        roll = w_vllm.generate(prompts, **kw)
+        call["tokens"] = roll.batch.response_token_lists()
+        return int(roll.batch.response_lengths.sum())
 
     rlhfc_vllm()   # starts the engine
     ids = [w_vllm.tokenizer.encode(p, add_bos=True) for p in prompts]
     llm = w_vllm.engine.llm
+    same: dict[str, bool] = {}
 
-    def standalone(seeded: bool = False) -> int:
+    def standalone(name: str, seeded: bool = False, logprobs: bool = False) -> int:
         params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.max_new, seed=1000 + i if seeded else None,
-                                 stop_token_ids=[w_vllm.tokenizer.eos_id], detokenize=False) for i in range(len(ids))]
+                                 stop_token_ids=[w_vllm.tokenizer.eos_id], detokenize=False,
+                                 logprobs=0 if logprobs else None) for i in range(len(ids))]
+        if not seeded:
+            torch.manual_seed(call["seed"])   # the default generator as rlhfc's call seeded its own
         outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
+        if not seeded:
+            same[name] = same.get(name, True) and [list(o.outputs[0].token_ids) for o in outs] == call["tokens"]
         return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def rlhfc_loop() -> int:
+        got = sorted(w_vllm.engine.stream(ids, [args.max_new] * len(ids), eos_id=w_vllm.tokenizer.eos_id,
+                                          temperature=1.0, top_p=1.0, seed=call["seed"]), key=lambda x: x.index)
+        same["rlhfc loop, no lp"] = same.get("rlhfc loop, no lp", True) and \
+            [list(x.response_ids) for x in got] == call["tokens"]
+        return sum(len(x.response_ids) for x in got)
 
     def rlhfc_torch() -> int:
         return int(w_torch.generate(prompts, **kw).batch.response_lengths.sum())
@@ -90,25 +117,28 @@ def generation(args, folder: str, prompts: list[str]) -> None:
     params = sum(p.numel() for p in w_vllm.model.parameters())
     print(f"model: llama {args.layers} x {args.hidden} (head 64), {params / 1e6:.1f}M params; {args.prompts} "
           f"prompts, up to {args.max_new} new tokens, temperature 1; torch threads {args.threads}")
-    print(f"{'engine':<16} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-    runs = (("rlhfc vllm", rlhfc_vllm), ("standalone vllm", standalone),
-            ("standalone seeded", lambda: standalone(True)), ("rlhfc torch", rlhfc_torch))
+    runs = (("rlhfc vllm", rlhfc_vllm), ("standalone vllm", lambda: standalone("standalone vllm")),
+            ("rlhfc loop, no lp", rlhfc_loop), ("standalone lp", lambda: standalone("standalone lp", logprobs=True)),
+            ("standalone seeded", lambda: standalone("seeded", seeded=True)), ("rlhfc torch", rlhfc_torch))
     times: dict[str, list[float]] = {name: [] for name, _ in runs}
-    tokens: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {name: [] for name, _ in runs}
     for name, fn in runs:   # warm-up
         fn()
-    for _ in range(args.repeat):   # rounds interleave the engines, so a machine's load drift hits all three
+    same.clear()
+    for _ in range(args.repeat):   # rounds interleave the engines, so a machine's load drift hits all of them
         for name, fn in runs:
             torch.set_num_threads(args.threads)
             start = time.perf_counter()
-            tokens[name] = fn()
+            tokens[name].append(fn())
             times[name].append(time.perf_counter() - start)
+    print(f"{'engine':<18} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}  same tokens as rlhfc vllm")
     rates = {}
-    for name, _ in runs:
-        seconds = statistics.median(times[name])
-        rates[name] = tokens[name] / seconds
-        print(f"{name:<16} {tokens[name]:>7} {seconds:>8.3f} {rates[name]:>9.0f}")
-    print(f"integration cost (1 - rlhfc vllm / standalone vllm): {1 - rates['rlhfc vllm'] / rates['standalone vllm']:+.1%}")
+    for name, _ in runs:   # the median over rounds of each round's tokens / seconds
+        rates[name] = statistics.median(n / t for n, t in zip(tokens[name], times[name]))
+        print(f"{name:<18} {statistics.median(tokens[name]):>7.0f} {statistics.median(times[name]):>8.3f} "
+              f"{rates[name]:>9.0f}  {'yes' if same.get(name) else '-' if name not in same else 'NO'}")
+    ratio = statistics.median(a / b for a, b in zip(times["standalone vllm"], times["rlhfc vllm"]))
+    print(f"integration cost (1 - standalone seconds / rlhfc seconds, same tokens, median of rounds): {1 - ratio:+.1%}")
     print(f"vllm / torch tokens/s: {rates['rlhfc vllm'] / rates['rlhfc torch']:.2f}x")
     w_vllm.engine.shutdown()
 
@@ -123,7 +153,7 @@ def refits(args, folder: str, prompts: list[str]) -> None:
     spec = device_spec("cpu")
     print(f"\n{'hidden':>6} {'params':>8} {'MiB':>7} {'buckets':>7} {'refit s':>8} {'GB/s':>6} {'bytes-only s':>12} "
           f"{'predicted s':>11}")
-    for hidden in (int(h) for h in args.refit_hidden.split(",")):
+    for hidden in (int(h) for h in args.refit_hidden.split(",") if h):   # --refit-hidden "": none
         w = ModelWorker("actor", _spec(args.layers, hidden), {"kind": "random"}, 0, threads=args.threads,
                         rollout={"engine": "vllm", "folder": os.path.join(folder, f"h{hidden}")})
         w.generate(prompts[:1], max_new_tokens=1, temperature=1.0, top_p=1.0)   # start the engine

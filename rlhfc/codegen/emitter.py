@@ -231,7 +231,8 @@ class PythonEmitter:
             + self.slots(s) + self.refit(s) + self.threads(s)
         launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
                  f"{', '.join(gen_kwargs)})"
-        lines = [f"{', '.join(_args([roll] + [c.outputs[0] for c in consumers]))} = job.stream(",
+        targets = _args([roll] + [c.outputs[0] for c in consumers])   # job.stream returns a list: unpack one too
+        lines = [f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = job.stream(",
                  f"        {s.name!r}, {launch},"]
         if oc:
             load = g.producer(s.inputs[0])

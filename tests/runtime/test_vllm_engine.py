@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from rlhfc.runtime.compute import ppo_clip  # noqa: E402
+from rlhfc.runtime.decoding import PartialSample  # noqa: E402
 from rlhfc.runtime.values import CarryOver, TokenValues  # noqa: E402
 from rlhfc.runtime.vllm_engine import EngineError  # noqa: E402
 from rlhfc.runtime.worker import ModelWorker  # noqa: E402
@@ -121,6 +122,30 @@ def test_streamed_chunks_and_overcommit_carry_partial_samples_on_vllm(llama):
             assert got[:len(partial[prompt])] == list(partial[prompt])
     lp = vllm.logprobs(resumed).values
     assert float((resumed.logprobs - lp).abs()[resumed.mask.bool()].max()) < 1e-3
+
+
+def _tokens(engine, rows, seed, eos, **kw) -> dict[int, tuple[int, ...]]:
+    return {s.index: s.response_ids for s in engine.stream(rows, [32] * len(rows), eos_id=eos, temperature=1.0,
+                                                           top_p=1.0, seed=seed, **kw)}
+
+
+def test_one_seed_per_call_gives_the_same_tokens_whatever_the_engine_ran_before(llama):
+    """Per-batch seeding (unseeded requests, the call's generator swapped in around each engine step): the
+    same rows and seed sample the same tokens after other calls — one aborted midway (overcommit) — as
+    before them, another seed samples others, and the process's own random state is left as it was."""
+    vllm, _ = llama
+    engine, eos = vllm.engine, vllm.tokenizer.eos_id
+    rows = [vllm.tokenizer.encode(p, add_bos=True) for p in PROMPTS[:10]]
+    torch.manual_seed(123)
+    outer = torch.get_rng_state()
+    first = _tokens(engine, rows, 7, eos)
+    assert torch.equal(torch.get_rng_state(), outer)
+    assert len(first) == 10 and len({len(t) for t in first.values()}) > 1
+    other = list(engine.stream(rows[:7], [4 + 4 * i for i in range(7)], eos_id=eos, temperature=1.0, top_p=1.0, seed=3, stop_after=2))
+    assert sum(isinstance(x, PartialSample) for x in other) >= 1   # its unfinished requests were aborted
+    _tokens(engine, rows[3:], 5, eos, logprobs=True)
+    assert _tokens(engine, rows, 7, eos) == first
+    assert _tokens(engine, rows, 8, eos) != first
 
 
 def test_a_stopped_engine_gives_an_error_naming_it(llama):
