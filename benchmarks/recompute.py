@@ -7,19 +7,22 @@ them) — the benchmark measures:
 
 - the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
   :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
-- the median forward+backward time of the whole model, and its overhead over ``none``, against the predicted
-  overhead (the trace's per-op recompute seconds x blocks) priced two ways: **per op kind** (what the
-  recompute pass does: matmul FLOP/s and the bytes/s of softmax, elementwise and copy ops, each rate fitted
-  from one profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates`) and, for
-  comparison, **one rate** (the catalog rates scaled by one measured block forward, as before per-kind
-  pricing). rlhfc's choices are made on the per-kind prices.
+- the best forward+backward time of the whole model, and its overhead over ``none``, against the predicted
+  overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
+  recompute pass does with a profile taken here, ``rlhfc profile``'s host probes run in this process at one
+  thread: each op by its kind — matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the
+  fresh-output cost of every replayed op that allocates and the checkpoint's own cost:
+  :func:`rlhfc.calibrate.measure_fresh_bytes`, :func:`rlhfc.calibrate.measure_checkpoint`,
+  :mod:`rlhfc.passes.recompute_prices`) and, for comparison, **per kind, before** (kind rates fitted from one
+  profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates` — and nothing else, the pricing
+  before this change). rlhfc's choices are made on the profile prices.
 
 With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
 ``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
 also read from ``torch.cuda.max_memory_allocated``.
 
-``--profile`` prices each op by its measured time in a block forward (what a profile gives the cost model)
-instead of the catalog rates scaled by one forward.
+``--profile`` prices each op by its measured time in a block forward (fresh outputs included) plus the
+checkpoint's measured cost, instead of the probes' kind rates.
 
     python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--cuda]
 """
@@ -31,7 +34,11 @@ import time
 
 import torch
 
+from rlhfc.calibrate import measure_host
+from rlhfc.cost.hardware import device_spec
+from rlhfc.cost.profile import Profile
 from rlhfc.passes import recompute_choice as choice
+from rlhfc.passes.recompute_prices import spec_costs, with_replay_costs
 from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, retime, trace_block
 from rlhfc.runtime.models import build_model
 from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
@@ -120,23 +127,24 @@ def main() -> None:
     block, bargs, bkw = _block_call(model, batch)
     trace = trace_block("llama", spec["hidden"], spec["heads"], full_spec["kv_heads"], full_spec["ffn"],
                         spec["vocab"], 1, args.seq, attn=args.attn)
-    # calibrate the trace's op rates by one measured block forward (what a profile would give the cost model)
-    with torch.no_grad():
-        block(*bargs, **bkw)
-        clock = time.perf_counter if args.cuda else time.process_time
-        t = clock()
-        for _ in range(3):
-            block(*bargs, **bkw)
-        fwd = (clock() - t) / 3
-    calib = fwd / trace.forward_s
-    one_rate = trace
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
-    flops_per_s, kind_bw = fit_kind_rates(trace, op_times)
-    trace = reprice(trace, flops_per_s, kind_bw)          # per op kind, as the recompute pass prices
-    if args.profile:   # each op at its own measured time instead
-        trace = retime(trace, op_times)
-    print("# per-kind rates fitted from one profiled block forward: matmul "
-          f"{flops_per_s / 1e9:.1f} GFLOP/s; " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(kind_bw.items())))
+    before = reprice(trace, *fit_kind_rates(trace, op_times))     # per kind, nothing else (the pricing before)
+    spec = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
+    if args.profile:   # each op at its own measured time (fresh outputs included), plus the checkpoint's cost
+        costs = spec_costs(spec) if spec else {}
+        trace = with_replay_costs(retime(trace, op_times), (), costs.get("ckpt_op_s", 0.0),
+                                  costs.get("ckpt_region_s", 0.0))
+    elif spec is not None:   # priced as the recompute pass prices with a profile taken here
+        bw = spec.hbm_bw * spec.mem_eff
+        trace = with_replay_costs(reprice(trace, spec.peak_flops * spec.train_eff,
+                                          {k: bw * eff for k, eff in spec.kind_eff}), **spec_costs(spec))
+    if spec is not None:
+        print(f"# profile probes: matmul {spec.peak_flops / 1e9:.1f} GFLOP/s, copy {spec.hbm_bw / 1e9:.2f} GB/s, "
+              + ", ".join(f"{k} {e * spec.hbm_bw / 1e9:.2f} GB/s" for k, e in spec.kind_eff)
+              + "; fresh outputs (ps/byte by MiB): "
+              + ", ".join(f"{int(n) >> 20}: {r * 1e12:.0f}" for n, r in spec.fresh_s_per_byte)
+              + f"; checkpoint: {spec.ckpt_region_s * 1e3:.2f} ms a block + {spec.ckpt_op_s * 1e6:.1f} us an op "
+              f"dispatched ({len(trace.nodes)} ops, {choice._cut(trace) + 1} replayed up to the last that saves)")
     sel = choice.selective(trace)
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
     for frac in (1.0, 0.5, 0.25):
@@ -146,10 +154,10 @@ def main() -> None:
             runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
-          + (f"op times profiled (block forward {fwd * 1e3:.1f} ms, ops sum to {trace.forward_s * 1e3:.1f} ms)"
-             if args.profile else f"one-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)"))
+          + f"block forward: ops sum to {sum(op_times.values()) * 1e3:.1f} ms"
+          + (" (op times profiled)" if args.profile else ""))
     print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | "
-          "predicted per kind | predicted one rate |" + (" cuda peak |" if args.cuda else ""))
+          "predicted (profile prices) | predicted per kind, before |" + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
     for label, ch in runs:
@@ -164,10 +172,15 @@ def main() -> None:
     base = min(steps["none"])
     for label, ch in runs:
         step = min(steps[label])
+        measured = step - base
         predicted = ch.recompute_s * spec["layers"]
-        old = (choice.price(one_rate, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * calib * spec["layers"]
+        old = (choice.price(before, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
+
+        def err(x):
+            return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
+
         print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} | "
-              f"{(step - base) * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms | {old * 1e3:+.0f} ms |"
+              f"{measured * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
               + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
     apply_recompute(model, None)
 
