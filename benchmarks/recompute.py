@@ -129,21 +129,23 @@ def main() -> None:
                         spec["vocab"], 1, args.seq, attn=args.attn)
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
     before = reprice(trace, *fit_kind_rates(trace, op_times))     # per kind, nothing else (the pricing before)
-    spec = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
+    dev = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
     if args.profile:   # each op at its own measured time (fresh outputs included), plus the checkpoint's cost
-        costs = spec_costs(spec) if spec else {}
+        costs = spec_costs(dev) if dev else {}
         trace = with_replay_costs(retime(trace, op_times), (), costs.get("ckpt_op_s", 0.0),
                                   costs.get("ckpt_region_s", 0.0))
-    elif spec is not None:   # priced as the recompute pass prices with a profile taken here
-        bw = spec.hbm_bw * spec.mem_eff
-        trace = with_replay_costs(reprice(trace, spec.peak_flops * spec.train_eff,
-                                          {k: bw * eff for k, eff in spec.kind_eff}), **spec_costs(spec))
-    if spec is not None:
-        print(f"# profile probes: matmul {spec.peak_flops / 1e9:.1f} GFLOP/s, copy {spec.hbm_bw / 1e9:.2f} GB/s, "
-              + ", ".join(f"{k} {e * spec.hbm_bw / 1e9:.2f} GB/s" for k, e in spec.kind_eff)
+    elif dev is not None:   # priced as the recompute pass prices with a profile taken here
+        bw = dev.hbm_bw * dev.mem_eff
+        trace = with_replay_costs(reprice(trace, dev.peak_flops * dev.train_eff,
+                                          {k: bw * eff for k, eff in dev.kind_eff}), **spec_costs(dev))
+    else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
+        trace = before
+    if dev is not None:
+        print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
+              "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)
               + "; fresh outputs (ps/byte by MiB): "
-              + ", ".join(f"{int(n) >> 20}: {r * 1e12:.0f}" for n, r in spec.fresh_s_per_byte)
-              + f"; checkpoint: {spec.ckpt_region_s * 1e3:.2f} ms a block + {spec.ckpt_op_s * 1e6:.1f} us an op "
+              + ", ".join(f"{int(n) >> 20}: {r * 1e12:.0f}" for n, r in dev.fresh_s_per_byte)
+              + f"; checkpoint: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us an op "
               f"dispatched ({len(trace.nodes)} ops, {choice._cut(trace) + 1} replayed up to the last that saves)")
     sel = choice.selective(trace)
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
