@@ -24,7 +24,10 @@ also read from ``torch.cuda.max_memory_allocated``.
 ``--profile`` prices each op by its measured time in a block forward (fresh outputs included) plus the
 checkpoint's measured cost, instead of the probes' kind rates.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--cuda]
+``--replay`` (CPU) first times the ops full and Megatron-selective replay inside the checkpointed backward against
+the same ops in a forward, by kind, and counts a block step's page faults.
+
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--replay] [--cuda]
 """
 
 from __future__ import annotations
@@ -91,6 +94,74 @@ def _op_seconds(block, bargs, bkw, rounds: int, cuda: bool) -> dict[str, float]:
     return best
 
 
+def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) -> None:
+    """``--replay``: for each plan, the CPU seconds of its replayed ops inside the checkpointed backward against
+    the same ops in a forward (``op_times``), by kind, and the minor page faults of one block forward+backward
+    (none against the plan): is a replay dearer than a forward, and where do its faults come from?"""
+    import resource
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from rlhfc.runtime.recompute import _selective_context
+
+    kind = {n.key.split("#")[0]: n.kind for n in reversed(trace.nodes) if n.kind != "view"}
+    phase, spent = ["fwd"], {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            t = time.process_time()
+            out = func(*a, **(kw or {}))
+            if phase[0] == "replay":
+                k = kind.get(str(func)[5:], "view")
+                spent[k] = spent.get(k, 0.0) + time.process_time() - t
+            return out
+
+    def step(ch, timer: bool):
+        calls = [0]
+
+        def fn(*a, **k):
+            phase[0] = "fwd" if calls[0] == 0 else "replay"
+            calls[0] += 1
+            try:
+                return block.forward(*a, **k)
+            finally:
+                phase[0] = "bwd"
+
+        ctx = (lambda: _selective_context(frozenset(ch.save))) if ch.policy == "ops" else None
+        with Timer() if timer else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            if ch.policy == "none":
+                out = block(*bargs, **bkw)
+            elif ctx is None:
+                out = checkpoint(fn, *bargs, use_reentrant=False, **bkw)
+            else:
+                out = checkpoint(fn, *bargs, use_reentrant=False, context_fn=ctx, **bkw)
+            out[0].pow(2).mean().backward()
+
+    def faults(ch):
+        step(ch, False)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step(ch, False)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    base = faults(choice.price(trace, None))
+    cut = choice._cut(trace)
+    for label, ch in plans.items():
+        best: dict[str, float] = {}
+        for _ in range(3):
+            spent.clear()
+            step(ch, True)
+            best = {k: min(v, best.get(k, float("inf"))) for k, v in spent.items()}
+        fwd: dict[str, float] = {}
+        for i, n in enumerate(trace.nodes):
+            if i <= cut and n.key not in set(ch.save) and n.key in op_times:
+                fwd[n.kind] = fwd.get(n.kind, 0.0) + op_times[n.key]
+        print(f"# replay of {label}: " + ", ".join(
+            f"{k} {best.get(k, 0) * 1e3:.1f} vs {fwd.get(k, 0) * 1e3:.1f} ms in a forward"
+            for k in sorted(set(best) | set(fwd)) if k != "view")
+            + f"; minor page faults a block step: {faults(ch)} vs {base} without recompute")
+
+
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
     """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
     other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
@@ -116,6 +187,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--profile", action="store_true", help="time each op of a block forward and price from that")
+    ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if args.cuda else "cpu"
@@ -148,6 +220,10 @@ def main() -> None:
               + f"; checkpoint: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us an op "
               f"dispatched ({len(trace.nodes)} ops, {choice._cut(trace) + 1} replayed up to the last that saves)")
     sel = choice.selective(trace)
+    if args.replay and not args.cuda:
+        _replay_vs_forward(block, bargs, bkw, trace, op_times, {"full": choice.full(trace), "selective": sel})
+    if args.repeat < 1:
+        return
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
     for frac in (1.0, 0.5, 0.25):
         budget = frac * sel.saved_bytes
