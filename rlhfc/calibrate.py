@@ -92,7 +92,8 @@ def measure_host(threads: int, device: str = "cpu", quick: bool = False) -> dict
 
 
 def measure_kinds(dtype, device: str = "cpu") -> dict[str, float]:
-    """Bytes/s of the memory-bound op kinds the recompute pass prices (rlhfc.passes.recompute_trace.op_kind),
+    """Bytes/s of the memory-bound op kinds the recompute pass prices (rlhfc.passes.recompute_trace.op_kind)
+    — on a CPU at one thread, in CPU time (the pass scales them by the worker's thread speed-up) —
     on a tensor the size of a block's attention scores at 1024 tokens (8 heads x 1024 x 1024: larger than a
     CPU's caches, as the s x s ops a recompute replays are): a softmax, an elementwise product and a copy (bytes
     read + written over seconds), each writing into a buffer it reuses — the bandwidth alone; what a *fresh*
@@ -107,7 +108,26 @@ def measure_kinds(dtype, device: str = "cpu") -> dict[str, float]:
     probes = {"softmax": (lambda: (torch.ops.aten._softmax.out(x, -1, False, out=z), sync()), 2 * size),
               "elementwise": (lambda: (torch.mul(x, y, out=z), sync()), 3 * size),
               "copy": (lambda: (z.copy_(x), sync()), 2 * size)}
-    return {k: moved / _timeit(fn, 10) for k, (fn, moved) in probes.items()}
+    if device != "cpu":
+        return {k: moved / _timeit(fn, 10) for k, (fn, moved) in probes.items()}
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {k: moved / _cpu_time(fn, 5) for k, (fn, moved) in probes.items()}
+    finally:
+        torch.set_num_threads(old)
+
+
+def _cpu_time(fn, reps: int) -> float:
+    """The least CPU time of ``reps`` calls after a warm-up: kernel time (page faults) included, other
+    processes' turns on a shared machine not (what a wall clock would add)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
+    return best
 
 
 #: sizes of the fresh-output probe: powers of two from 1 to 128 MiB (the pass prices an output at the nearest)
@@ -116,22 +136,29 @@ FRESH_SIZES = tuple(2 ** k for k in range(20, 28))
 
 def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3) -> list[list[float]]:
     """CPU: seconds per byte a freshly allocated output of each size costs beyond writing it, ``[[bytes,
-    s/byte], ...]``: an elementwise product into a new tensor (freed after) minus the same into a reused one.
+    s/byte], ...]``: an elementwise product into a new tensor (freed after) minus the same into a reused one,
+    each the least CPU time (one thread; the page faults are kernel time, which CPU time counts and which a
+    wall clock on a shared machine would inflate with other processes' turns) of ``reps`` after a warm-up.
     Large allocations come from the OS (glibc maps blocks of 32 MiB and more afresh every time) and each of
     their pages faults on first touch, about a microsecond per 4 KiB page — a recomputed s x s attention op
-    pays it again in backward; smaller ones are reused from the heap and cost nothing. The recompute pass
-    adds ``bytes x s/byte`` (at the nearest measured size) to each op that allocates."""
+    pays it again in backward; smaller ones are mostly reused from the heap. The recompute pass adds ``bytes
+    x s/byte`` (of the largest measured size not above it) to each op that allocates."""
     import torch
 
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
     out = []
-    for n in sizes:
-        x = torch.ones(n // 4)
-        y = torch.ones_like(x)
-        z = torch.empty_like(x)
-        fresh = _timeit(lambda: torch.mul(x, y), reps)
-        reused = _timeit(lambda: torch.mul(x, y, out=z), reps)
-        out.append([float(n), max(0.0, fresh - reused) / n])
-        del x, y, z
+    try:
+        for n in sizes:
+            x = torch.ones(n // 4)
+            y = torch.ones_like(x)
+            z = torch.empty_like(x)
+            fresh = _cpu_time(lambda: torch.mul(x, y), reps)
+            reused = _cpu_time(lambda: torch.mul(x, y, out=z), reps)
+            out.append([float(n), max(0.0, fresh - reused) / n])
+            del x, y, z
+    finally:
+        torch.set_num_threads(old)
     return out
 
 
@@ -180,21 +207,12 @@ def measure_checkpoint(reps: int = 5) -> dict[str, float]:
     def forward():
         block(*args, **seen["k"])
 
-    def timed(fn):
-        fn()
-        best = float("inf")
-        for _ in range(reps):
-            t = time.process_time()
-            fn()
-            best = min(best, time.process_time() - t)
-        return best
-
     try:
-        plain, fwd = timed(step), timed(forward)
+        plain, fwd = _cpu_time(step, reps), _cpu_time(forward, reps)
         apply_recompute(model, {"policy": "ops", "save": keys})
-        kept_all = timed(step)
+        kept_all = _cpu_time(step, reps)
         apply_recompute(model, {"policy": "full"})
-        full = timed(step)
+        full = _cpu_time(step, reps)
     finally:
         apply_recompute(model, None)
         torch.set_num_threads(old)
