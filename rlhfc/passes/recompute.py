@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -98,14 +99,14 @@ def replay_spec(module: Module, profile: str):
     from rlhfc.ir import error
 
     try:
-        prof = _load_profile(profile)
+        prof = _load_profile(profile, os.path.getmtime(profile) if os.path.exists(profile) else 0.0)
     except ProfileError as exc:
         raise error(f"recompute: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
     return device_spec(module.cluster.device, prof) if prof.device_kind == module.cluster.device else None
 
 
 @functools.lru_cache(maxsize=4)
-def _load_profile(path: str):   # the search runs this pass on every candidate: read the file once
+def _load_profile(path: str, mtime: float):   # the search runs this pass on every candidate: read the file once
     from rlhfc.cost import load_profile
 
     return load_profile(path)

@@ -11,7 +11,7 @@ checkpoint's early stop). So, per block and micro-batch, with the ops ``o_1 .. o
 - time added: ``sum(seconds(o_i) for i <= c if o_i not in S)`` plus the checkpoint's own cost (measured:
   :mod:`rlhfc.passes.recompute_prices`): ``ckpt_region_s`` for any checkpointed block, and for a selective one
   (S not empty) ``ckpt_op_s`` per aten call its policy sees (the ``n`` of the forward and the ``c + 1`` of the
-  replay) — a cost ``full`` does not pay, so a small save set can cost more than none at all.
+  replay) — a cost ``full`` does not pay, so keeping a few small outputs can cost more than keeping none.
 
 Policies:
 
