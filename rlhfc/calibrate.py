@@ -130,7 +130,8 @@ def _cpu_time(fn, reps: int) -> float:
     return best
 
 
-#: sizes of the fresh-output probe: powers of two from 1 to 128 MiB (the pass prices an output at the nearest)
+#: sizes of the fresh-output probe: powers of two from 1 to 128 MiB (the pass prices an output at the rate of the
+#: largest size not above it)
 FRESH_SIZES = tuple(2 ** k for k in range(20, 28))
 
 
@@ -180,8 +181,6 @@ def measure_checkpoint(reps: int = 5) -> dict[str, float]:
     from rlhfc.runtime.models import build_model
     from rlhfc.runtime.recompute import apply_recompute, blocks, op_key
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
     model = build_model(dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager"), seed=0)
     model.train()
     ids = torch.randint(3, 30, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -207,6 +206,8 @@ def measure_checkpoint(reps: int = 5) -> dict[str, float]:
     def forward():
         block(*args, **seen["k"])
 
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         plain, fwd = _cpu_time(step, reps), _cpu_time(forward, reps)
         apply_recompute(model, {"policy": "ops", "save": keys})
