@@ -67,7 +67,7 @@ def measure_host(threads: int, device: str = "cpu", quick: bool = False) -> dict
         sec = _timeit(lambda: y.copy_(x), 10)
         out["copy_bw"] = 2 * x.numel() * 4 / sec
         out["kind_bw"] = measure_kinds(torch.float32, "cpu")
-        sizes = FRESH_SIZES if not quick else FRESH_SIZES[3:6]     # quick: 8, 16 and 32 MiB
+        sizes = FRESH_SIZES if not quick else FRESH_SIZES[:1]     # quick: 32 MiB
         out["recompute"] = dict(measure_checkpoint(3 if quick else 5), fresh_s_per_byte=measure_fresh_bytes(sizes))
         return out
     n = 8192
@@ -130,24 +130,30 @@ def _cpu_time(fn, reps: int) -> float:
     return best
 
 
-#: sizes of the fresh-output probe: powers of two from 1 to 128 MiB (the pass prices an output at the rate of the
-#: largest size not above it)
-FRESH_SIZES = tuple(2 ** k for k in range(20, 28))
+#: sizes of the fresh-output probe, 32 and 64 MiB (the pass prices an output at the rate of the largest size not
+#: above it, a smaller one free): glibc's largest mmap threshold on 64-bit Linux is 32 MiB, so allocations of that
+#: size and more are mapped afresh every time; smaller ones come from the heap the process already touched (on
+#: the benchmark's block only the four 32 MiB outputs a replay recreates add page faults, none of the 1-3 MiB
+#: ones), and a probe of them reads the heap's history, not what a training step pays
+FRESH_SIZES = (2 ** 25, 2 ** 26)
 
 
-def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3) -> list[list[float]]:
+def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3, resident: int = 256 << 20) -> list[list[float]]:
     """CPU: seconds per byte a freshly allocated output of each size costs beyond writing it, ``[[bytes,
     s/byte], ...]``: an elementwise product into a new tensor (freed after) minus the same into a reused one,
-    each the least CPU time (one thread; the page faults are kernel time, which CPU time counts and which a
-    wall clock on a shared machine would inflate with other processes' turns) of ``reps`` after a warm-up.
-    Large allocations come from the OS (glibc maps blocks of 32 MiB and more afresh every time) and each of
-    their pages faults on first touch, about a microsecond per 4 KiB page — a recomputed s x s attention op
-    pays it again in backward; smaller ones are mostly reused from the heap. The recompute pass adds ``bytes
-    x s/byte`` (of the largest measured size not above it) to each op that allocates."""
+    beside ``resident`` bytes in use (a training process holds weights, optimizer state and other blocks'
+    activations, and a page fault costs more in a larger process: 263 ps/byte alone, 312 with 384 MiB
+    resident on the 2-core VM of docs/benchmarks.md). Each the least CPU time (one thread; page faults are
+    kernel time, which CPU time counts and a wall clock on a shared machine would inflate with other processes'
+    turns) of ``reps`` after a warm-up. Large allocations come from the OS (glibc maps blocks of 32 MiB and more
+    afresh every time) and each of their pages faults on first touch, about a microsecond per 4 KiB page — a
+    recomputed s x s attention op pays it again in backward (:data:`FRESH_SIZES`). The recompute pass adds
+    ``bytes x s/byte`` (of the largest measured size not above it) to each op that allocates."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
+    held = torch.ones(max(1, resident // 4))
     out = []
     try:
         for n in sizes:
@@ -160,6 +166,7 @@ def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3) -> list[list[float]]:
             del x, y, z
     finally:
         torch.set_num_threads(old)
+        del held
     return out
 
 

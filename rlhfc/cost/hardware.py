@@ -106,7 +106,7 @@ CATALOG: dict[str, DeviceSpec] = {
                       kind_eff=(("softmax", 0.3),),
                       # a recompute's extra costs, as `rlhfc profile` measures them there: outputs of 32 MiB and
                       # more (glibc's largest mmap threshold) fault every page afresh; the checkpoint's dispatch
-                      fresh_s_per_byte=((2 ** 24, 0.0), (2 ** 25, 3e-10)), ckpt_region_s=1e-3, ckpt_op_s=3e-5),
+                      fresh_s_per_byte=((2 ** 25, 3e-10),), ckpt_region_s=1e-3, ckpt_op_s=3e-5),
 }
 
 

@@ -7,8 +7,8 @@ block's forward misses is:
 - **fresh outputs**: an op whose output is a large new allocation (glibc maps blocks of 32 MiB and more from
   the OS afresh each time; their pages fault on first touch, about a microsecond per 4 KiB page) pays for it
   every time it runs — a recomputed s x s attention op pays it again in backward. The profile measures the
-  cost per byte at sizes from 1 to 128 MiB (:func:`rlhfc.calibrate.measure_fresh_bytes`); an op pays
-  ``bytes x`` the rate of the largest measured size not above its allocation (0 below the smallest);
+  cost per byte at 32 and 64 MiB (:func:`rlhfc.calibrate.measure_fresh_bytes`); an op pays ``bytes x`` the
+  rate of the largest measured size not above its allocation (nothing below 32 MiB: the heap reuses those);
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
   and of the replay up to the last op that saves (:func:`rlhfc.calibrate.measure_checkpoint`).

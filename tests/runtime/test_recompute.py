@@ -183,7 +183,8 @@ def test_recompute_choice_follows_replay_costs():
     the sum the choice reports (synthetic rates on a tiny gpt2 block)."""
     from rlhfc.passes.recompute_prices import fresh_seconds, with_replay_costs
 
-    assert fresh_seconds(3 << 20, ((1 << 20, 0.0), (2 << 20, 1e-9), (8 << 20, 5e-9))) == pytest.approx(3 * 2 ** 20 * 1e-9)
+    curve = ((1 << 20, 0.0), (2 << 20, 1e-9), (8 << 20, 5e-9))
+    assert fresh_seconds(3 << 20, curve) == pytest.approx(3 * 2 ** 20 * 1e-9)
     assert fresh_seconds(1 << 19, ((1 << 20, 1e-9),)) == 0.0 == fresh_seconds(1 << 30, ())
     trace = _trace("gpt2")                                   # eager attention: the scores are the largest outputs
     largest = max(n.bytes for n in trace.nodes)
