@@ -7,21 +7,27 @@ them) — the benchmark measures:
 
 - the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
   :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
-- the median forward+backward time of the whole model, and its overhead over ``none``, against the predicted
-  overhead (the trace's per-op recompute seconds x blocks) priced two ways: **per op kind** (what the
-  recompute pass does: matmul FLOP/s and the bytes/s of softmax, elementwise and copy ops, each rate fitted
-  from one profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates`) and, for
-  comparison, **one rate** (the catalog rates scaled by one measured block forward, as before per-kind
-  pricing). rlhfc's choices are made on the per-kind prices.
+- the best forward+backward time of the whole model, and its overhead over ``none``, against the predicted
+  overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
+  recompute pass does with a profile taken here, ``rlhfc profile``'s host probes run in this process at one
+  thread: each op by its kind — matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the
+  fresh-output cost of every replayed op that allocates and the checkpoint's own cost:
+  :func:`rlhfc.calibrate.measure_fresh_bytes`, :func:`rlhfc.calibrate.measure_checkpoint`,
+  :mod:`rlhfc.passes.recompute_prices`) and, for comparison, **per kind, before** (kind rates fitted from one
+  profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates` — and nothing else, the pricing
+  before this change). rlhfc's choices are made on the profile prices.
 
 With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
 ``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
 also read from ``torch.cuda.max_memory_allocated``.
 
-``--profile`` prices each op by its measured time in a block forward (what a profile gives the cost model)
-instead of the catalog rates scaled by one forward.
+``--profile`` prices each op by its measured time in a block forward (fresh outputs included) plus the
+checkpoint's measured cost, instead of the probes' kind rates.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--cuda]
+``--replay`` (CPU) first times the ops full and Megatron-selective replay inside the checkpointed backward against
+the same ops in a forward, by kind, and counts a block step's page faults.
+
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--replay] [--cuda]
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ import time
 
 import torch
 
+from rlhfc.calibrate import measure_host
+from rlhfc.cost.hardware import device_spec
+from rlhfc.cost.profile import Profile
 from rlhfc.passes import recompute_choice as choice
+from rlhfc.passes.recompute_prices import spec_costs, with_replay_costs
 from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, retime, trace_block
 from rlhfc.runtime.models import build_model
 from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
@@ -84,6 +94,74 @@ def _op_seconds(block, bargs, bkw, rounds: int, cuda: bool) -> dict[str, float]:
     return best
 
 
+def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) -> None:
+    """``--replay``: for each plan, the CPU seconds of its replayed ops inside the checkpointed backward against
+    the same ops in a forward (``op_times``), by kind, and the minor page faults of one block forward+backward
+    (none against the plan): is a replay dearer than a forward, and where do its faults come from?"""
+    import resource
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from rlhfc.runtime.recompute import _selective_context
+
+    kind = {n.key.split("#")[0]: n.kind for n in reversed(trace.nodes) if n.kind != "view"}
+    phase, spent = ["fwd"], {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            t = time.process_time()
+            out = func(*a, **(kw or {}))
+            if phase[0] == "replay":
+                k = kind.get(str(func)[5:], "view")
+                spent[k] = spent.get(k, 0.0) + time.process_time() - t
+            return out
+
+    def step(ch, timer: bool):
+        calls = [0]
+
+        def fn(*a, **k):
+            phase[0] = "fwd" if calls[0] == 0 else "replay"
+            calls[0] += 1
+            try:
+                return block.forward(*a, **k)
+            finally:
+                phase[0] = "bwd"
+
+        ctx = (lambda: _selective_context(frozenset(ch.save))) if ch.policy == "ops" else None
+        with Timer() if timer else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            if ch.policy == "none":
+                out = block(*bargs, **bkw)
+            elif ctx is None:
+                out = checkpoint(fn, *bargs, use_reentrant=False, **bkw)
+            else:
+                out = checkpoint(fn, *bargs, use_reentrant=False, context_fn=ctx, **bkw)
+            out[0].pow(2).mean().backward()
+
+    def faults(ch):
+        step(ch, False)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step(ch, False)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    base = faults(choice.price(trace, None))
+    cut = choice._cut(trace)
+    for label, ch in plans.items():
+        best: dict[str, float] = {}
+        for _ in range(3):
+            spent.clear()
+            step(ch, True)
+            best = {k: min(v, best.get(k, float("inf"))) for k, v in spent.items()}
+        fwd: dict[str, float] = {}
+        for i, n in enumerate(trace.nodes):
+            if i <= cut and n.key not in set(ch.save) and n.key in op_times:
+                fwd[n.kind] = fwd.get(n.kind, 0.0) + op_times[n.key]
+        print(f"# replay of {label}: " + ", ".join(
+            f"{k} {best.get(k, 0) * 1e3:.1f} vs {fwd.get(k, 0) * 1e3:.1f} ms in a forward"
+            for k in sorted(set(best) | set(fwd)) if k != "view")
+            + f"; minor page faults a block step: {faults(ch)} vs {base} without recompute")
+
+
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
     """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
     other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
@@ -109,6 +187,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--profile", action="store_true", help="time each op of a block forward and price from that")
+    ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = "cuda" if args.cuda else "cpu"
@@ -120,24 +199,31 @@ def main() -> None:
     block, bargs, bkw = _block_call(model, batch)
     trace = trace_block("llama", spec["hidden"], spec["heads"], full_spec["kv_heads"], full_spec["ffn"],
                         spec["vocab"], 1, args.seq, attn=args.attn)
-    # calibrate the trace's op rates by one measured block forward (what a profile would give the cost model)
-    with torch.no_grad():
-        block(*bargs, **bkw)
-        clock = time.perf_counter if args.cuda else time.process_time
-        t = clock()
-        for _ in range(3):
-            block(*bargs, **bkw)
-        fwd = (clock() - t) / 3
-    calib = fwd / trace.forward_s
-    one_rate = trace
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
-    flops_per_s, kind_bw = fit_kind_rates(trace, op_times)
-    trace = reprice(trace, flops_per_s, kind_bw)          # per op kind, as the recompute pass prices
-    if args.profile:   # each op at its own measured time instead
-        trace = retime(trace, op_times)
-    print("# per-kind rates fitted from one profiled block forward: matmul "
-          f"{flops_per_s / 1e9:.1f} GFLOP/s; " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in sorted(kind_bw.items())))
+    before = reprice(trace, *fit_kind_rates(trace, op_times))     # per kind, nothing else (the pricing before)
+    dev = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
+    if args.profile:   # each op at its own measured time (fresh outputs included), plus the checkpoint's cost
+        costs = spec_costs(dev) if dev else {}
+        trace = with_replay_costs(retime(trace, op_times), (), costs.get("ckpt_op_s", 0.0),
+                                  costs.get("ckpt_region_s", 0.0))
+    elif dev is not None:   # priced as the recompute pass prices with a profile taken here
+        bw = dev.hbm_bw * dev.mem_eff
+        trace = with_replay_costs(reprice(trace, dev.peak_flops * dev.train_eff,
+                                          {k: bw * eff for k, eff in dev.kind_eff}), **spec_costs(dev))
+    else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
+        trace = before
+    if dev is not None:
+        print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
+              "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)
+              + "; fresh outputs (ps/byte by MiB): "
+              + ", ".join(f"{int(n) >> 20}: {r * 1e12:.0f}" for n, r in dev.fresh_s_per_byte)
+              + f"; checkpoint: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us an op "
+              f"dispatched ({len(trace.nodes)} ops, {choice._cut(trace) + 1} replayed up to the last that saves)")
     sel = choice.selective(trace)
+    if args.replay and not args.cuda:
+        _replay_vs_forward(block, bargs, bkw, trace, op_times, {"full": choice.full(trace), "selective": sel})
+    if args.repeat < 1:
+        return
     runs = [("none", choice.choose(trace, "none")), ("full", choice.full(trace)), ("megatron-selective", sel)]
     for frac in (1.0, 0.5, 0.25):
         budget = frac * sel.saved_bytes
@@ -146,10 +232,10 @@ def main() -> None:
             runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
-          + (f"op times profiled (block forward {fwd * 1e3:.1f} ms, ops sum to {trace.forward_s * 1e3:.1f} ms)"
-             if args.profile else f"one-rate calibration x{calib:.2f} (one block forward {fwd * 1e3:.1f} ms)"))
+          + f"block forward: ops sum to {sum(op_times.values()) * 1e3:.1f} ms"
+          + (" (op times profiled)" if args.profile else ""))
     print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | "
-          "predicted per kind | predicted one rate |" + (" cuda peak |" if args.cuda else ""))
+          "predicted (profile prices) | predicted per kind, before |" + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
     for label, ch in runs:
@@ -164,10 +250,15 @@ def main() -> None:
     base = min(steps["none"])
     for label, ch in runs:
         step = min(steps[label])
+        measured = step - base
         predicted = ch.recompute_s * spec["layers"]
-        old = (choice.price(one_rate, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * calib * spec["layers"]
+        old = (choice.price(before, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
+
+        def err(x):
+            return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
+
         print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} | "
-              f"{(step - base) * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms | {old * 1e3:+.0f} ms |"
+              f"{measured * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
               + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
     apply_recompute(model, None)
 

@@ -132,3 +132,29 @@ def test_scaled_block_trace_equals_a_fresh_trace(arch, tmp_path, monkeypatch):
     T._scaled.cache_clear()
     T._trace_block.cache_clear()
     assert [astuple(T.trace_block(*dims, r, s, **rates)) for r, s in shapes] == before   # read from disk
+
+
+def test_profiled_replay_costs_reach_the_pass(tmp_path):
+    """A profile's recompute probes (fresh outputs, the checkpoint's costs) reach the recompute pass through its
+    ``profile`` option (``--profile`` on compile/explain): the decision's seconds are the traced ops' replay plus
+    exactly those measured costs, and they are what the pass's trace priced with that profile says."""
+    from rlhfc.cost.profile import Profile
+    from rlhfc.passes import recompute_choice as choice
+    from rlhfc.passes.recompute import RecomputePass, replay_spec, stage_trace
+
+    host = {"matmul_flops_1": 50e9, "copy_bw": 8e9, "kind_bw": {"softmax": 2e9},
+            "recompute": {"fresh_s_per_byte": [[1 << 20, 0.0]], "ckpt_region_s": 0.5, "ckpt_op_s": 0.01}}
+    path = Profile("cpu", "test", 1, host, {}, {}).save(str(tmp_path / "prof.json"))
+    got = {}
+    for prof in ("", path):
+        module = _module()
+        RecomputePass(policy="selective", profile=prof).run(module)
+        got[prof] = plan.recompute_decision(module.graph.stage("actor_train"))
+        trace = stage_trace(module, module.graph.stage("actor_train"), rates=replay_spec(module, prof))[0]
+        assert got[prof].seconds == pytest.approx(choice.selective(trace).recompute_s, rel=1e-3)
+    assert (trace.ckpt_op_s, trace.ckpt_region_s) == (0.01, 0.5)
+    cut = max(i for i, n in enumerate(trace.nodes) if n.saves)
+    assert got[path].seconds > 0.5 + 0.01 * (len(trace.nodes) + cut + 1) > got[""].seconds
+    assert replay_spec(_module(), "") is None
+    with pytest.raises(CompileError, match="recompute: "):
+        replay_spec(_module(), str(tmp_path / "missing.json"))

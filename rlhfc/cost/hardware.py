@@ -66,6 +66,12 @@ class DeviceSpec:
     #: memory-bound op kinds that run at another fraction of ``hbm_bw`` than a copy, ``((kind, fraction), ...)``
     #: (rlhfc.passes.recompute_trace.op_kind): what the recompute pass prices a recomputed op at
     kind_eff: tuple = field(default=())
+    #: what a recomputation pays beyond its ops' work (rlhfc.passes.recompute_prices): s/byte of a fresh output
+    #: by allocation size ``((bytes, s/byte), ...)``, and a checkpoint's cost per block and per aten call its
+    #: selective policy dispatches (cpu; a profile measures them)
+    fresh_s_per_byte: tuple = field(default=())
+    ckpt_region_s: float = 0.0
+    ckpt_op_s: float = 0.0
 
     @property
     def is_cpu(self) -> bool:
@@ -97,7 +103,10 @@ CATALOG: dict[str, DeviceSpec] = {
                       train_eff=0.5, infer_eff=0.5, mem_eff=1.0, net_eff=1.0, layer_overhead=2e-4,
                       step_overhead=1e-3, bytes_per_param=4, flash=False, source="uncalibrated",
                       # softmax's exponentials: ~0.3 of the copy bandwidth on a 2-core EPYC VM (a profile measures it)
-                      kind_eff=(("softmax", 0.3),)),
+                      kind_eff=(("softmax", 0.3),),
+                      # a recompute's extra costs, as `rlhfc profile` measures them there: outputs of 32 MiB and
+                      # more (glibc's largest mmap threshold) fault every page afresh; the checkpoint's dispatch
+                      fresh_s_per_byte=((2 ** 25, 3e-10),), ckpt_region_s=1e-3, ckpt_op_s=3e-5),
 }
 
 
@@ -118,7 +127,11 @@ def device_spec(kind: str, profile=None) -> DeviceSpec:
         flops = host.get("matmul_flops_1") or spec.peak_flops
         bw = float(host.get("copy_bw") or spec.hbm_bw)
         kinds = host.get("kind_bw") or {}
+        rc = host.get("recompute") or {}
         return replace(spec, peak_flops=float(flops), hbm_bw=bw, train_eff=1.0, infer_eff=1.0, mem_eff=1.0,
+                       fresh_s_per_byte=tuple(tuple(map(float, p)) for p in rc.get("fresh_s_per_byte", ()))
+                       or spec.fresh_s_per_byte, ckpt_region_s=float(rc.get("ckpt_region_s", spec.ckpt_region_s)),
+                       ckpt_op_s=float(rc.get("ckpt_op_s", spec.ckpt_op_s)),
                        kind_eff=tuple(sorted((k, float(v) / bw) for k, v in kinds.items())) or spec.kind_eff,
                        thread_speedup=tuple(float(x) for x in host.get("thread_speedup", (1.0,))),
                        source=f"profile {profile.path or ''}".strip())

@@ -27,7 +27,10 @@ different times. The host section holds a float32 matmul probe at
 1..threads threads (the CPU's FLOP/s and thread scaling), a memory-copy
 bandwidth, which price models the profile did not measure, and ``kind_bw``:
 the bytes/s of a softmax, an elementwise op and a copy on a tensor the size
-of a block's attention scores (what the recompute pass prices op kinds at).
+of a block's attention scores (what the recompute pass prices op kinds at),
+and ``recompute``: what a replay pays beyond its ops (seconds per byte of a
+fresh output by size, a checkpoint's cost per block and per dispatched op;
+rlhfc.passes.recompute_prices).
 
 A model shape the profile did not measure borrows the fits of the nearest measured shape of the same
 architecture and head (:meth:`Profile.fit`, :func:`transfer_fit`): each fitted term is split into what

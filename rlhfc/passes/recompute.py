@@ -24,7 +24,9 @@ Exact: recomputation replays the same ops on the same inputs; gradients are unch
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -44,6 +46,8 @@ class RecomputePass(Pass):
     exact = True
     policy: str = field(default="auto", metadata={"doc": "auto, none, full, selective or budget"})
     budget: int = field(default=0, metadata={"doc": "bytes per device for kept activations (policy budget)"})
+    profile: str = field(default="", metadata={
+        "doc": "measured profile whose rates price a recompute (a path, as explain's --profile; empty: catalog)"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -55,6 +59,7 @@ class RecomputePass(Pass):
     def run(self, module: Module) -> Module:
         from rlhfc.cost import fits
 
+        rates = replay_spec(module, self.profile)
         trains = []
         for s in [s for s in module.graph.stages if s.op == "train" and s.target in module.models]:
             why = traceable(module.models[s.target])
@@ -67,7 +72,7 @@ class RecomputePass(Pass):
         # on a device share it, so budgets tighten (1/2, 1/4, ...) until the plan fits or nothing is left
         for squeeze in ((1, 2, 4, 8, 16) if self.policy == "auto" else (1,)):
             for stage in trains:
-                decision = decide(module, stage, self.policy, self.budget or None, squeeze=squeeze)
+                decision = decide(module, stage, self.policy, self.budget or None, squeeze=squeeze, rates=rates)
                 if decision is not None:
                     plan.set_recompute(stage, decision)
             if self.policy != "auto" or fits(module):
@@ -84,11 +89,36 @@ def traceable(model) -> str | None:
     return None
 
 
-def stage_trace(module: Module, stage, cm=None):
-    """(trace of the stage's block at its micro-batch shape, cost model, the stage's price inputs)."""
+def replay_spec(module: Module, profile: str):
+    """The device spec a recompute is priced with: the profile's (``rlhfc profile``: kind rates, fresh-output
+    and checkpoint costs) when one is given for the cluster's device kind, else None (the cost model's)."""
+    if not profile:
+        return None
+    from rlhfc.cost import ProfileError
+    from rlhfc.cost.hardware import device_spec
+    from rlhfc.ir import error
+
+    try:
+        prof = _load_profile(profile, os.path.getmtime(profile) if os.path.exists(profile) else 0.0)
+    except ProfileError as exc:
+        raise error(f"recompute: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
+    return device_spec(module.cluster.device, prof) if prof.device_kind == module.cluster.device else None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_profile(path: str, mtime: float):   # the search runs this pass on every candidate: read the file once
+    from rlhfc.cost import load_profile
+
+    return load_profile(path)
+
+
+def stage_trace(module: Module, stage, cm=None, rates=None):
+    """(trace of the stage's block at its micro-batch shape, cost model, the stage's price inputs);
+    ``rates``: the device spec to price ops at (:func:`replay_spec`; None: the cost model's)."""
     from rlhfc.cost import CostModel
     from rlhfc.cost.model import hw_numbers
 
+    from .recompute_prices import spec_costs, with_replay_costs
     from .recompute_trace import trace_block
 
     cm = cm or CostModel(module)
@@ -98,13 +128,15 @@ def stage_trace(module: Module, stage, cm=None):
     work, lay = inp.work, inp.lay
     rows = max(1, math.ceil(work["rows"] / work["minibatches"] / (float(lay["dp"][0]) * float(lay["mb"][0]))))
     seq = max(2, math.ceil(work["seq"]))
-    hw = hw_numbers(cm.spec)
+    spec = rates or cm.spec
+    hw = hw_numbers(spec)
     scale = float(lay["f_scale"][0])
     bw = hw["BW"] * min(scale, 4.0)
     trace = trace_block(model.arch, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab, rows, seq,
                         dtype="float32" if cm.spec.is_cpu else "bfloat16", flops_per_s=hw["F_train"] * scale,
-                        bytes_per_s=bw, kind_bw=tuple((k, bw * eff) for k, eff in cm.spec.kind_eff))
-    return trace, cm, inp
+                        bytes_per_s=bw, kind_bw=tuple((k, bw * eff) for k, eff in spec.kind_eff))
+    # what the replay pays beyond the ops' work (fresh outputs, the checkpoint itself): measured by a profile
+    return with_replay_costs(trace, **spec_costs(spec)), cm, inp
 
 
 def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> float:
@@ -141,16 +173,17 @@ def _within(trace, budget: float):
     return _WITHIN[key][1]
 
 
-def decide(module: Module, stage, policy: str, budget: float | None = None, squeeze: int = 1) -> Recompute | None:
+def decide(module: Module, stage, policy: str, budget: float | None = None, squeeze: int = 1,
+           rates=None) -> Recompute | None:
     """The decision for one train stage (None: leave the stage as it is); ``squeeze``: auto's budget is
-    1/squeeze of what the stage's devices have left."""
+    1/squeeze of what the stage's devices have left; ``rates``: :func:`replay_spec`."""
     from . import recompute_choice as choice
 
     model = module.models[stage.target]
     if traceable(model) is not None:
         return None
     try:
-        trace, cm, inp = stage_trace(module, stage)
+        trace, cm, inp = stage_trace(module, stage, rates=rates)
     except Exception as exc:   # a block torch.fx cannot trace: say where, keep the coarse policy
         warnings.warn(f"{stage.loc or stage.name}: warning: tracing the block of '{model.name}' failed "
                       f"({type(exc).__name__}: {exc}); recompute keeps placement's coarse choice "

@@ -8,7 +8,10 @@ checkpoint's early stop). So, per block and micro-batch, with the ops ``o_1 .. o
 
 - memory kept for backward: ``sum(bytes(o) for o in S)`` (plain autograd, policy ``none``: what autograd
   saves, ``autograd_bytes``);
-- time added: ``sum(seconds(o_i) for i <= c if o_i not in S)``.
+- time added: ``sum(seconds(o_i) for i <= c if o_i not in S)`` plus the checkpoint's own cost (measured:
+  :mod:`rlhfc.passes.recompute_prices`): ``ckpt_region_s`` for any checkpointed block, and for a selective one
+  (S not empty) ``ckpt_op_s`` per aten call its policy sees (the ``n`` of the forward and the ``c + 1`` of the
+  replay) — a cost ``full`` does not pay, so keeping a few small outputs can cost more than keeping none.
 
 Policies:
 
@@ -56,8 +59,9 @@ def price(trace: BlockTrace, save: set[str] | None) -> Choice:
     cut = _cut(trace)
     kept = tuple(n.key for n in trace.nodes if n.key in save)
     rerun = [n for i, n in enumerate(trace.nodes) if i <= cut and n.key not in save]
+    fixed = trace.ckpt_region_s + (trace.ckpt_op_s * (len(trace.nodes) + cut + 1) if kept else 0.0)
     return Choice("ops" if kept else "full", kept, sum(n.bytes for n in trace.nodes if n.key in save),
-                  sum(n.seconds for n in rerun), tuple(n.key for n in rerun if n.bytes))
+                  sum(n.seconds for n in rerun) + fixed, tuple(n.key for n in rerun if n.bytes))
 
 
 def full(trace: BlockTrace) -> Choice:

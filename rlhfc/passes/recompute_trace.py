@@ -60,7 +60,9 @@ class OpNode:
 @dataclass(frozen=True)
 class BlockTrace:
     """The traced block: its ops in forward order, and ``autograd_bytes`` (what plain autograd keeps, block
-    inputs and weights excluded), ``input_bytes`` (the hidden-state input, kept under every policy)."""
+    inputs and weights excluded), ``input_bytes`` (the hidden-state input, kept under every policy);
+    ``ckpt_region_s`` / ``ckpt_op_s``: what a checkpointed block pays beyond its replayed ops, per block and
+    per aten call a selective checkpoint dispatches (:mod:`rlhfc.passes.recompute_prices`; 0 unless priced)."""
 
     arch: str
     rows: int
@@ -70,6 +72,8 @@ class BlockTrace:
     input_bytes: int
     forward_s: float
     notes: tuple[str, ...] = field(default=())
+    ckpt_region_s: float = 0.0
+    ckpt_op_s: float = 0.0
 
 
 def _hf_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, attn: str):

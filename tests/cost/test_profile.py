@@ -100,6 +100,9 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
     assert all(len(lm["fit"][k]) in (3, 5) for k in ("generate", "forward", "train"))
     assert "compute.gae" in prof.compute and "compute.rule" in prof.compute
     assert prof.host["matmul_flops_1"] > 1e8 and prof.host["thread_speedup"][0] == 1.0
+    rc = prof.host["recompute"]              # what a recompute pays beyond its ops: measured, not assumed
+    assert [int(n) for n, _ in rc["fresh_s_per_byte"]] == [2 ** 25]
+    assert rc["ckpt_op_s"] > 0 and rc["ckpt_region_s"] >= 0 and all(r >= 0 for _, r in rc["fresh_s_per_byte"])
     code = main(["explain", str(src), "-O1", "--profile", str(out), "--format", "json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err

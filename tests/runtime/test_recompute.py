@@ -174,3 +174,44 @@ def test_recompute_is_priced_per_op_kind():
     # a profile's host probe gives the pass each kind's fraction of the copy bandwidth
     spec = device_spec("cpu", Profile("cpu", "test", 1, {"copy_bw": 10e9, "kind_bw": {"softmax": 2.5e9}}, {}, {}))
     assert dict(spec.kind_eff) == {"softmax": 0.25}
+
+
+def test_recompute_choice_follows_replay_costs():
+    """What a replay pays beyond its ops changes what the knapsack keeps: a fresh-output cost on the largest
+    allocations (the s x s scores) makes keeping those ops worth their bytes; a per-op dispatch cost of the
+    selective checkpoint can make ``full`` (which pays none) the cheaper plan at a budget; and every price is
+    the sum the choice reports (synthetic rates on a tiny gpt2 block)."""
+    from rlhfc.passes.recompute_prices import fresh_seconds, with_replay_costs
+
+    curve = ((1 << 20, 0.0), (2 << 20, 1e-9), (8 << 20, 5e-9))
+    assert fresh_seconds(3 << 20, curve) == pytest.approx(3 * 2 ** 20 * 1e-9)
+    assert fresh_seconds(1 << 19, ((1 << 20, 1e-9),)) == 0.0 == fresh_seconds(1 << 30, ())
+    trace = _trace("gpt2")                                   # eager attention: the scores are the largest outputs
+    largest = max(n.bytes for n in trace.nodes)
+    budget = 0.5 * choice.selective(trace).saved_bytes
+    plain = choice.within(trace, budget)
+    costly = with_replay_costs(trace, fresh=((largest, 1e-6),))
+    fresh = choice.within(costly, budget)
+    big = {n.key for n in trace.nodes if n.bytes == largest}
+    assert fresh.saved_bytes <= budget and set(fresh.save) != set(plain.save)
+    assert len(big & set(fresh.save)) > len(big & set(plain.save))
+    assert fresh.recompute_s < choice.price(costly, set(plain.save)).recompute_s
+    # the checkpoint's own cost: a block priced + region, a selective one + per dispatched op as well
+    cut = max(i for i, n in enumerate(trace.nodes) if n.saves)
+    fixed = with_replay_costs(trace, ckpt_op_s=1e-3, ckpt_region_s=2e-3)
+    assert choice.full(fixed).recompute_s == pytest.approx(choice.full(trace).recompute_s + 2e-3)
+    assert choice.price(fixed, set(plain.save)).recompute_s == pytest.approx(
+        choice.price(trace, set(plain.save)).recompute_s + 2e-3 + 1e-3 * (len(trace.nodes) + cut + 1))
+    assert plain.policy == "ops" and choice.within(fixed, budget).policy == "full"
+
+
+def test_checkpoint_costs_are_measured():
+    """The profile's checkpoint probe (the runtime's own selective and full checkpoints on a tiny block) and
+    its fresh-output probe give non-negative seconds, per aten call a selective policy dispatches and per byte."""
+    from rlhfc.calibrate import measure_checkpoint, measure_fresh_bytes
+
+    costs = measure_checkpoint(reps=2)
+    assert set(costs) == {"ckpt_op_s", "ckpt_region_s"}
+    assert 0 < costs["ckpt_op_s"] < 1e-3 and 0 <= costs["ckpt_region_s"] < 0.1
+    (size, per_byte), = measure_fresh_bytes((1 << 20,), reps=2)
+    assert size == 1 << 20 and 0 <= per_byte < 1e-8

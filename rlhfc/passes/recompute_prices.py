@@ -1,0 +1,67 @@
+"""What recomputing a block really costs beyond its ops' arithmetic: fresh outputs and the checkpoint itself.
+
+Measured on a CPU (``docs/benchmarks.md``, "Recompute selection"), an op replayed inside a checkpointed
+backward costs what the same op costs in a forward (within 3 %, per kind); what a per-kind price of a
+block's forward misses is:
+
+- **fresh outputs**: an op whose output is a large new allocation (glibc maps blocks of 32 MiB and more from
+  the OS afresh each time; their pages fault on first touch, about a microsecond per 4 KiB page) pays for it
+  every time it runs — a recomputed s x s attention op pays it again in backward. The profile measures the
+  cost per byte at 32 and 64 MiB (:func:`rlhfc.calibrate.measure_fresh_bytes`); an op pays ``bytes x`` the
+  rate of the largest measured size not above its allocation (nothing below 32 MiB: the heap reuses those);
+- **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
+  checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
+  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.measure_checkpoint`).
+
+:func:`with_replay_costs` puts both on a trace (op seconds and the trace's fixed costs, which
+:func:`rlhfc.passes.recompute_choice.price` adds per policy). A per-kind rate fitted from a whole block forward
+smears the fresh-output cost of its few large ops over every op of the kind (the s x s ops look 3x slower
+per byte than the small ones, the scores' matmul 4x slower per FLOP than the others); priced apart, each
+kind's rate is the probe's (:func:`rlhfc.calibrate.measure_kinds`, into a reused buffer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .recompute_trace import BlockTrace
+
+
+def fresh_seconds(nbytes: float, curve) -> float:
+    """Seconds a fresh allocation of ``nbytes`` costs: ``nbytes x`` the s/byte of the largest measured size
+    not above it (``curve``: ``((bytes, s/byte), ...)``; 0 below the smallest or without a curve)."""
+    rate = 0.0
+    for size, per_byte in sorted(curve):
+        if size > nbytes:
+            break
+        rate = per_byte
+    return nbytes * rate
+
+
+#: priced traces by (the traced block, its costs): the traced block is itself cached, so a placement search
+#: asking again for the same stage gets the same priced trace (and the knapsack's memo, keyed by it, hits)
+_PRICED: dict[tuple, tuple] = {}
+
+
+def with_replay_costs(trace: BlockTrace, fresh=(), ckpt_op_s: float = 0.0, ckpt_region_s: float = 0.0) -> BlockTrace:
+    """``trace`` with each allocating op's fresh-output cost added to its seconds, and the checkpoint's
+    fixed costs recorded (see the module docstring); the same object for the same inputs."""
+    key = (id(trace), tuple(map(tuple, fresh)), float(ckpt_op_s), float(ckpt_region_s))
+    if key not in _PRICED:
+        if len(_PRICED) > 1024:
+            _PRICED.clear()
+        _PRICED[key] = (trace, _priced(trace, fresh, ckpt_op_s, ckpt_region_s))   # the input kept: its id stays its own
+    return _PRICED[key][1]
+
+
+def _priced(trace: BlockTrace, fresh, ckpt_op_s: float, ckpt_region_s: float) -> BlockTrace:
+    nodes = tuple(replace(n, seconds=n.seconds + fresh_seconds(n.bytes, fresh)) if n.bytes else n
+                  for n in trace.nodes)
+    return replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes), ckpt_op_s=float(ckpt_op_s),
+                   ckpt_region_s=float(ckpt_region_s))
+
+
+def spec_costs(spec) -> dict:
+    """The replay costs a :class:`rlhfc.cost.hardware.DeviceSpec` carries, as :func:`with_replay_costs`
+    keywords."""
+    return {"fresh": tuple(spec.fresh_s_per_byte), "ckpt_op_s": spec.ckpt_op_s, "ckpt_region_s": spec.ckpt_region_s}
