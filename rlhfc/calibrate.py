@@ -133,13 +133,24 @@ def _grid(max_seq: int, quick: bool):
     return batches, seqs, gen_p, gen_t
 
 
+def thread_counts(threads: int, quick: bool = False) -> list[int]:
+    """The other torch thread counts a model is measured at besides its workers' ``threads``: 1 (what a
+    stage gets whenever it shares its cores: parallel forwards, streamed consumers beside generation) and,
+    unless ``quick``, the powers of two in between."""
+    if threads <= 1:
+        return []
+    return [1] if quick else [t for t in (1, 2, 4, 8, 16, 32, 64) if t < threads]
+
+
 def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,
-                  log=None) -> dict:
+                  log=None, extra_threads: tuple = ()) -> dict:
     """Time the primitives of one model shape through the runtime's own worker (the calls a job makes:
     ``ModelWorker.generate/logprobs/values/score/train``), see the module docstring.
 
     Generation runs with the model's own EOS; the fit uses the decode steps it actually took (random-weight
-    models rarely stop early). Returns a profile entry with raw points and fits.
+    models rarely stop early). Returns a profile entry with raw points and fits. ``extra_threads``: other
+    thread counts to time every point at as well, right after the main count's timing (the same spell of
+    machine load: their ratios are the model's own thread speed-up); they go to ``at_threads``.
     """
     import torch
 
@@ -154,7 +165,16 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
         head = worker.model.spec["head"]
         vocab = int(worker.model.spec["vocab"])
         batches, seqs, gen_p, gen_t = _grid(int(worker.model.spec.get("max_seq") or 512), quick)
-        points: dict = {"generate": [], "forward": [], "train": [], "optimizer": []}
+        points: dict = {"generate": [], "forward": [], "train": [], "train_mb2": [], "optimizer": []}
+        at = {t: {"generate": [], "forward": [], "train": []} for t in extra_threads if t != threads}
+
+        def timed(prim: str, key: list, fn, extra=None) -> None:
+            """The point ``key + [seconds]`` at the main count, then at each extra count (back to back)."""
+            for t, dest in [(threads, points)] + list(at.items()):
+                torch.set_num_threads(max(1, t))
+                sec = _timeit(fn, reps)
+                dest.setdefault(prim, []).append(key + (extra() if extra else []) + [sec])
+            torch.set_num_threads(max(1, threads))
 
         def rollout(B, S):
             P = max(1, S // 3)
@@ -176,8 +196,12 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                             sync()
                             steps.append(int(out.batch.response_lengths.max()))
 
-                        sec = _timeit(run, reps)
-                        points["generate"].append([B, P, float(statistics.median(steps)), sec])
+                        def taken(steps=steps):
+                            med = float(statistics.median(steps))
+                            steps.clear()
+                            return [med]
+
+                        timed("generate", [B, P], run, taken)
             if log:
                 log(f"  generate: {len(points['generate'])} points")
         call = {"lm": lambda r: worker.logprobs(r, temperature=1.0), "value": worker.values,
@@ -190,7 +214,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                     call(r)
                     sync()
 
-                points["forward"].append([B, S, _timeit(run_fwd, reps)])
+                timed("forward", [B, S], run_fwd)
         if log:
             log(f"  forward: {len(points['forward'])} points")
         if head in ("lm", "value"):
@@ -201,11 +225,13 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                     loss = (PolicyLossInput(r, zeros - 4.0, zeros + 0.1, None, 0.2, 0.0, 0.0, "k3", 1.0)
                             if head == "lm" else ValueLossInput(r, zeros, zeros + 0.5, 0.2))
 
-                    def run_train(loss=loss):
-                        worker.train(loss, lr=1e-6, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
+                    def run_train(loss=loss, mb=1):
+                        worker.train(loss, lr=1e-6, epochs=1, minibatches=mb, max_grad_norm=1.0, weight_decay=0.0)
                         sync()
 
-                    points["train"].append([B, S, _timeit(run_train, reps)])
+                    timed("train", [B, S], run_train)
+                    if S == seqs[len(seqs) // 2]:   # the same rows in two minibatches, right after: what a call
+                        timed("train_mb2", [B, S], lambda: run_train(mb=2))   # pays once (refit: train_call)
             model, opt = worker.model, worker.optimizer
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:
@@ -220,9 +246,12 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             opt.zero_grad(set_to_none=True)
             if log:
                 log(f"  train: {len(points['train'])} points")
-        return refit({"spec": {k: worker.model.spec[k] for k in ("arch", "layers", "hidden", "heads", "kv_heads",
-                                                                  "ffn", "vocab", "max_seq", "head")},
-                      "threads": threads, "points": points})
+        entry = refit({"spec": {k: worker.model.spec[k] for k in ("arch", "layers", "hidden", "heads", "kv_heads",
+                                                                   "ffn", "vocab", "max_seq", "head")},
+                       "threads": threads, "points": points})
+        if at:
+            entry["at_threads"] = {str(t): {"points": pts} for t, pts in sorted(at.items())}
+        return entry
     finally:
         torch.set_num_threads(old)
 
@@ -330,8 +359,9 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
                 "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
         log(f"model @{m.name} ({key})")
-        prof.models[key] = measure_model(spec, min(threads, worker_threads.get(m.name, threads)), device=device,
-                                         quick=quick, log=log, reps=reps)
+        count = min(threads, worker_threads.get(m.name, threads))
+        prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log, reps=reps,
+                                         extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else ())
     ops = sorted({s.op for s in module.graph.stages if s.op.startswith("compute.")})
     if ops:
         prof.compute = measure_compute(ops, threads, reps=reps)

@@ -392,7 +392,8 @@ class CostModel:
         key = model_key(model)
         prof_threads = self.profile.model_threads(key) if self.profile is not None else None
         lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads,
-                            [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None)
+                            [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None,
+                            self.thread_speedup(stage))
         opt_fit = None
         if family == "generate":
             micro = {l.microbatches for l in layouts}
@@ -407,6 +408,7 @@ class CostModel:
                 work.update(epochs=float(stage.attrs.get("epochs", 1)),
                             minibatches=float(max(1, min(stage.attrs.get("minibatches", 1), work["rows"]))))
                 opt_fit = self._fit(model, "optimizer")
+                work["call_s"] = float(self._fit(model, "train_call") or 0.0)
                 traced = plan.recompute_decision(stage)
                 if traced is not None and traced.kept is not None:
                     work.update(rc_kept=float(traced.kept), rc_autograd=float(traced.autograd or 0),
@@ -416,6 +418,13 @@ class CostModel:
         grid = self._fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
                            [l.recompute for l in layouts], grid)
+
+    def thread_speedup(self, stage: Stage) -> tuple | None:
+        """The stage's model's own measured thread speed-up for its primitive on a CPU cluster (None: the
+        host's matmul probe prices thread counts)."""
+        if self.profile is None or not self.spec.is_cpu or stage.target not in self.module.models:
+            return None
+        return self.profile.thread_speedup(model_key(self.module.models[stage.target]), stage.op.split(".")[0])
 
     def _model_cost(self, stage: Stage, model, layout: Layout, rows: float | None) -> StageCost:
         inp = self.price_inputs(stage, [layout], rows)

@@ -9,12 +9,14 @@ rules they follow.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Stage, plan
 from rlhfc.ir.schedule import stage_threads
 
+from .hardware import table_speedup
 from .model import CostModel, StageCost
 
 DRIVER = -1
@@ -171,14 +173,16 @@ class _Job:
     why: str = ""
     spans: list = field(default_factory=list)
     unit_start: float = 0.0
+    speedup: tuple | None = None    # the model's own measured thread speed-up (None: the host's probe)
 
 
-def _speed(spec, x: float) -> float:
-    """Throughput of ``x`` cores' worth of CPU time relative to one core (fractions: time-sliced)."""
+def _speed(speedup, x: float) -> float:
+    """Throughput of ``x`` cores' worth of CPU time relative to one core (fractions: time-sliced);
+    ``speedup(n)``: n threads' throughput relative to one."""
     if x <= 1.0:
         return max(x, 1e-9)
     lo = int(math.floor(x))
-    a, b = spec.speedup(lo), spec.speedup(lo + 1)
+    a, b = speedup(lo), speedup(lo + 1)
     return a + (b - a) * (x - lo)
 
 
@@ -213,7 +217,10 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     share of the cores (:func:`_fair_shares`). A call priced at ``T`` seconds on its whole mesh (the cost
     model: one thread per core) runs on ``a`` cores' worth of CPU in
     ``T * (sigma / min(a, 1) + (1 - sigma) * s(cores) / s(a))``: the serial part (per-call and per-layer
-    overhead, fraction ``sigma``) needs one core, the rest scales with the measured thread speed-up ``s``.
+    overhead, fraction ``sigma``) needs one core, the rest scales with the host's measured thread speed-up
+    ``s``. When the profile timed the stage's model at fewer threads too, its own measured speed-up
+    replaces that estimate (``T * s_m(cores) / s_m(a)``, serial part included: small models' kernels gain
+    far less from a second thread than the host's matmul probe, or lose).
     A call runs with the torch threads the runtime gives it (:func:`rlhfc.ir.schedule.stage_threads`: its
     mesh's cores, divided among the workers that may share them at the same time)."""
     cm = ctx.cm
@@ -295,9 +302,14 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
                 rate[id(j)] = 1.0
                 continue
             a = max(alloc[id(j)], 1e-9)
-            sigma = j.units[j.unit][1]
             count = len(j.cores)
-            rate[id(j)] = 1.0 / (sigma / min(a, 1.0) + (1.0 - sigma) * _speed(spec, count) / _speed(spec, a))
+            if j.speedup:   # measured on the model's whole calls: its serial part is inside the table
+                sp = functools.partial(table_speedup, j.speedup)
+                rate[id(j)] = _speed(sp, a) / _speed(sp, count)
+                continue
+            sigma = j.units[j.unit][1]
+            rate[id(j)] = 1.0 / (sigma / min(a, 1.0) + (1.0 - sigma) * _speed(spec.speedup, count) /
+                                 _speed(spec.speedup, a))
         dt = min(j.rem / rate[id(j)] for j in running)
         for j in jobs:   # a held chunk waiting for its generate to get far enough
             if j.state == "held":
@@ -387,4 +399,6 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
             units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac)])
     job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [])
     job.total_s = sum(u[0] for u in units)
+    if cores and mem is not None:
+        job.speedup = cm.thread_speedup(s)
     return job
