@@ -1,0 +1,98 @@
+"""What `rlhfc profile` measures beside the grid for predictions inside real jobs: each model's own thread
+speed-up (timed on 1 thread back to back with its workers' count) and the part of a train call paid once
+per call rather than once per minibatch."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfc.cost import CostConfig, CostModel, Profile, simulate
+from rlhfc.cost.profile import merge_profiles, model_key, refit, train_call
+
+from .helpers import example
+
+
+def _points(scale: float, gen: float = 1.0) -> dict:
+    """A 2 x 2 grid of forward/train points and 2 generate points, every time times ``scale``."""
+    return {"forward": [[b, s, scale * (1e-3 + 2e-6 * b * s)] for b in (4, 16) for s in (16, 40)],
+            "train": [[b, s, scale * (8e-3 + 6e-6 * b * s)] for b in (2, 8) for s in (16, 40)],
+            "generate": [[b, 6, 8.0, gen * scale * (1e-2 + 1e-4 * b)] for b in (4, 16)]}
+
+
+def _profile(two: dict, one: dict | None, host_speedup=(1.0, 1.7)) -> Profile:
+    m = example("ppo_tiny")
+    models = {}
+    for name in ("actor", "critic", "reward"):
+        entry = refit({"spec": {}, "threads": 2, "points": dict(two)})
+        if one is not None:
+            entry["at_threads"] = {"1": {"points": dict(one)}}
+        models[model_key(m.models[name])] = entry
+    return Profile("cpu", "test", 2, host={"matmul_flops_1": 1e11, "thread_speedup": list(host_speedup)},
+                   models=models)
+
+
+def test_thread_speedup_is_the_models_own_measured_ratio():
+    """T(1) / T(2) per primitive, the median over the points timed at both counts; none without 1-thread
+    points (the host's probe stands in); a merge keeps the fastest of each count's points."""
+    one = _points(0.9, gen=1.2)     # one thread: forwards and train 10 % faster, generation 20 % slower
+    prof = _profile(_points(1.0), one)
+    key = model_key(example("ppo_tiny").models["actor"])
+    assert prof.thread_speedup(key, "forward") == pytest.approx((1.0, 0.9))
+    assert prof.thread_speedup(key, "train") == pytest.approx((1.0, 0.9))
+    assert prof.thread_speedup(key, "generate") == pytest.approx((1.0, 1.08))
+    assert _profile(_points(1.0), None).thread_speedup(key, "forward") is None
+    slower = _profile(_points(1.0), _points(1.5))
+    merged = merge_profiles(slower, prof)
+    assert merged.thread_speedup(key, "forward") == pytest.approx((1.0, 0.9))
+    # an unmeasured width borrows the measured shape's table
+    wide = key.replace("-h64-", "-h96-")
+    assert prof.thread_speedup(wide, "train") == pytest.approx((1.0, 0.9))
+
+
+def test_a_one_thread_stage_is_priced_with_the_models_speedup():
+    """At -O2 the forwards run on 1 thread each beside one another; with the model's own table a stage's
+    busy time is its 2-thread price x s(2) / s(1), not the host probe's x 1.7."""
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    m = PassManager(parse_pipeline("dce,parallelize")).run(example("ppo_tiny"))
+    host_only = simulate(m, CostConfig(profile=_profile(_points(1.0), None), dispatch_s=0.0), steps=2)
+    own = simulate(m, CostConfig(profile=_profile(_points(1.0), _points(0.9)), dispatch_s=0.0), steps=2)
+    # the four forwards share the two cores (half a core each) in both: their busy times differ by the
+    # thread term only
+    slowdown = {}
+    for name, r in (("host", host_only), ("own", own)):
+        task = next(t for t in r.step_tasks() if t.stage == "values")
+        slowdown[name] = task.busy / r.costs["values"].time_s
+    cost = host_only.costs["values"]
+    sigma = cost.parts["overhead"] / cost.time_s
+    assert slowdown["own"] == pytest.approx(2 * 0.9, rel=1e-6)
+    assert slowdown["host"] == pytest.approx(2 * (sigma + (1 - sigma) * 1.7), rel=1e-6)
+    assert own.costs["values"].time_s == pytest.approx(cost.time_s, rel=1e-9)   # priced on its 2 cores alike
+
+
+def test_train_call_is_the_intercept_less_what_a_minibatch_repeats():
+    """T(2 minibatches) - T(1) of the same rows is what a minibatch repeats; the rest of the intercept is paid
+    once per call, and a train stage of M minibatches is priced with it once."""
+    a, per_mb, opt = 8e-3, 3e-3, 1e-3
+    pts = _points(1.0)
+    pts["train_mb2"] = [[b, 40, 8e-3 + 6e-6 * b * 40 + per_mb] for b in (2, 8)]
+    pts["optimizer"] = [opt]
+    fits = refit({"spec": {}, "threads": 1, "points": pts})["fit"]
+    assert fits["train"][0] == pytest.approx(a, rel=1e-6)
+    assert fits["train_call"] == pytest.approx(a - per_mb, rel=1e-6)
+    assert train_call({"train": pts["train"]}, fits) is None
+    # never more than the intercept less the optimizer step
+    assert train_call({**pts, "train_mb2": [[2, 40, 0.0]]}, fits) == pytest.approx(a - opt, rel=1e-6)
+
+    m = example("ppo_tiny")
+    key = model_key(m.models["actor"])
+    prof = Profile("cpu", "test", 1, host={"matmul_flops_1": 1e11, "thread_speedup": [1.0]},
+                   models={key: refit({"spec": {}, "threads": 1, "points": pts})})
+    stage = m.graph.stage("actor_train")
+
+    def price(minibatches):
+        stage.attrs["minibatches"] = minibatches
+        return CostModel(m, CostConfig(profile=prof, dispatch_s=0.0)).stage_cost(stage).time_s
+
+    # one more minibatch of the same rows adds the repeated part only (the grid's ratio is 1 here)
+    assert price(2) - price(1) == pytest.approx(per_mb, rel=1e-3)
