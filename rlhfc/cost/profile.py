@@ -128,6 +128,27 @@ class Profile:
                  and self.models[k].get("fit")]
         return min(cands)[2] if cands else None
 
+    def thread_counts(self, key: str) -> list[int]:
+        """The torch thread counts ``key`` (or its donor) was timed at: its fits' and ``at_threads``'."""
+        entry = self.models.get(key) or self.models.get(self.donor(key) or "") or {}
+        return sorted({self.model_threads(key)} | {int(t) for t in entry.get("at_threads") or {}})
+
+    def fit_at(self, key: str, primitive: str, threads: int):
+        """:meth:`fit` of the points timed at ``threads`` threads (None where none were); an unmeasured shape
+        transfers its donor's, at that count's matmul rate."""
+        if threads == self.model_threads(key):
+            return self.fit(key, primitive)
+        donor = None if key in self.models else self.donor(key)
+        sub = ((self.models.get(donor or key) or {}).get("at_threads") or {}).get(str(threads))
+        if sub is None:
+            return None
+        if "fit" not in sub:
+            sub["fit"] = refit({"points": sub.get("points", {})})["fit"]
+        fit = sub["fit"].get(primitive)
+        if fit is None or donor is None:
+            return clamp_grid(fit) if primitive.endswith("_grid") and fit else fit
+        return None if primitive.endswith("_grid") else transfer_fit(primitive, fit, donor, key, self.host, threads)
+
     def thread_speedup(self, key: str, primitive: str) -> tuple | None:
         """The model's own measured speed-up of ``primitive`` at 1..n threads over one thread (n: the count
         its fits were measured at), from the points timed at other counts (``at_threads``, back to back with

@@ -18,6 +18,7 @@ from rlhfc.ir.schedule import stage_threads
 
 from .hardware import table_speedup
 from .model import CostModel, StageCost
+from .threads import stage_speedup
 
 DRIVER = -1
 
@@ -173,7 +174,6 @@ class _Job:
     why: str = ""
     spans: list = field(default_factory=list)
     unit_start: float = 0.0
-    speedup: tuple | None = None    # the model's own measured thread speed-up (None: the host's probe)
 
 
 def _speed(speedup, x: float) -> float:
@@ -218,9 +218,9 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     model: one thread per core) runs on ``a`` cores' worth of CPU in
     ``T * (sigma / min(a, 1) + (1 - sigma) * s(cores) / s(a))``: the serial part (per-call and per-layer
     overhead, fraction ``sigma``) needs one core, the rest scales with the host's measured thread speed-up
-    ``s``. When the profile timed the stage's model at fewer threads too, its own measured speed-up
-    replaces that estimate (``T * s_m(cores) / s_m(a)``, serial part included: small models' kernels gain
-    far less from a second thread than the host's matmul probe, or lose).
+    ``s``. When the profile timed the stage's model at fewer threads too, the stage's own speed-up
+    (:func:`rlhfc.cost.threads.stage_speedup`, serial part included) replaces that estimate:
+    ``T * s_m(cores) / s_m(a)``.
     A call runs with the torch threads the runtime gives it (:func:`rlhfc.ir.schedule.stage_threads`: its
     mesh's cores, divided among the workers that may share them at the same time)."""
     cm = ctx.cm
@@ -303,8 +303,9 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
                 continue
             a = max(alloc[id(j)], 1e-9)
             count = len(j.cores)
-            if j.speedup:   # measured on the model's whole calls: its serial part is inside the table
-                sp = functools.partial(table_speedup, j.speedup)
+            table = j.units[j.unit][4]
+            if table:   # the stage's own times at the measured thread counts: its serial part is inside
+                sp = functools.partial(table_speedup, table)
                 rate[id(j)] = _speed(sp, a) / _speed(sp, count)
                 continue
             sigma = j.units[j.unit][1]
@@ -382,7 +383,7 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
     src = ctx.stream_source(s)
     if src is None:
         duration = cost.time_s + extra + ctx.sync_time.get(s.name, 0.0)
-        units = [[duration, sigma(cost), None, None]]
+        units = [[duration, sigma(cost), None, None, stage_speedup(cm, s) if cores else None]]
     else:
         gen = jobs[pos[(src.name, k)]]
         gen_cost = ctx.costs[src.name]
@@ -396,9 +397,8 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
             frac = None if (i == n_chunks - 1 or not gen_cost.finish_offsets) else \
                 gen_cost.finish_offsets[last] / max(gen.total_s, 1e-12)
             c = cm.stage_cost(s, rows=float(rows))
-            units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac)])
+            units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac),
+                          stage_speedup(cm, s, float(rows)) if cores else None])
     job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [])
     job.total_s = sum(u[0] for u in units)
-    if cores and mem is not None:
-        job.speedup = cm.thread_speedup(s)
     return job

@@ -96,3 +96,31 @@ def test_train_call_is_the_intercept_less_what_a_minibatch_repeats():
 
     # one more minibatch of the same rows adds the repeated part only (the grid's ratio is 1 here)
     assert price(2) - price(1) == pytest.approx(per_mb, rel=1e-3)
+
+
+def test_a_stage_speedup_follows_its_own_rows():
+    """The fixed cost of a call and its per-token work scale differently with threads: a 1-thread profile
+    whose intercepts are half the 2-thread ones makes small calls (a streamed chunk) gain more from one
+    thread than a whole batch; each is the ratio of the stage's own prices at the two counts."""
+    import numpy as np
+
+    from rlhfc.cost.model import price
+    from rlhfc.cost.threads import stage_speedup
+
+    two = _points(1.0)
+    one = {"forward": [[b, s, 0.5e-3 + 2e-6 * b * s] for b in (4, 16) for s in (16, 40)],
+           "train": [[b, s, 4e-3 + 6e-6 * b * s] for b in (2, 8) for s in (16, 40)],
+           "generate": [[b, 6, 8.0, 0.5e-2 + 1e-4 * b] for b in (4, 16)]}
+    m = example("ppo_tiny")
+    cm = CostModel(m, CostConfig(profile=_profile(two, one), dispatch_s=0.0))
+    stage = m.graph.stage("values")
+    whole, chunk = stage_speedup(cm, stage), stage_speedup(cm, stage, rows=2.0)
+    assert len(whole) == 2 and whole[0] == 1.0 and 0.5 < chunk[1] < whole[1] < 1.0   # s(2) = T(1) / T(2)
+
+    def at(t, rows):
+        return float(np.asarray(price(np, cm.price_inputs(stage, [cm.layout(stage)], rows, threads=t))["total"])[0])
+
+    assert chunk[1] == pytest.approx(at(1, 2.0) / at(2, 2.0), rel=1e-9)
+    assert at(2, None) == pytest.approx(cm.stage_cost(stage).time_s, rel=1e-9)   # the mesh's own count
+    # no 1-thread points: the host's probe prices thread counts
+    assert stage_speedup(CostModel(m, CostConfig(profile=_profile(two, None))), stage) is None
