@@ -68,6 +68,11 @@ def test_a_one_thread_stage_is_priced_with_the_models_speedup():
     assert slowdown["own"] == pytest.approx(2 * 0.9, rel=1e-6)
     assert slowdown["host"] == pytest.approx(2 * (sigma + (1 - sigma) * 1.7), rel=1e-6)
     assert own.costs["values"].time_s == pytest.approx(cost.time_s, rel=1e-9)   # priced on its 2 cores alike
+    # the dispatch a worker call's price holds is the driver's round trip: not stretched by the sharing
+    d = 2e-3
+    r = simulate(m, CostConfig(profile=_profile(_points(1.0), _points(0.9)), dispatch_s=d), steps=2)
+    task, priced = next(t for t in r.step_tasks() if t.stage == "values"), r.costs["values"].time_s
+    assert task.busy == pytest.approx(d + (priced - d) * 2 * 0.9, rel=1e-6)
 
 
 def test_train_call_is_the_intercept_less_what_a_minibatch_repeats():
