@@ -129,3 +129,12 @@ def test_a_stage_speedup_follows_its_own_rows():
     assert at(2, None) == pytest.approx(cm.stage_cost(stage).time_s, rel=1e-9)   # the mesh's own count
     # no 1-thread points: the host's probe prices thread counts
     assert stage_speedup(CostModel(m, CostConfig(profile=_profile(two, None))), stage) is None
+
+
+def test_profile_times_other_thread_counts_only_where_stages_can_get_them():
+    """1 thread beside the workers' count (what a stage gets whenever it shares its cores), the powers of two
+    in between unless --quick; nothing more for a one-thread model."""
+    from rlhfc.calibrate import thread_counts
+
+    assert thread_counts(1) == [] and thread_counts(2) == [1] and thread_counts(2, quick=True) == [1]
+    assert thread_counts(8) == [1, 2, 4] and thread_counts(8, quick=True) == [1] and thread_counts(6) == [1, 2, 4]
