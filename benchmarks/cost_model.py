@@ -129,7 +129,7 @@ class InProcessJob:
 
 def profile_pass(modules: dict, reps: int, quick: bool):
     """One `rlhfc profile` pass over the examples' model shapes and driver-side ops."""
-    prof = run_profile(modules["ppo_tiny"], quick=quick, reps=reps)
+    prof = run_profile(modules["ppo_tiny"], quick=quick, reps=reps, pause=0.0)   # steps run back to back here
     for mod in modules.values():
         ops = sorted({s.op for s in mod.graph.stages if s.op.startswith("compute.")} - set(prof.compute))
         if ops:

@@ -9,7 +9,9 @@ core of a worker's share of its cores, so 1 when several models share a node's c
 use every core of a node.
 
 Each point is the fastest of a few repetitions (after a warm-up): on a shared machine the
-least-disturbed run is the most repeatable estimate of what the code costs. Torch and the runtime are
+least-disturbed run is the most repeatable estimate of what the code costs. Each repetition of a model
+call follows a short idle pause (:data:`JOB_PAUSE_S`), as a job's worker calls follow a wait: a tight loop
+of calls runs faster than a job's calls do. Torch and the runtime are
 imported only when measuring, so importing this module is cheap. It sits above :mod:`rlhfc.cost`, which
 imports neither torch nor the runtime.
 """
@@ -25,10 +27,19 @@ from rlhfc.cost.profile import Profile, compute_features, cpu_name, fit_relative
 from rlhfc.ir.plan import workers
 
 
-def _timeit(fn, reps: int = 5) -> float:
+#: seconds a model call is timed after (idle, not timed): a job's worker waits between its calls (for the
+#: driver, for the other workers' stages: 2-80 ms in the tiny examples' traces, typically 10-30), and a call
+#: after such a wait ran 10-20 % slower on the 2-core VM of docs/benchmarks.md than in a tight loop (forward
+#: +0.4-0.5 ms, train +0.9-1.4 ms; docs/benchmarks.md, "Per stage inside real jobs")
+JOB_PAUSE_S = 0.02
+
+
+def _timeit(fn, reps: int = 5, pause: float = 0.0) -> float:
     fn()  # warm-up (allocator, lazy init)
     times = []
     for _ in range(reps):
+        if pause > 0:
+            time.sleep(pause)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -143,14 +154,15 @@ def thread_counts(threads: int, quick: bool = False) -> list[int]:
 
 
 def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,
-                  log=None, extra_threads: tuple = ()) -> dict:
+                  log=None, extra_threads: tuple = (), pause: float = JOB_PAUSE_S) -> dict:
     """Time the primitives of one model shape through the runtime's own worker (the calls a job makes:
     ``ModelWorker.generate/logprobs/values/score/train``), see the module docstring.
 
     Generation runs with the model's own EOS; the fit uses the decode steps it actually took (random-weight
     models rarely stop early). Returns a profile entry with raw points and fits. ``extra_threads``: other
     thread counts to time every point at as well, right after the main count's timing (the same spell of
-    machine load: their ratios are the model's own thread speed-up); they go to ``at_threads``.
+    machine load: their ratios are the model's own thread speed-up); they go to ``at_threads``. Each timed
+    call follows ``pause`` idle seconds, as a job's worker calls follow a wait (:data:`JOB_PAUSE_S`).
     """
     import torch
 
@@ -172,7 +184,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             """The point ``key + [seconds]`` at the main count, then at each extra count (back to back)."""
             for t, dest in [(threads, points)] + list(at.items()):
                 torch.set_num_threads(max(1, t))
-                sec = _timeit(fn, reps)
+                sec = _timeit(fn, reps, pause)
                 dest.setdefault(prim, []).append(key + (extra() if extra else []) + [sec])
             torch.set_num_threads(max(1, threads))
 
@@ -320,9 +332,10 @@ def detect_device() -> tuple[str, str]:
 
 
 def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
-                max_params: float | None = None, reps: int = 5) -> Profile:
+                max_params: float | None = None, reps: int = 5, pause: float = JOB_PAUSE_S) -> Profile:
     """Measure the host and every model shape of ``module`` that is small enough to build here
-    (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model)."""
+    (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model; ``pause``: idle
+    seconds before each timed model call, 0 for what calls back to back in one process)."""
     _set_passive_waits()
     import torch
 
@@ -361,7 +374,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         log(f"model @{m.name} ({key})")
         count = min(threads, worker_threads.get(m.name, threads))
         prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log, reps=reps,
-                                         extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else ())
+                                         extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
+                                         pause=pause)
     ops = sorted({s.op for s in module.graph.stages if s.op.startswith("compute.")})
     if ops:
         prof.compute = measure_compute(ops, threads, reps=reps)

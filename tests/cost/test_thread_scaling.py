@@ -138,3 +138,21 @@ def test_profile_times_other_thread_counts_only_where_stages_can_get_them():
 
     assert thread_counts(1) == [] and thread_counts(2) == [1] and thread_counts(2, quick=True) == [1]
     assert thread_counts(8) == [1, 2, 4] and thread_counts(8, quick=True) == [1] and thread_counts(6) == [1, 2, 4]
+
+
+def test_profile_times_a_model_call_after_an_idle_pause_as_a_job_calls_it():
+    """Each timed repetition follows an idle pause (a job's worker waits between its calls), which is not
+    timed; the in-process benchmark, whose steps run back to back, profiles with pause 0."""
+    import time
+
+    from rlhfc.calibrate import JOB_PAUSE_S, _timeit
+
+    starts = []
+
+    def call():
+        starts.append(time.perf_counter())
+
+    sec = _timeit(call, reps=3, pause=0.01)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) == 4 and min(gaps) >= 0.01 and sec < 0.005
+    assert 0 < JOB_PAUSE_S <= 0.05
