@@ -19,7 +19,9 @@ often returns one of the three) is measured once.
 With ``--search-rate`` it only times the placement search on ``examples/ppo_70b.rlhf`` at -O2 (every
 candidate placed, run through ``recompute`` and ``realloc`` and simulated, as the compile emits it):
 candidate plans priced, wall and CPU seconds, candidates per second — cold (the first search of the
-process: torch imported, each micro-batch shape's block traced once) and warm (the same search again).
+process: each trained model's block traced once, torch and transformers imported — unless the trace cache
+``<cache>/traces`` already holds them, which the line says; ``RLHFC_CACHE_DIR=$(mktemp -d)`` starts empty)
+and warm (the same search again).
 
     .venv/bin/python benchmarks/placement.py [--measure] [--rounds 3] [--steps 12]
     .venv/bin/python benchmarks/placement.py --search-rate [--candidates 1000]
@@ -125,10 +127,14 @@ def search_rate(candidates: int) -> int:
     print(f"placement search on examples/ppo_70b.rlhf at -O2 ({pipeline}); {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}")
     for label in ("cold", "warm"):
+        torch_before = "torch" in sys.modules
         wall, cpu = time.perf_counter(), time.process_time()
         done = PassManager(parse_pipeline(pipeline)).run(module.clone())
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         r = done.search_report
+        if label == "cold":
+            label += " (torch imported and blocks traced)" if not torch_before and "torch" in sys.modules else \
+                " (blocks from the trace cache; torch not imported)" if "torch" not in sys.modules else ""
         print(f"{label}: {r.candidates} candidates ({r.proposals} proposals, {r.restarts} restarts) in "
               f"{wall:.1f} s wall, {cpu:.1f} s CPU: {r.candidates / wall:.0f} candidates/s "
               f"({r.candidates / cpu:.0f} per CPU second); best {r.best_s:.2f} s/step, strategies "

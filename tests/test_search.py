@@ -166,17 +166,90 @@ def test_search_is_never_worse_than_a_strategy():
 
 
 def test_search_is_never_slower_than_a_baseline_systems_placement():
-    """Each baseline system's meshes (DeepSpeed-Chat, OpenRLHF, verl, NeMo-Aligner) are seeds of the search,
-    priced as rlhfc compiles them (its own layouts per mesh): the plan found is at least as fast as each.
-    (Not asserted: faster than each baseline plan as that system runs it — its own layouts and passes; see
-    docs/benchmarks.md, "Baselines".)"""
+    """Each baseline system's plan (DeepSpeed-Chat, OpenRLHF, verl, NeMo-Aligner) seeds the search twice, both
+    priced under rlhfc's runtime terms: its whole plan (meshes and layouts, without streaming, as it runs) and
+    its meshes with rlhfc's layouts. The plan found is at least as fast as each, and as each baseline plan as
+    that system runs it (its own slowness terms only add cost)."""
+    from rlhfc.cli.optimise import optimise
+    from rlhfc.cost import simulate
     from rlhfc.ir.plan import BASELINES
 
     module = run_passes(gpu_module(), SMALL.format(extra=""))
     found = module.search_report
-    assert {f"baseline:{b}" for b in BASELINES} <= set(found.seeds)
     for name in BASELINES:
         assert found.best_s <= found.seeds[f"baseline:{name}"]
+        assert found.best_s <= found.seeds[f"baseline:{name}:meshes"]
+        own = optimise(gpu_module(), None, None, placement=f"baseline:{name}", memory_check=False).module
+        assert found.seeds[f"baseline:{name}"] <= simulate(own).step_time_s
+    # NeMo-Aligner's own layouts were 1.3 % faster than the greedy layouts rlhfc picked on the same meshes
+    assert found.seeds["baseline:nemo"] < found.seeds["baseline:nemo:meshes"]
+
+
+def test_layout_search_improves_on_greedy_layouts(monkeypatch):
+    """After the walk, the layout search pins one stage at a time to another layout of its mesh (the rest
+    re-chosen around it) and tries the plan without streaming: it keeps only improvements, and on the 8-GPU
+    program it finds a plan faster than every seed and than the walk with greedy layouts alone."""
+    from rlhfc.passes import search as S
+
+    with_layouts = run_passes(gpu_module(), SMALL.format(extra="")).search_report
+    monkeypatch.setattr(S, "POLISH_SHARE", 10 ** 9)   # no budget for the layout search
+    greedy = run_passes(gpu_module(), SMALL.format(extra="")).search_report
+    assert with_layouts.best_s < greedy.best_s
+    assert with_layouts.best_s < min(with_layouts.seeds.values())
+    assert with_layouts.candidates == greedy.candidates == 40
+
+
+def test_a_pinned_layout_is_kept_and_the_others_fit_around_it():
+    """A plan may pin a stage's whole layout (a baseline's, or the layout search's): placement keeps it as
+    given; the other stages still get the hardware rules' layouts on their meshes."""
+    from rlhfc.ir import plan
+    from rlhfc.passes import placement as P
+
+    module = run_passes(gpu_module(), "dce,parallelize")
+    pinned = plan.Layout(0, 8, dp=2, tp=2, pp=2, microbatches=4, recompute="full")
+    assign = {**P.flatten(module), "actor_train": pinned}
+    P.place(module, assign, "search")
+    assert plan.stage_layout(module, module.graph.stage("actor_train")) == pinned
+    critic = plan.stage_layout(module, module.graph.stage("critic_train"))
+    assert (critic.first, critic.count) == (0, 8) and critic.dp * critic.tp * critic.pp == 8
+
+
+#: (nodes, GPUs per node, GPU) of the never-worse table: one and two A100 nodes (the baselines benchmark's
+#: HybridFlow GPU at small scale); ppo_70b runs on its own 16 x 8 H100 cluster (it fits on nothing smaller here)
+NEVER_WORSE_CLUSTERS = [(1, 8, "A100-80GB"), (2, 8, "A100-80GB")]
+EXAMPLE_NAMES = ["arith_tiny", "dapo_tiny", "grpo_tiny", "ppo_tiny", "ppo_7b", "ppo_70b"]
+
+
+@pytest.mark.parametrize("example", EXAMPLE_NAMES)
+def test_searched_plan_is_never_worse_than_any_strategy_or_baseline(example):
+    """Over every example and a table of clusters: the searched plan's predicted step time (as ``explain
+    --compare`` prices it) is at most each strategy's (flatten, interleave, separate, compiled at the same
+    level) and each baseline system's plan (``baseline:NAME``, as that system runs it, with its own terms);
+    the same numbers twice (deterministic)."""
+    from pathlib import Path
+
+    from rlhfc.cli.load import load
+    from rlhfc.cli.optimise import optimise
+    from rlhfc.cost import simulate
+    from rlhfc.cost.baselines import SYSTEMS
+
+    assert sorted(p.stem for p in Path("examples").glob("*.rlhf")) == sorted(EXAMPLE_NAMES)
+    o2 = "dce,unpad,reuse_logprobs,parallelize,stream,placement{%s},recompute,realloc"
+    clusters = [(16, 8, "H100-80GB")] if example == "ppo_70b" else NEVER_WORSE_CLUSTERS
+
+    def price(cluster, passes, placement=None):
+        module, _ = load(f"examples/{example}.rlhf", [])
+        module.cluster.nodes, module.cluster.per_node, module.cluster.device = cluster
+        return simulate(optimise(module, None, passes, placement=placement, memory_check=False).module).step_time_s
+
+    for cluster in clusters:
+        found = price(cluster, o2 % "candidates=60")
+        if cluster == clusters[0]:
+            assert price(cluster, o2 % "candidates=60") == found
+        for strategy in ("flatten", "interleave", "separate"):
+            assert found <= price(cluster, o2 % f"strategy={strategy}"), (cluster, strategy)
+        for name in SYSTEMS:
+            assert found <= price(cluster, None, f"baseline:{name}"), (cluster, name)
 
 
 def test_explain_text_reports_the_search(capsys):

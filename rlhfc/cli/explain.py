@@ -133,6 +133,8 @@ def profile_cmd(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: the cluster's "
                                           "devices per node)"),
     quick: bool = typer.Option(False, "--quick", help="fewer points (a few seconds per model)"),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="also time the vLLM engine of the generating models "
+                              "when vLLM is installed (its speed and refit; adds an engine start per model)"),
     plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers ops"),
 ):
     """Measure this machine (CPU, or the GPU when there is one) for a program's models; save a profile."""
@@ -140,7 +142,7 @@ def profile_cmd(
     from rlhfc.cost import default_profile_path
 
     module = load(file, plugin)[0] if file else None
-    prof = run_profile(module, threads=threads, quick=quick, log=lambda msg: typer.echo(msg, err=True))
+    prof = run_profile(module, threads=threads, quick=quick, log=lambda msg: typer.echo(msg, err=True), vllm=vllm)
     path = out or default_profile_path(prof.device_kind, prof.device_name if prof.device_kind == "cpu"
                                        else prof.device_kind)
     prof.save(path)

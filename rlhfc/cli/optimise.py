@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 #: ``--placement``'s help: the strategies, then auto
 PLACEMENT_HELP = "|".join(PLACEMENTS[1:] + PLACEMENTS[:1])
 #: ``--rollout``'s help: the engines of the generate stages
-ROLLOUT_HELP = "|".join(ROLLOUTS) + " (overrides run { rollout = ... })"
+ROLLOUT_HELP = "|".join(ROLLOUTS) + " (overrides run { rollout = ... }; auto: the cost model picks per model)"
 
 
 @dataclass
@@ -79,6 +79,7 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
     """Run ``passes`` (``--passes a,b{opt=1}``) if given, else the pipeline of ``level`` (default: the
     program's ``run { optimize = ... }``). ``placement`` overrides the program's ``run { placement = ... }``
     strategy, ``rollout`` its ``run { rollout = ... }`` engine. A bad level, placement or rollout is a :class:`~rlhfc.ir.CompileError`, before any pass runs.
+    Under ``rollout = auto`` the ``engine`` pass runs first (unless the pipeline names it), at every level.
 
     ``response_lengths`` (``--response-lengths``): the response-length law the placement search prices
     (given to every ``placement`` pass that does not set its own ``response_lengths``); ``profile``
@@ -106,6 +107,9 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
 
             chosen, passes = parse_pipeline(",".join(PIPELINE)), ",".join(PIPELINE)
 
+    if module.run.rollout == "auto" and all(p.name != "engine" for p in chosen):
+        # rollout = auto is resolved first at every level, -O0 included, so every level runs the same engine
+        chosen = parse_pipeline("engine") + chosen
     if response_lengths is not None and response_lengths != "auto":
         from rlhfc.cost import response_dist
 
@@ -118,8 +122,8 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
                   if p.name == "placement" and getattr(p, "response_lengths", None) == "auto" else p
                   for p in chosen]
     if profile:
-        chosen = [dataclasses.replace(p, profile=profile) if p.name == "placement" and getattr(p, "profile", None)
-                  == "" else p for p in chosen]
+        chosen = [dataclasses.replace(p, profile=profile) if p.name in ("placement", "engine") and
+                  getattr(p, "profile", None) == "" else p for p in chosen]
 
     def show(spec: str, text: str) -> None:
         typer.echo(f"// ----- IR after {spec} -----", err=True)
@@ -137,5 +141,6 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
         for d in sink.warnings:
             typer.echo(f"warning: {d.message} (a job of this IR would run out of memory)", err=True)
         sink.raise_if_errors()
-    names = list(PIPELINES[level]) if level is not None and passes is None else [r.spec for r in pm.records]
+    names = [p.name for p in chosen if p.name == "engine"] + list(PIPELINES[level]) \
+        if level is not None and passes is None else [r.spec for r in pm.records]
     return Optimised(module, pm, level, names)

@@ -61,7 +61,8 @@ def placement(module: Module) -> dict:
 
     Each worker also says how it runs (:func:`rlhfc.ir.plan.worker_layout`, the runtime's contract):
     ``trainer`` (``"torch"`` | ``"fsdp"`` | ``"megatron"``, ``auto`` resolved), its layout ``dp``, ``tp``,
-    ``pp`` and ``ranks`` = dp·tp·pp processes (1, with dp = tp = pp = 1, under torch).
+    ``pp`` and ``ranks`` = dp·tp·pp processes (1, with dp = tp = pp = 1, under torch); ``engine = "vllm"`` when
+    its model's generate stages run on vLLM (:func:`rlhfc.ir.plan.model_engine`; absent: torch).
     """
     c = module.cluster
     gpu = c.device != "cpu"
@@ -70,7 +71,8 @@ def placement(module: Module) -> dict:
     workers = {w.name: {"model": w.model, "mesh": list(w.mesh.pair()), "bundle": w.node,
                         "num_cpus": 0 if gpu else w.share, "num_gpus": w.share if gpu else 0,
                         "threads": 1 if gpu else w.threads, "cores": list(w.cores), "ranks": w.ranks,
-                        "dp": w.dp, "tp": w.tp, "pp": w.pp, "trainer": w.trainer}
+                        "dp": w.dp, "tp": w.tp, "pp": w.pp, "trainer": w.trainer,
+                        **({"engine": "vllm"} if plan.model_engine(module, w.model) == "vllm" else {})}
                for w in plan.workers(module).values()}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
 

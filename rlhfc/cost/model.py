@@ -30,6 +30,7 @@ import numpy as np
 
 from rlhfc.ir import Module, Stage
 
+from . import engine as E
 from . import formulas as F
 from .hardware import DeviceSpec, device_spec
 from rlhfc.ir import plan
@@ -37,6 +38,7 @@ from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
 from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the formulas' inputs; re-exported)
+from .threads import model_speedup
 from .shared import shared_cache
 
 #: the torch engine drops finished rows from the decode batch once a quarter of it has finished, so a decode
@@ -68,12 +70,15 @@ class CostConfig:
     (:func:`rlhfc.cost.lengths.response_dist`). ``dispatch_s``: per-remote-stage
     overhead (None: 2 ms on CPU clusters, 10 ms on GPU clusters; 0 for in-process
     measurements). ``batching``: ``static``/``continuous``/``auto`` (cpu static, GPU continuous).
+    ``engine``: price every generate stage on this rollout engine (``torch``/``vllm``; None: the plan's,
+    :func:`rlhfc.ir.plan.stage_engine`; vLLM's pricing: :mod:`rlhfc.cost.engine`).
     """
 
     profile: Profile | None = None
     response_lengths: str = "auto"
     dispatch_s: float | None = None
     batching: str = "auto"
+    engine: str | None = None
 
 
 @dataclass
@@ -188,7 +193,7 @@ class CostModel:
             DISPATCH_S["gpu" if self.gpu else "cpu"]
         shared, c = shared_cache(), self.config   # inside shared_prices(): one cache per configuration
         self._cache: dict = {} if shared is None else \
-            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, self.kind), {})
+            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, c.engine, self.kind), {})
 
     # -- what a stage computes -------------------------------------------------------------------
     def rollout_source(self, stage: Stage) -> Stage | None:
@@ -236,13 +241,19 @@ class CostModel:
         return response_dist(self.config.response_lengths, int(gen.attrs.get("max_new_tokens", 32)),
                              vocab=model.vocab, pretrained=self.pretrained(gen.target))
 
-    def generation_work(self, gen: Stage, micro: int = 1) -> dict:
+    def engine(self, stage: Stage) -> str:
+        """The rollout engine a generate stage is priced on (the configuration's, else the plan's)."""
+        return self.config.engine or plan.stage_engine(self.module, stage)
+
+    def generation_work(self, gen: Stage, micro: int = 1, continuous: bool | None = None) -> dict:
         """Rows, lengths and per-step weights of one wave of a generate stage (see formulas.generate_time).
 
         With ``microbatches = M`` the replicas generate their prompts in M waves one after another; a wave
         holds ``rows`` = (B + delta) / M prompts and decodes until its own longest response ends.
-        """
-        key = ("gen", gen.name, micro)
+        ``continuous``: price continuous batching (vLLM) or the torch loop's static batch (default: the
+        configuration's batching)."""
+        continuous = self.continuous if continuous is None else continuous
+        key = ("gen", gen.name, micro, continuous)
         if key in self._cache:
             return self._cache[key]
         B = gen.outputs[0].type.batch or 1
@@ -255,7 +266,7 @@ class CostModel:
         T = dist.T
         t = np.arange(T, dtype=np.float64)
         steps_w = dist.kth_running(B, n) if (delta and micro == 1) else dist.p_running(wave)
-        if self.continuous:
+        if continuous:
             active = np.clip(dist.expected_active(wave) / np.maximum(steps_w, 1e-12), 1.0, wave)
             prompt = prompts.mean()
             kv_tokens = float(np.max(dist.expected_active(wave) * (prompt + t + 1))) if T else 0.0
@@ -264,7 +275,7 @@ class CostModel:
             active = np.clip(live * COMPACT_OVERHANG, 1.0, wave)
             prompt = prompts.expected_max(wave)
             kv_tokens = float(wave * (prompt + steps_w.sum()))
-        if micro > 1 and not self.continuous:
+        if micro > 1 and not continuous:
             # the torch engine runs the M waves as one continuous batch of `wave` slots: prompts join as rows
             # finish (rlhfc.runtime.decoding). While prompts wait, the slots stay about full (a quarter frees
             # before they join); then the last `wave` rows drain like one wave. Same row-steps, fewer steps.
@@ -395,14 +406,15 @@ class CostModel:
         prof_threads = self.profile.model_threads(key) if self.profile is not None and threads is None else None
         lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads,
                             [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None,
-                            self.thread_speedup(stage))
+                            model_speedup(self, stage))
         _fit = self._fit if threads is None else (lambda m, prim: self.profile.fit_at(key, prim, threads))
         opt_fit = None
         if family == "generate":
             micro = {l.microbatches for l in layouts}
             if len(micro) > 1:
                 raise ValueError("price_inputs: generate layouts must share one microbatches value")
-            work = dict(self.generation_work(stage, micro.pop()))
+            work = dict(self.generation_work(stage, micro.pop())) if self.engine(stage) != "vllm" else \
+                E.vllm_inputs(self, stage, model, lay)   # continuous batching, waves of what vLLM runs at once
             if rows is not None:
                 work["rows"] = float(rows)
         else:
@@ -418,16 +430,11 @@ class CostModel:
                                 rc_seconds=float(traced.seconds or 0.0))
                     lay["rc"] = 0.0 * lay["rc"]
         fit = _fit(model, family)
+        if family == "generate" and self.engine(stage) == "vllm":   # its own fit, else the torch rates (assumed)
+            fit = E.vllm_fit(self, model, fit)
         grid = _fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
                            [l.recompute for l in layouts], grid)
-
-    def thread_speedup(self, stage: Stage) -> tuple | None:
-        """The stage's model's own measured thread speed-up for its primitive on a CPU cluster (None: the
-        host's matmul probe prices thread counts)."""
-        if self.profile is None or not self.spec.is_cpu or stage.target not in self.module.models:
-            return None
-        return self.profile.thread_speedup(model_key(self.module.models[stage.target]), stage.op.split(".")[0])
 
     def _model_cost(self, stage: Stage, model, layout: Layout, rows: float | None) -> StageCost:
         inp = self.price_inputs(stage, [layout], rows)
@@ -443,12 +450,8 @@ class CostModel:
                        "decode_rows": work["decode_rows"], "useful_tokens": work["useful_tokens"],
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
-            if self.module.run.rollout == "vllm" and model.trainable:   # the new weights go into the engine first
-                from .sync import refit_time
-
-                bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
-                first["refit"] = refit_time(first["weights_bytes"], bucket, self.spec)
-                first["total"] += first["refit"]
+            if self.engine(stage) == "vllm":   # its source; the refit of a trained model's new weights first
+                E.add_refit(self, stage, model, first, summary)
         else:
             rc = 0 if "rc_kept" in work else RECOMPUTE_POLICIES.index(layout.recompute)
             factor = 1.0 if inp.family == "forward" else F.TRAIN_FLOP_FACTOR[rc] * work["epochs"]

@@ -42,6 +42,11 @@ scales with the matmul FLOPs (priced at the host's measured matmul rate) and a r
 layers x width (elementwise work, per-layer overheads), so another width or depth is *predicted* from
 measurements of a neighbour, not priced by the catalog roofline. The correction grid does not transfer.
 
+With vLLM installed, ``rlhfc profile`` also times the vLLM engine of each generating model (a model entry's
+``vllm`` section: generate points, refit points, the engine's ``max_num_seqs`` and KV-cache tokens, and
+their fits; or ``unsupported`` with the reason vLLM cannot run the shape). :mod:`rlhfc.cost.engine` reads it;
+a profile without it (older ones included) loads as before and vLLM is priced by the catalog assumption.
+
 The profile is JSON (``Profile.save``/``load_profile``); the default location is
 ``~/.cache/rlhfc/profile-<device>.json`` (``RLHFC_CACHE_DIR`` overrides the
 folder).
@@ -476,6 +481,9 @@ def merge_profiles(a: Profile, b: Profile) -> Profile:
             out.models[key]["at_threads"] = {
                 t: {"points": _fastest((ta.get(t) or {}).get("points", {}), (tb.get(t) or {}).get("points", {}))}
                 for t in sorted(set(ta) | set(tb))}
+        vllm = eb.get("vllm") if (eb.get("vllm") or {}).get("fit") else ea.get("vllm") or eb.get("vllm")
+        if vllm:   # the vLLM engine's measurements (rlhfc.cost.engine): the later pass's when it has a fit
+            out.models[key]["vllm"] = json.loads(json.dumps(vllm))
     for op in list(a.compute) + [o for o in b.compute if o not in a.compute]:
         ca, cb = a.compute.get(op), b.compute.get(op)
         if ca is None or cb is None:

@@ -19,6 +19,14 @@ from rlhfc.ir import Stage, plan
 from .profile import model_key
 
 
+def model_speedup(cm, stage: Stage) -> tuple | None:
+    """The stage's model's measured speed-up for its primitive over the grid (one table per model, what the
+    layout arrays scale candidate meshes' thread counts with); None off a CPU or without 1-thread points."""
+    if cm.profile is None or not cm.spec.is_cpu or stage.target not in cm.module.models:
+        return None
+    return cm.profile.thread_speedup(model_key(cm.module.models[stage.target]), stage.op.split(".")[0])
+
+
 def stage_speedup(cm, stage: Stage, rows: float | None = None) -> tuple | None:
     """``(s(1) = 1, s(2), ..., s(count))`` of ``stage`` (``rows``: a chunk's) on its mesh of ``count``
     cores, counts between the measured ones interpolated, beyond them held; None when the profile timed its

@@ -93,6 +93,9 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     from .recompute import recompute_notes
 
     notes += recompute_notes(module, cm)
+    from .engines import engine_notes
+
+    notes += engine_notes(module, cm)
     found = getattr(module, "search_report", None)   # set by the placement pass when it searched
     return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
                   notes, source, found.as_dict() if found is not None else None)

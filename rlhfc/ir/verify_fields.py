@@ -325,7 +325,7 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
     if r.rollout not in ROLLOUTS:
         f.error("rollout", f"rollout must be one of {', '.join(ROLLOUTS)}, got {_name(r.rollout)}",
                 " ".join(filter(None, [did_you_mean(str(r.rollout), ROLLOUTS),
-                                       "torch decodes in rlhfc's own loop; vllm runs a vLLM engine"])))
+                                       "torch decodes in rlhfc's own loop; vllm runs a vLLM engine; auto lets the cost model pick per model"])))
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         f.error("reward_modules", f"reward_modules must be a list of module names, got {show(mods)}",

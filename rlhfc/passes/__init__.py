@@ -11,6 +11,7 @@ from .pipelines import PIPELINES, pipeline_for
 for _name, _module in {
     "dce": "rlhfc.passes.dce",
     "unpad": "rlhfc.passes.unpad",
+    "engine": "rlhfc.passes.engine",
     "reuse_logprobs": "rlhfc.passes.reuse_logprobs",
     "parallelize": "rlhfc.passes.parallelize",
     "stream": "rlhfc.passes.stream",

@@ -2,7 +2,10 @@
 
 A plan here is ``{stage name: (first, count)}``. :func:`apply` annotates every model stage with its mesh and
 picks its ``(dp, tp, pp)``, micro-batches and recompute policy among the splits the hardware rules allow
-(:mod:`rlhfc.ir.plan.hardware`) and the run's trainer can run.
+(:mod:`rlhfc.ir.plan.hardware`) and the run's trainer can run. A stage whose value is a whole
+:class:`~rlhfc.ir.plan.Layout` instead of a mesh is *pinned*: it keeps that layout (the placement search's
+candidates that carry a baseline system's layouts, or a layout its local search chose), and the other stages
+are chosen around what it holds.
 
 Memory is counted once: a stage may use what its devices have left after what the *other* models placed
 there hold (their chosen layout's weights and optimizer state, or the least any of their layouts needs
@@ -33,10 +36,19 @@ def runnable(module: Module, model, lay: Layout) -> bool:
     return True
 
 
-def set_meshes(module: Module, assign: dict[str, tuple[int, int]]) -> None:
-    """Every assigned stage's mesh, split dp only (a fixed-layout model's: its layout, on a mesh of its size)."""
+def mesh_of(value) -> tuple[int, int]:
+    """``(first, count)`` of a plan's value for a stage: a mesh pair, or a pinned :class:`Layout`."""
+    return (value.first, value.count) if isinstance(value, Layout) else value
+
+
+def set_meshes(module: Module, assign: dict) -> None:
+    """Every assigned stage's mesh, split dp only (a fixed-layout model's: its layout, on a mesh of its size);
+    a pinned stage (its value a :class:`Layout`): that layout."""
     for s in module.graph.stages:
         if s.name not in assign:
+            continue
+        if isinstance(assign[s.name], Layout):
+            plan.set_layout(s, assign[s.name])
             continue
         first, count = assign[s.name]
         fixed = plan.fixed_layout(module.models.get(s.target or ""))
@@ -46,43 +58,38 @@ def set_meshes(module: Module, assign: dict[str, tuple[int, int]]) -> None:
             plan.set_layout(s, Layout(first, count, dp=count))
 
 
-def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = True, squeeze: int = 1) -> None:
+def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) -> None:
     """Annotate every model stage with its mesh and the fastest parallel split that fits (a fixed-layout
-    model's stages: its layout, on a mesh of its size)."""
+    model's stages: its layout, on a mesh of its size; a pinned stage: its layout, chosen first so the
+    others fit around it)."""
     set_meshes(module, assign)
     if not layouts or module.cluster.device == "cpu":
         return
-    from rlhfc.cost import CostModel, candidate_layouts, evaluate
+    from rlhfc.cost import CostModel
 
     cm = CostModel(module)
     # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
     # the split its train stage (else its first stage there) gets
     one_split = module.run.trainer != "torch"
-    stages = [s for s in sorted(module.graph.stages, key=lambda s: s.op != "train")
+    stages = [s for s in sorted(module.graph.stages, key=lambda s: (not isinstance(assign.get(s.name), Layout),
+                                                                   s.op != "train"))
               if s.name in assign and s.op.split(".")[0] in ("generate", "forward", "train")]
     cands, res = {}, {}
     for s in stages:
-        model = module.models[s.target]
-        first, count = assign[s.name]
-        # kept in the cost model's cache: a placement search asks again for every candidate plan that puts
-        # the stage there (inside shared_prices() the cache outlives this cost model)
-        key = ("layout-table", s.name, first, count, repr(plan.recompute_decision(s)))
-        if key not in cm._cache:
-            c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
-                                  kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
-                                  recompute=plan.RECOMPUTE_POLICIES if s.op == "train" else ("none",))
-            c = [x for x in c if runnable(module, model, x)]
-            # a few hundred candidates: NumPy prices them faster than one JAX compile per shape, and whether
-            # JAX is installed must not change a plan
-            cm._cache[key] = (c, evaluate(module, s.name, c, cost_model=cm, backend="numpy") if c else None)
-        cands[s.name], r = cm._cache[key]
+        cands[s.name], r = layout_table(module, cm, s, *mesh_of(assign[s.name]))
         if r is not None:
             res[s.name] = r
     held = _Resident(module, assign, stages, res)
     chosen: dict[tuple, tuple[int, int, int]] = {}
     for s in stages:
-        first, count = assign[s.name]
+        first, count = mesh_of(assign[s.name])
         key = (s.target, first, count)
+        if isinstance(assign[s.name], Layout):   # pinned: kept, and held on its devices
+            lay = assign[s.name]
+            c = cm.stage_cost(s, lay)
+            held.choose(s, c.weights_bytes, c.state_bytes, c.transient_bytes)
+            chosen.setdefault(key, (lay.dp, lay.tp, lay.pp))
+            continue
         c = cands[s.name]
         idx = list(range(len(c)))
         if one_split and key in chosen:
@@ -99,6 +106,26 @@ def apply(module: Module, assign: dict[str, tuple[int, int]], layouts: bool = Tr
         chosen.setdefault(key, (c[pick].dp, c[pick].tp, c[pick].pp))
 
 
+def layout_table(module: Module, cm, stage, first: int, count: int) -> tuple[list, dict | None]:
+    """The layouts ``stage`` may take on devices ``first .. first+count-1`` (the hardware rules', runnable by the
+    run's trainer) and their prices (:func:`rlhfc.cost.evaluate`, arrays aligned with the list; None when there
+    are none). Kept in ``cm``'s cache: a placement search asks again for every candidate plan that puts the
+    stage there (inside ``shared_prices()`` the cache outlives the cost model)."""
+    from rlhfc.cost import candidate_layouts, evaluate
+
+    key = ("layout-table", stage.name, first, count, repr(plan.recompute_decision(stage)))
+    if key not in cm._cache:
+        model = module.models[stage.target]
+        c = candidate_layouts(first, count, per_node=module.cluster.per_node, heads=model.heads,
+                              kv_heads=model.kv_heads, layers=model.layers, microbatches=(1, 2, 4, 8),
+                              recompute=plan.RECOMPUTE_POLICIES if stage.op == "train" else ("none",))
+        c = [x for x in c if runnable(module, model, x)]
+        # a few hundred candidates: NumPy prices them faster than one JAX compile per shape, and whether
+        # JAX is installed must not change a plan
+        cm._cache[key] = (c, evaluate(module, stage.name, c, cost_model=cm, backend="numpy") if c else None)
+    return cm._cache[key]
+
+
 class _Resident:
     """Per device, what each model keeps resident (weights; gradients + optimizer state: the largest over the
     model's stages there, as the simulator counts them) and the largest activations / KV cache of the stages
@@ -109,41 +136,60 @@ class _Resident:
     the overlaps)."""
 
     def __init__(self, module: Module, assign: dict, stages: list, res: dict):
-        self.devices = {s.name: range(assign[s.name][0], sum(assign[s.name])) for s in stages}
-        self.floor: dict[str, dict[int, float]] = {}
+        import numpy as np
+
+        self.np = np
+        self.n = max([module.cluster.num_devices] + [sum(mesh_of(assign[s.name])) for s in stages])
+        self.devices = {s.name: slice(mesh_of(assign[s.name])[0], sum(mesh_of(assign[s.name]))) for s in stages}
+        self.floor: dict[str, np.ndarray] = {}
         for s in stages:
             if s.name not in res:
                 continue
             low = float((res[s.name]["weights_bytes"] + res[s.name]["state_bytes"]).min())
-            per = self.floor.setdefault(s.target, {})
-            for d in self.devices[s.name]:
-                per[d] = max(per.get(d, 0.0), low)
-        self.weights: dict[str, dict[int, float]] = {}
-        self.state: dict[str, dict[int, float]] = {}
-        self.transient: dict[int, float] = {}
+            per = self.floor.setdefault(s.target, np.zeros(self.n))
+            sl = self.devices[s.name]
+            per[sl] = np.maximum(per[sl], low)
+        # per model: weights, gradients + optimizer state, and where a stage of it was chosen
+        self.weights: dict[str, np.ndarray] = {}
+        self.state: dict[str, np.ndarray] = {}
+        self.chosen: dict[str, np.ndarray] = {}
+        self.transient = np.zeros(self.n)
 
-    def _held(self, model: str, d: int) -> float:
-        if d in self.weights.get(model, {}):
-            return self.weights[model][d] + self.state[model][d]
-        return self.floor.get(model, {}).get(d, 0.0)
+    def _held(self, model: str, sl: slice):
+        np = self.np
+        floor = self.floor.get(model)
+        floor = floor[sl] if floor is not None else np.zeros(sl.stop - sl.start)
+        if model not in self.chosen:
+            return floor
+        return np.where(self.chosen[model][sl], self.weights[model][sl] + self.state[model][sl], floor)
 
     def need(self, stage, r, idx: list[int]) -> tuple[float, dict[int, float]]:
         """The most any device of ``stage``'s mesh holds now (``base``), and its peak under each candidate."""
-        models = set(self.floor) | set(self.weights)
-        own = stage.target
-        profiles = set()
-        for d in self.devices[stage.name]:
-            others = sum(self._held(m, d) for m in models if m != own)
-            profiles.add((others, self.weights.get(own, {}).get(d, 0.0), self.state.get(own, {}).get(d, 0.0),
-                          self.transient.get(d, 0.0), self._held(own, d)))
-        base = max(o + held + t for o, _, _, t, held in profiles)
-        w, st, tr = (r[k] for k in ("weights_bytes", "state_bytes", "transient_bytes"))
-        return base, {i: max(o + max(wd, float(w[i])) + max(sd, float(st[i])) + max(t, float(tr[i]))
-                             for o, wd, sd, t, _ in profiles) for i in idx}
+        np = self.np
+        own, sl = stage.target, self.devices[stage.name]
+        zero = np.zeros(sl.stop - sl.start)
+        others = zero.copy()
+        for m in sorted(set(self.floor) | set(self.weights)):
+            if m != own:
+                others = others + self._held(m, sl)
+        wd = self.weights[own][sl] if own in self.weights else zero
+        sd = self.state[own][sl] if own in self.state else zero
+        # the devices' distinct situations (a mesh's devices mostly hold the same)
+        profiles = np.unique(np.stack([others, wd, sd, self.transient[sl], self._held(own, sl)], axis=1), axis=0)
+        base = float(max(o + held + t for o, _, _, t, held in profiles.tolist()))
+        ix = np.asarray(idx, dtype=int)
+        w, st, tr = (np.asarray(r[k], dtype=float)[ix] for k in ("weights_bytes", "state_bytes", "transient_bytes"))
+        peak = None
+        for o, wdp, sdp, t, _ in profiles.tolist():
+            p = o + np.maximum(wdp, w) + np.maximum(sdp, st) + np.maximum(t, tr)
+            peak = p if peak is None else np.maximum(peak, p)
+        return base, dict(zip(idx, peak.tolist()))
 
     def choose(self, stage, weights: float, state: float, transient: float) -> None:
-        ws, ss = self.weights.setdefault(stage.target, {}), self.state.setdefault(stage.target, {})
-        for d in self.devices[stage.name]:
-            ws[d] = max(ws.get(d, 0.0), weights)
-            ss[d] = max(ss.get(d, 0.0), state)
-            self.transient[d] = max(self.transient.get(d, 0.0), transient)
+        np, sl, m = self.np, self.devices[stage.name], stage.target
+        for table in (self.weights, self.state, self.chosen):
+            table.setdefault(m, np.zeros(self.n, dtype=bool if table is self.chosen else float))
+        self.weights[m][sl] = np.maximum(self.weights[m][sl], weights)
+        self.state[m][sl] = np.maximum(self.state[m][sl], state)
+        self.chosen[m][sl] = True
+        self.transient[sl] = np.maximum(self.transient[sl], transient)

@@ -17,7 +17,9 @@ or ``--placement``):
   (aligned power-of-two device ranges) and generation meshes, each plan priced
   as the compile emits it (placed, then the passes after this one, then
   simulated as ``explain`` does: :mod:`rlhfc.passes.search`); plans that
-  overflow memory cost ×3 (as ReaL). Returns the fastest plan that fits. The
+  overflow memory cost ×3 (as ReaL); each baseline system's plan is a seed, and
+  a layout search after the walk pins stages to other layouts than the greedy
+  choice (and tries the plan without streaming). Returns the fastest plan that fits. The
   search is bounded by ``candidates`` (plans priced, seeded by ``seed``), never
   by wall-clock time: the same program compiles to the same plan on an idle and
   on a busy machine.
@@ -48,10 +50,14 @@ from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import STRATEGIES
 
 from .base import Pass, register_pass
-from .layouts import apply
+from .layouts import apply, mesh_of
 
 #: whether search may put a model's generation on other devices than its training (needs realloc)
 SPLIT_GENERATION = True
+#: a plan's key (never a stage name) whose value ``False`` says the plan runs without the ``stream`` pass's
+#: chunked generation (its ``stream``/``stream_from`` annotations taken back): the baseline systems' plans do
+#: not stream, and on some meshes streaming costs more than it overlaps, so the search prices both
+STREAMS = "(streams)"
 
 
 @register_pass
@@ -122,11 +128,15 @@ class Placement(Pass):
         return module
 
 
-def place(module: Module, assign: dict[str, tuple[int, int]], strategy: str) -> None:
-    """Annotate ``module`` with the plan ``assign`` (meshes per stage) as the pass emits it: each stage's
-    layout (:func:`apply`), each stage's memory budget tightened until the devices' totals fit, the strategy."""
+def place(module: Module, assign: dict, strategy: str) -> None:
+    """Annotate ``module`` with the plan ``assign`` (meshes, or pinned layouts, per stage; :data:`STREAMS`) as
+    the pass emits it: each stage's layout (:func:`apply`), each stage's memory budget tightened until the
+    devices' totals fit, the strategy."""
     from rlhfc.cost import fits
 
+    if assign.get(STREAMS) is False:
+        for s in module.graph.stages:
+            plan.unset(s, "stream", "stream_from")
     for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
         apply(module, assign, squeeze=squeeze)
         if module.cluster.device == "cpu" or fits(module):
@@ -164,9 +174,10 @@ def _fixed_sizes(module: Module) -> dict[str, int]:
     return out
 
 
-def respect_fixed(module: Module, assign: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+def respect_fixed(module: Module, assign: dict) -> dict:
     """``assign`` with every stage of a fixed-layout model on one mesh of exactly its dp·tp·pp devices:
-    starting where its train stage (else its first stage) was put, moved back to fit the cluster."""
+    starting where its train stage (else its first stage) was put, moved back to fit the cluster (a value may
+    be a pinned layout: :func:`rlhfc.passes.layouts.apply`)."""
     n = module.cluster.num_devices
     out = dict(assign)
     for model, size in _fixed_sizes(module).items():
@@ -174,7 +185,7 @@ def respect_fixed(module: Module, assign: dict[str, tuple[int, int]]) -> dict[st
         if not stages:
             continue
         anchor = next((s for s in stages if s.op == "train"), stages[0])
-        first = min(out[anchor.name][0], n - size)
+        first = min(mesh_of(out[anchor.name])[0], n - size)
         for s in stages:
             out[s.name] = (first, size)
     return out

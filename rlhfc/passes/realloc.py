@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Module, Stage, Value, ValueType
-from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_mesh, worker_ranks
+from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_engine, stage_mesh, worker_ranks
 
 from .base import Pass, register_pass
 
@@ -95,7 +95,7 @@ class Realloc(Pass):
                 at += 1
         for s in g.stages:
             s.annotations.pop("refit_mb", None)
-            if s.op == "generate" and module.run.rollout == "vllm" and \
+            if s.op == "generate" and stage_engine(module, s) == "vllm" and \
                     any(t.op == "train" and t.target == s.target for t in g.stages):
                 s.annotations["refit_mb"] = self.refit_mb
         module.refresh_versions()

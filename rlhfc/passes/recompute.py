@@ -124,6 +124,23 @@ def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> floa
     return (capacity - static - base) / blocks
 
 
+#: knapsack answers by (trace, budget): a placement search asks again for every candidate plan that leaves a stage
+#: the same layout and memory (the trace is kept beside its answer, so its id is not reused)
+_WITHIN: dict[tuple[int, float], tuple] = {}
+
+
+def _within(trace, budget: float):
+    """:func:`rlhfc.passes.recompute_choice.within`, memoised (it is pure)."""
+    from . import recompute_choice as choice
+
+    key = (id(trace), budget)
+    if key not in _WITHIN:
+        if len(_WITHIN) > 4096:
+            _WITHIN.clear()
+        _WITHIN[key] = (trace, choice.within(trace, budget))
+    return _WITHIN[key][1]
+
+
 def decide(module: Module, stage, policy: str, budget: float | None = None, squeeze: int = 1) -> Recompute | None:
     """The decision for one train stage (None: leave the stage as it is); ``squeeze``: auto's budget is
     1/squeeze of what the stage's devices have left."""
@@ -153,7 +170,7 @@ def decide(module: Module, stage, policy: str, budget: float | None = None, sque
         if trace.autograd_bytes <= fit:
             return Recompute("none")
         fit = block_budget(module, stage, trace, cm, inp, recompute=True) / squeeze
-        chosen = choice.within(trace, max(fit, 0.0))
+        chosen = _within(trace, max(fit, 0.0))
     if chosen.policy == "none":
         return Recompute("none")   # nothing recomputed: no annotation
     return Recompute(chosen.policy, chosen.save, int(chosen.saved_bytes),

@@ -3,7 +3,10 @@
 :func:`trace_block` builds one block of a model (Hugging Face ``LlamaDecoderLayer`` / ``GPT2Block`` from the
 model's config, as the runtime does; weights on no device) and traces its forward with
 :func:`torch.fx.experimental.proxy_tensor.make_fx` on fake tensors of the training micro-batch's shape
-(``rows x seq``) — no memory is allocated, so a 70B block traces in a second. On the aten-level graph:
+(``rows x seq``) — no memory is allocated, so a 70B block traces in a second. A model is traced once
+(:func:`_scaled`: at two primes no other dimension shares, so every size is a monomial ``c · rows^a · seq^b``
+read off by division) and each micro-batch shape evaluates those polynomials — the same numbers as a fresh
+trace at that shape (:func:`fresh_trace`; a test compares them). On the aten-level graph:
 
 - :class:`torch.fx.passes.shape_prop.ShapeProp` gives every node's output shape and dtype;
 - the graph is run once more under autograd (still fake) inside
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+
+from .trace_cache import RawOp, load, monomials, primes_above, save, value_at
 
 #: tiny proxy shapes whose dimensions are all distinct: a captured block input's dims map back by size
 _PROXY = {"rows": 3, "seq": 7, "head_dim": 4, "heads": 2}
@@ -105,20 +110,20 @@ def _block_inputs(arch: str, attn: str):
     return seen["args"], seen["kwargs"]
 
 
-def _flops(node) -> float:
+def _flops(node) -> int:
     """FLOPs of the matrix products and attention; 0 for the rest (priced by bytes moved)."""
     name = str(node.target)
     shapes = [a.meta["tensor_meta"].shape for a in node.args if hasattr(a, "meta") and "tensor_meta" in a.meta]
     if name in ("aten.mm.default", "aten.addmm.default") and len(shapes) >= 2:
         (m, k), n = shapes[-2], shapes[-1][-1]
-        return 2.0 * m * k * n
+        return 2 * int(m) * int(k) * int(n)
     if name == "aten.bmm.default" and len(shapes) == 2:
         b, m, k = shapes[0]
-        return 2.0 * b * m * k * shapes[1][-1]
+        return 2 * int(b) * int(m) * int(k) * int(shapes[1][-1])
     if "scaled_dot_product" in name and len(shapes) >= 3:
         q, k = shapes[0], shapes[1]
-        return 4.0 * q[0] * q[1] * q[2] * k[2] * q[3]
-    return 0.0
+        return 4 * int(q[0]) * int(q[1]) * int(q[2]) * int(k[2]) * int(q[3])
+    return 0
 
 
 _MATMULS = ("aten.bmm.default", "aten.matmul.default", "aten.mm.default")
@@ -190,10 +195,72 @@ def trace_block(*args, **kwargs) -> BlockTrace:
         return _trace_block(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
-                *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9,
-                bytes_per_s: float = 8e9, kind_bw: tuple = (), op_s: float = 5e-6) -> BlockTrace:
+                 *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9,
+                 bytes_per_s: float = 8e9, kind_bw: tuple = (), op_s: float = 5e-6) -> BlockTrace:
+    ops, autograd = _scaled(arch, hidden, heads, kv_heads, ffn, vocab, dtype, attn)
+    return _priced(arch, rows, seq, hidden, dtype, [op.at(rows, seq) for op in ops],
+                   value_at(autograd, rows, seq), flops_per_s, bytes_per_s, kind_bw, op_s)
+
+
+def fresh_trace(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, rows: int, seq: int,
+                *, dtype: str = "float32", attn: str = "sdpa", flops_per_s: float = 50e9, bytes_per_s: float = 8e9,
+                kind_bw: tuple = (), op_s: float = 5e-6) -> BlockTrace:
+    """:func:`trace_block` traced at ``rows x seq`` itself rather than scaled from the model's one trace (what
+    the tests compare the scaled trace with; not cached)."""
+    ops, autograd = _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
+    return _priced(arch, rows, seq, hidden, dtype, [op.at(rows, seq) for op in ops],
+                   value_at(autograd, rows, seq), flops_per_s, bytes_per_s, kind_bw, op_s)
+
+
+def _priced(arch, rows, seq, hidden, dtype, ops, autograd, flops_per_s, bytes_per_s, kind_bw, op_s) -> BlockTrace:
+    """The :class:`BlockTrace` of evaluated ops (``(name, target, fresh, needed, moved, flops, core, saves)``)
+    and ``autograd`` bytes."""
+    nodes = []
+    counts: dict[str, int] = {}
+    for name, target, fresh, needed, moved, flops, core, saves in ops:
+        k = counts.get(target, 0)
+        counts[target] = k + 1
+        moved = moved if fresh else 0.0   # a view moves nothing
+        kind = op_kind(target, flops, fresh)
+        seconds = _seconds(kind, flops, moved, flops_per_s, bytes_per_s, dict(kind_bw), op_s)
+        nodes.append(OpNode(name, f"{target[5:]}#{k}", fresh, needed, seconds, flops, core, saves, kind, moved))
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return BlockTrace(arch, rows, seq, tuple(nodes), autograd, rows * seq * hidden * size,
+                      sum(x.seconds for x in nodes))
+
+
+@functools.lru_cache(maxsize=16)
+def _scaled(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, dtype: str, attn: str):
+    """The block traced once per model, at ``rows`` and ``seq`` two primes larger than any of its dimensions:
+    every size a tensor of the trace has is then ``c · rows^a · seq^b`` with ``c`` a product of the model's
+    dimensions, which neither prime divides, so ``a`` and ``b`` are read off by division. The ops at another
+    micro-batch shape are these polynomials evaluated there (a test checks them against a fresh trace). Kept
+    on disk too (:mod:`rlhfc.passes.trace_cache`): a compile in a new process neither imports torch and
+    transformers nor traces again."""
+    key = (arch, hidden, heads, kv_heads, ffn, vocab, dtype, attn)
+    cached = load(key)
+    if cached is not None:
+        return cached
+    rows, seq = primes_above(max(hidden, heads, kv_heads, ffn, 64), 2)
+    ops, autograd = _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
+    save(key, ops, autograd)
+    return ops, autograd
+
+
+def _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn) -> tuple[list[RawOp], tuple]:
+    """The block's aten ops traced at ``rows x seq`` (see the module docstring) and the bytes autograd saves in
+    all, sizes as sums of monomials in ``rows`` and ``seq`` (:class:`RawOp`: a true polynomial when those
+    are primes no other dimension shares; at other shapes, exact at ``rows x seq`` only)."""
+    import warnings
+
+    with warnings.catch_warnings():   # torch's pytree deprecation notes while tracing are not the user's business
+        warnings.simplefilter("ignore", FutureWarning)
+        return _raw_trace_inner(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
+
+
+def _raw_trace_inner(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx import Interpreter
@@ -266,8 +333,8 @@ def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vo
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             Owners(gm).run(*grad_in)
-        fresh: dict[str, int] = {}      # node -> bytes of the storages it allocated
-        needed: dict[str, int] = {}     # node -> bytes of those that autograd saved
+        fresh: dict[str, list] = {}      # node -> bytes of each storage it allocated
+        needed: dict[str, list] = {}     # node -> bytes of those that autograd saved
         counted: set[int] = set()
         for t in held:
             s = t.untyped_storage()
@@ -276,39 +343,31 @@ def _trace_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vo
             if name is None or key in counted:
                 continue
             counted.add(key)
-            fresh[name] = fresh.get(name, 0) + s.nbytes()
+            fresh.setdefault(name, []).append(s.nbytes())
             if key in saved:
-                needed[name] = needed.get(name, 0) + s.nbytes()
+                needed.setdefault(name, []).append(s.nbytes())
     core = core_attention(gm.graph)
-    nodes = []
-    counts: dict[str, int] = {}
+    ops = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or not str(n.target).startswith("aten."):
             continue
-        k = counts.get(str(n.target), 0)
-        counts[str(n.target)] = k + 1
-        name = str(n.target)[5:]
-        moved = _moved_bytes(n) if fresh.get(n.name, 0) else 0.0   # a view moves nothing
-        flops = _flops(n)
-        kind = op_kind(str(n.target), flops, fresh.get(n.name, 0))
-        seconds = _seconds(kind, flops, moved, flops_per_s, bytes_per_s, dict(kind_bw), op_s)
-        nodes.append(OpNode(n.name, f"{name}#{k}", fresh.get(n.name, 0), needed.get(n.name, 0), seconds, flops,
-                            n.name in core, n.name in savers, kind, moved))
-    input_bytes = rows * seq * hidden * torch.empty((), dtype=torch_dtype).element_size()
-    return BlockTrace(arch, rows, seq, tuple(nodes), sum(needed.values()), input_bytes,
-                      sum(x.seconds for x in nodes))
+        ops.append(RawOp(n.name, str(n.target), monomials(fresh.get(n.name, ()), rows, seq),
+                          monomials(needed.get(n.name, ()), rows, seq), monomials(_moved_bytes(n), rows, seq),
+                          monomials([_flops(n)], rows, seq), n.name in core, n.name in savers))
+    return ops, monomials([b for bs in needed.values() for b in bs], rows, seq)
 
 
-def _moved_bytes(node) -> float:
-    total = 0.0
+def _moved_bytes(node) -> list[int]:
+    """The bytes of each tensor ``node`` writes or reads (its outputs and tensor arguments)."""
+    out = []
     for m in [node.meta.get("tensor_meta")] + [a.meta.get("tensor_meta") for a in node.args if hasattr(a, "meta")]:
         for t in (m if isinstance(m, (list, tuple)) and not hasattr(m, "shape") else [m]):
             if t is not None and hasattr(t, "shape"):
                 n = 1
                 for d in t.shape:
                     n *= int(d)
-                total += n * t.dtype.itemsize
-    return total
+                out.append(n * t.dtype.itemsize)
+    return out
 
 
 def reprice(trace: BlockTrace, flops_per_s: float, kind_bw: dict[str, float], op_s: float = 5e-6) -> BlockTrace:

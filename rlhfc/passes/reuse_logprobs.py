@@ -21,7 +21,7 @@ cache and a full forward sum in a different order, so values can differ in the
 last bits (measured ~1e-7). ``rlhfc passes`` lists it as exact up to rounding;
 tested end to end against -O0 (docs/runtime.md, "Exactness").
 
-Not under ``run { rollout = vllm }``: vLLM's sampled-token log-probs come from other kernels (and, on
+Not on a generate stage that runs on vLLM (``run { rollout = vllm }``, or ``auto``'s choice): vLLM's sampled-token log-probs come from other kernels (and, on
 CPU, other arithmetic) than the trainer's forward, so they are not the old log-probs PPO's ratio needs;
 the trainer's forward stays, and the step records how far apart the two are
 (``rollout_logprob_diff_mean``/``_max``; ``ppo_clip(..., tis_cap = C)`` corrects for it).
@@ -47,8 +47,6 @@ class ReuseLogprobs(Pass):
     def run(self, module: Module) -> Module:
         g = module.graph
         changed = False
-        if module.run.rollout == "vllm":   # the engine's log-probs are not the trainer's (module docstring)
-            return module
         for s in list(g.stages):
             if s.op != "forward.logprobs" or len(s.inputs) != 1:
                 continue
@@ -57,7 +55,9 @@ class ReuseLogprobs(Pass):
             except KeyError:
                 continue
             temperature = float(s.attrs.get("temperature", 1.0))
-            if gen.op != "generate" or gen.target != s.target or temperature <= 0 \
+            if gen.op != "generate" or plan.stage_engine(module, gen) == "vllm":   # not the trainer's log-probs
+                continue
+            if gen.target != s.target or temperature <= 0 \
                     or float(gen.attrs.get("temperature", 1.0)) != temperature:
                 continue
             between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]

@@ -1,6 +1,7 @@
 """The placement search: a seeded walk over plans, each priced exactly as ``compile`` will emit it.
 
-One pricing path. A candidate plan is a mesh per model stage (``{stage: (first, count)}``). To price it,
+One pricing path. A candidate plan is a mesh per model stage (``{stage: (first, count)}``), or a whole layout
+for a pinned stage, and :data:`~rlhfc.passes.placement.STREAMS` when it runs without streaming. To price it,
 :class:`PlanPricer` does what the compile does with it: a copy of the module before placement is placed
 (:func:`rlhfc.passes.placement.place`: each stage's fastest layout that fits, memory budgets tightened until the
 devices' totals fit), then the passes that follow ``placement`` in the running pipeline (``recompute``, ``realloc``
@@ -11,16 +12,23 @@ and the searched plan's price is ``explain``'s price of the compiled job (a test
 fast because everything that does not change between candidates is computed once: stage prices and layout tables
 (:func:`rlhfc.cost.shared_prices`), weight-sync times, traced blocks.
 
-The walk (ReaL's Metropolis search): it starts from the best of the strategies' plans (flatten, interleave,
-separate), then, when the space of per-model meshes is small, prices every assignment; else it proposes a new mesh
-for one model (or for one model's generation alone), accepts it if faster, or with probability ``exp(-Δ/T)`` (``T``
-= 5 % of the best price), restarts from the best plan at twice the temperature after ``PATIENCE`` proposals without
-improvement, and stops after ``candidates`` distinct plans priced (or 20 times as many proposals, when the walk
-keeps revisiting plans it priced). Plans that overflow memory cost 3× (as ReaL), and the result is the fastest plan
-that fits — never slower than any strategy's plan, since those are candidates too. A plan whose weights and
-optimizer state alone overflow a device cannot be emitted by any pipeline (the passes after placement do not change
-them); the walk scores it by its placed price without running those passes. Seeded: the same program and seed give
-the same plan on any machine and load (the budget is counted in plans, not seconds).
+The walk (ReaL's Metropolis search): it starts from the best of the seeds — the strategies' plans (flatten,
+interleave, separate) and each baseline system's plan twice (its whole plan: meshes and layouts pinned, without
+streaming, as it runs; and its meshes with rlhfc's layouts), all priced under rlhfc's runtime terms — then, when
+the space of per-model meshes is small, prices every assignment; else it proposes a new mesh for one model (or
+for one model's generation alone), accepts it if faster, or with probability ``exp(-Δ/T)`` (``T`` = 5 % of the
+best price), restarts from the best plan at twice the temperature after ``PATIENCE`` proposals without
+improvement. On GPU clusters the last fifth of the budget goes to a layout search beyond each stage's greedy
+choice (:func:`_polish_layouts`: one stage pinned to another layout of its mesh, the others re-chosen around it;
+the plan with and without streaming); if it settles early the walk goes on. The search stops after
+``candidates`` distinct plans priced (or 20 times as many proposals, when the walk keeps revisiting plans it
+priced). Plans that overflow memory cost 3× (as ReaL), and the result is the fastest plan that fits — never
+slower than any seed, since those are candidates too, hence never slower than any strategy's plan or any
+baseline system's plan as that system runs it (its own slowness terms only add cost; a test checks it over the
+examples and a table of clusters). A plan whose weights and optimizer state alone overflow a device cannot be
+emitted by any pipeline (the passes after placement do not change them); the walk scores it by its placed
+price without running those passes. Seeded: the same program and seed give the same plan on any machine and
+load (the budget is counted in plans, not seconds).
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ TEMPERATURE = 0.05
 EXHAUSTIVE = 256
 #: an overflowing plan's price is its time times this (ReaL), so the walk can cross it
 OVERFLOW_PENALTY = 3.0
+#: the share of the budget kept for the layout search after the walk (GPU clusters; 1/5)
+POLISH_SHARE = 5
+#: alternative layouts per stage the layout search tries in a sweep (the fastest of distinct splits)
+POLISH_ALTERNATIVES = 4
 
 
 @dataclass
@@ -80,6 +92,12 @@ class PlanPricer:
         self.config = config
         self.steps = steps
         self.prices: dict[tuple, tuple[float, bool]] = {}
+        # shared by every candidate's copy: the declarations (see _placed) and the frozen source locations and
+        # value types of the stages (copying them is most of a copy's time otherwise)
+        shared = [module.models, module.data, module.cluster]
+        for s in module.graph.stages:
+            shared += [s.loc, s.ir_loc, *s.field_locs.values(), *(v.type for v in s.inputs + s.outputs)]
+        self._shared = {id(x): x for x in shared if x is not None}
 
     def compile(self, assign: dict) -> Module:
         """The module the pipeline emits for ``assign``: placed, then the downstream passes."""
@@ -91,9 +109,7 @@ class PlanPricer:
         # the models, data sources and cluster are shared with the base module: no pass after placement
         # changes them (placement, recompute and realloc annotate and add stages), and copying 70B programs'
         # declarations for every candidate is most of a candidate's price otherwise
-        base = self.base
-        trial = copy.deepcopy(base, {id(base.models): base.models, id(base.data): base.data,
-                                     id(base.cluster): base.cluster})
+        trial = copy.deepcopy(self.base, dict(self._shared))
         place(trial, assign, "search")
         return trial
 
@@ -174,17 +190,21 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
         for name, a in seeds.items():
             walk.offer(a)
             report.seeds[name] = pricer.price(a)[0]
+        polish = candidates // POLISH_SHARE if module.cluster.device != "cpu" else 0
+        keys = [(m, False) for m in models]
+        if P.SPLIT_GENERATION:
+            keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
         if space <= EXHAUSTIVE:
             for combo in itertools.product(*(meshes_of[m] for m in models)):
-                if len(pricer.prices) >= candidates:
+                if len(pricer.prices) >= candidates - polish:
                     break
                 walk.offer({s.name: combo[i] for i, m in enumerate(models) for s in by_model[m]})
         else:
-            keys = [(m, False) for m in models]
-            if P.SPLIT_GENERATION:
-                keys += [(m, True) for m in models
-                         if m not in fixed and any(s.op == "generate" for s in by_model[m])]
-            _metropolis(walk, by_model, keys, meshes_of, candidates, seed)
+            _metropolis(walk, by_model, keys, meshes_of, candidates - polish, seed)
+        if polish:
+            _polish_layouts(walk, module, by_model, candidates)
+            if space > EXHAUSTIVE and len(pricer.prices) < candidates:   # the layout search settled early
+                _metropolis(walk, by_model, keys, meshes_of, candidates, seed + 1)
         best = walk.result()
     report.candidates = len(pricer.prices)
     report.seconds = time.perf_counter() - start
@@ -193,22 +213,41 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
 
 
 def _baseline_meshes(module: Module, by_model: dict) -> dict[str, dict]:
-    """The meshes each baseline system's plan gives the stages (``baseline:NAME`` seeds of the search; GPU
-    clusters): priced as rlhfc compiles them, so the plan found is never slower than another system's
-    placement run by rlhfc's pipeline."""
+    """Two seeds per baseline system (GPU clusters), both priced under rlhfc's runtime terms (the module stays
+    rlhfc's: none of the system's own slowness terms, which only add cost) and compiled by the rest of the
+    pipeline: ``baseline:NAME``, the system's whole plan (each model stage pinned to the mesh *and* layout the
+    system gives it: split, micro-batches or generation waves, recompute), and ``baseline:NAME:meshes``, its
+    meshes with the layouts rlhfc picks on them. So the plan found is never slower than another system's plan
+    run by rlhfc, nor than its placement compiled by rlhfc. A baseline layout the run's trainer cannot run
+    (:func:`rlhfc.passes.layouts.runnable`) leaves that stage to rlhfc's choice on the same mesh."""
     from rlhfc.ir import plan
     from rlhfc.ir.plan import BASELINES
 
+    from . import placement as P
     from .baselines import build
+    from .layouts import runnable
 
     if module.cluster.device == "cpu":
         return {}
     out = {}
+    stages = [s for group in by_model.values() for s in group]
     for name in BASELINES:
         trial = build(module.clone(), name)
-        out[f"baseline:{name}"] = {s.name: plan.stage_mesh(trial, trial.graph.stage(s.name)).pair()
-                                   for stages in by_model.values() for s in stages}
+        meshes = {s.name: plan.stage_mesh(trial, trial.graph.stage(s.name)).pair() for s in stages}
+        whole = dict(meshes)
+        for s in stages:
+            lay = plan.stage_layout(trial, trial.graph.stage(s.name))
+            if s.op.split(".")[0] in ("generate", "forward", "train") and \
+                    runnable(module, module.models[s.target], lay):
+                whole[s.name] = lay
+        out[f"baseline:{name}"] = {**whole, P.STREAMS: False} if _streams(module) else whole
+        out[f"baseline:{name}:meshes"] = meshes
     return out
+
+
+def _streams(module: Module) -> bool:
+    """Whether the ``stream`` pass chunked a generation of ``module`` (so a plan may also run without it)."""
+    return any("stream" in s.annotations for s in module.graph.stages)
 
 
 class _Walk:
@@ -237,6 +276,68 @@ class _Walk:
         return self.best_fit if self.best_fit is not None else self.best
 
 
+def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int) -> None:
+    """The layout search (beyond each stage's greedy choice): from the best plan, pin one model stage to
+    another layout on its mesh (the fastest of each distinct split and micro-batch count it may take, up to
+    :data:`POLISH_ALTERNATIVES`) and let the stages not pinned be chosen around it (so a stage that gives up
+    memory lets the stages beside it take faster layouts); on a streamed program, also try the plan without
+    streaming. First improvement is kept; sweeps repeat until one improves nothing or ``limit`` plans are
+    priced. Only improvements are kept, so the result is never slower than the walk's."""
+    from rlhfc.cost import CostModel
+    from rlhfc.ir import plan
+
+    from . import placement as P
+    from .layouts import layout_table, mesh_of
+
+    pricer = walk.pricer
+    if walk.best_fit is None:
+        return
+    stages = [s for group in by_model.values() for s in group if s.op.split(".")[0] in ("generate", "forward", "train")
+              and plan.fixed_layout(module.models[s.target]) is None]
+    stages.sort(key=lambda s: (s.op != "train", s.op != "generate", s.name))
+    same_split = module.run.trainer != "torch"
+    improved = True
+    while improved and len(pricer.prices) < limit:
+        improved = False
+        cur, cur_t = dict(walk.best_fit), walk.best_fit_t
+        placed = pricer._placed(cur)
+        cm = CostModel(placed, pricer.config)
+        moves = []
+        if _streams(module):
+            toggled = {k: v for k, v in cur.items() if k != P.STREAMS}
+            moves.append(toggled if P.STREAMS in cur else {**cur, P.STREAMS: False})
+        for s in stages:
+            first, count = mesh_of(cur[s.name])
+            now = plan.stage_layout(placed, placed.graph.stage(s.name))
+            c, r = layout_table(placed, cm, placed.graph.stage(s.name), first, count)
+            if r is None:
+                continue
+            seen, alts = {(now.dp, now.tp, now.pp, now.microbatches)}, []
+            for i in sorted(range(len(c)), key=lambda i: (float(r["total"][i]), i)):
+                split = (c[i].dp, c[i].tp, c[i].pp, c[i].microbatches)
+                if split not in seen:
+                    seen.add(split)
+                    alts.append(c[i])
+                if len(alts) >= POLISH_ALTERNATIVES:
+                    break
+            for lay in alts:
+                prop = dict(cur)
+                prop[s.name] = lay
+                if same_split:   # the model's other stages on this mesh are re-chosen in the new split
+                    for o in by_model[s.target]:
+                        if o.name != s.name and isinstance(prop[o.name], plan.Layout) and \
+                                mesh_of(prop[o.name]) == (first, count):
+                            prop[o.name] = (first, count)
+                moves.append(prop)
+        for prop in moves:
+            if len(pricer.prices) >= limit:
+                return
+            walk.offer(prop)
+            if walk.best_fit_t < cur_t:
+                improved = True
+                break
+
+
 def _metropolis(walk: _Walk, by_model: dict, keys: list, meshes_of: dict, candidates: int, seed: int) -> None:
     """ReaL's walk: move one model (or its generation) to another mesh; accept by the Metropolis rule."""
     rng = random.Random(seed)
@@ -251,7 +352,7 @@ def _metropolis(walk: _Walk, by_model: dict, keys: list, meshes_of: dict, candid
         model, gen_only = rng.choice(keys)
         mesh = rng.choice(meshes_of[model])
         prop = dict(cur)
-        for s in by_model[model]:
+        for s in by_model[model]:   # moved stages lose any pinned layout (a layout belongs to its mesh)
             if (s.op == "generate") == gen_only or not gen_only:
                 prop[s.name] = mesh
         before = walk.best_fit_t

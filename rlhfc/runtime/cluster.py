@@ -123,7 +123,8 @@ class Cluster:
             args = (model_name, model["spec"], model["init"], self.seed)
             device = "cuda" if use_gpu else "cpu"
             precision = self.plan["run"].get("precision", "fp32")
-            engine = self.plan["run"].get("rollout", "torch")   # a vLLM engine lives in a one-rank worker
+            engine = w.get("engine") or self.plan["run"].get("rollout", "torch")   # vLLM: in a one-rank worker
+            engine = engine if engine in ("torch", "vllm") else "torch"   # rollout = auto: the worker's "engine"
             rollout = {"engine": engine, "folder": os.path.join(os.path.abspath(self.out), "vllm")}
             if trainer == "torch" and ranks == 1:
                 actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),

@@ -19,6 +19,7 @@ the functions here, so no two of them can disagree about a default.
 | ``overcommit``        | generate           | :class:`Overcommit`           |
 | ``unpad``             | generate, train    | bool                          |
 | ``logprobs``          | generate           | bool                          |
+| ``engine``            | generate           | ``"vllm"`` (``rollout = auto``'s choice; absent = torch) |
 | ``strategy`` (module) | module             | one of :data:`STRATEGIES`     |
 
 A model's fixed layout (the program's ``layout(...)`` clause, ``Model.layout``) is read as a
@@ -39,12 +40,13 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 from __future__ import annotations
 
 from .attrs import BASELINES, placement_problem
-from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, ROLLOUTS, RUN_TRAINERS, STRATEGIES,
+from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, ROLLOUTS, ENGINES, RUN_TRAINERS, STRATEGIES,
                     TRAINERS, TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute,
                     Stream, Sync, describe, opt_level)
 from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
-from .rollout import VLLM_INSTALL, vllm_head_problem, verify_rollout
+from .rollout import (ENGINE_KEY, VLLM_INSTALL, model_engine, stage_engine, verify_rollout, vllm_head_problem,
+                      vllm_model_problem)
 from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
@@ -57,7 +59,8 @@ __all__ = [
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
     "LAYOUT_FACTORS", "RUN_TRAINERS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "ROLLOUTS", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
-    "VLLM_INSTALL", "verify_rollout", "vllm_head_problem",
+    "VLLM_INSTALL", "verify_rollout", "vllm_head_problem", "ENGINE_KEY", "ENGINES", "model_engine", "stage_engine",
+    "vllm_model_problem",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",

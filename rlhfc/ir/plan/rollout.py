@@ -1,6 +1,13 @@
-"""What ``run { rollout = vllm }`` needs, checked at check time (the verifier calls :func:`verify_rollout`).
+"""What ``run { rollout = vllm }`` needs, checked at check time (the verifier calls :func:`verify_rollout`), and
+which engine each generate stage runs on (:func:`stage_engine`).
 
-A program that asks for the vLLM engine is refused before any job starts when:
+Under ``rollout = torch`` or ``vllm`` every generate stage runs on that engine. Under ``rollout = auto`` the
+``engine`` pass (:mod:`rlhfc.passes.engine`) picks one per generating model and marks the model's generate
+stages ``engine = "vllm"`` when it picks vLLM; an unmarked stage runs on torch (so at -O0, where no pass runs,
+``auto`` is torch). The pass asks :func:`vllm_model_problem` first, so what keeps a model off vLLM is one rule.
+
+A program that asks for the vLLM engine (or an IR whose stages are marked ``engine = "vllm"``) is refused
+before any job starts when:
 
 * a generating model is one vLLM cannot run: an architecture other than llama/gpt2 is impossible here
   (the language has only those), so the rule is the attention head size (``hidden / heads``), which vLLM's
@@ -8,7 +15,8 @@ A program that asks for the vLLM engine is refused before any job starts when:
 * a generate stage asks for sampling vLLM does not do (``top_p = 0``: vLLM needs 0 < top_p <= 1);
 * the generating model runs as several ranks (FSDP2 / megatron-core): the engine is owned by one worker;
 * vLLM is not installed (reported only when nothing else is wrong, so a program's own mistakes read the
-  same with or without vLLM installed); the message gives the install command.
+  same with or without vLLM installed); the message gives the install command. Not for stages the ``engine``
+  pass marked: it marks only when vLLM is installed where it compiles.
 """
 
 from __future__ import annotations
@@ -37,9 +45,56 @@ def vllm_head_problem(hidden: int, heads: int) -> str | None:
             f"vLLM runs head sizes {', '.join(map(str, VLLM_HEAD_SIZES))}: e.g. {change}, or run {{ rollout = torch }}")
 
 
+#: the stage annotation that records ``rollout = auto``'s choice (only ``"vllm"`` is written; absent = torch)
+ENGINE_KEY = "engine"
+
+
+def stage_engine(module: Module, stage) -> str:
+    """The engine (``torch`` | ``vllm``) that runs generate stage ``stage``: the run's ``rollout``, or under
+    ``auto`` the stage's ``engine`` annotation (torch when absent)."""
+    rollout = module.run.rollout
+    if rollout != "auto":
+        return "vllm" if rollout == "vllm" else "torch"
+    return "vllm" if stage.annotations.get(ENGINE_KEY) == "vllm" else "torch"
+
+
+def model_engine(module: Module, model: str) -> str:
+    """``vllm`` when any generate stage of ``model`` runs on vLLM (one engine per worker), else ``torch``."""
+    return "vllm" if any(s.op == "generate" and s.target == model and stage_engine(module, s) == "vllm"
+                         for s in module.graph.stages) else "torch"
+
+
+def vllm_model_problem(module: Module, model: str) -> str | None:
+    """Why ``rollout = auto`` must keep generating model ``model`` on torch (None when vLLM can run it): the
+    checks of ``rollout = vllm`` — head size, a generate's ``top_p``, vLLM installed — and that the model may
+    run as several ranks (a trainer other than torch, unless its fixed layout is one process or the cluster
+    has one device)."""
+    from .rules import fixed_layout
+
+    m = module.models.get(model)
+    if m is None:
+        return None
+    if isinstance(m.hidden, int) and isinstance(m.heads, int):
+        problem = vllm_head_problem(m.hidden, m.heads)
+        if problem is not None:
+            return f"vLLM cannot run its {problem[0]}"
+    for s in module.graph.stages:
+        top_p = s.attrs.get("top_p", 1.0) if s.op == "generate" and s.target == model else 1.0
+        if isinstance(top_p, (int, float)) and top_p <= 0:
+            return f"%{s.name} samples with top_p = {top_p}, which vLLM does not support"
+    fixed = fixed_layout(m)
+    one_device = module.cluster.num_devices == 1
+    if module.run.trainer != "torch" and (fixed is None or fixed.size > 1) and not one_device:
+        return f"trainer = {module.run.trainer} may run it as several ranks (a vLLM engine lives in one process)"
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed ({VLLM_INSTALL})"
+    return None
+
+
 def verify_rollout(module: Module, sink: DiagnosticSink) -> None:
-    """Report what keeps the program's generate stages off the vLLM engine (nothing under ``torch``)."""
-    if module.run.rollout != "vllm":
+    """Report what keeps the program's generate stages off the vLLM engine: every stage under ``vllm``, the
+    stages the ``engine`` pass marked under ``auto``, none under ``torch``."""
+    if module.run.rollout == "torch":
         return
     from .rules import stage_mesh, workers
 
@@ -47,7 +102,7 @@ def verify_rollout(module: Module, sink: DiagnosticSink) -> None:
     at_run = where(module.run, "rollout")
     seen: set[str] = set()
     for s in module.graph.stages:
-        if s.op != "generate":
+        if s.op != "generate" or stage_engine(module, s) != "vllm":
             continue
         top_p = s.attrs.get("top_p", 1.0)
         if isinstance(top_p, (int, float)) and top_p <= 0:
@@ -67,12 +122,13 @@ def verify_rollout(module: Module, sink: DiagnosticSink) -> None:
     if isinstance(module.cluster.num_devices, int) and all(st.outputs for st in module.graph.stages):
         placed = workers(module)
         for st in module.graph.stages:
-            w = placed.get((st.target, stage_mesh(module, st))) if st.op == "generate" else None
+            w = placed.get((st.target, stage_mesh(module, st))) \
+                if st.op == "generate" and stage_engine(module, st) == "vllm" else None
             if w is not None and w.ranks > 1:
                 sink.error(f"model @{w.model} generates under rollout = vllm on {w.ranks} ranks ({w.trainer}), "
                            "but the vLLM engine is owned by a one-process worker", at_run,
                            "run the generating model as one process (trainer = torch, or a one-device layout), "
                            "or run { rollout = torch }")
                 break
-    if len(sink.errors) == before and importlib.util.find_spec("vllm") is None:
+    if module.run.rollout == "vllm" and len(sink.errors) == before and importlib.util.find_spec("vllm") is None:
         sink.error("rollout = vllm, but vLLM is not installed", at_run, f"install the extra: {VLLM_INSTALL}")

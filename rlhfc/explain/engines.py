@@ -1,0 +1,49 @@
+"""What ``explain`` says about the rollout engines (``run { rollout = vllm | auto }``): per generate stage the
+engine it runs on, its price per step and where the price comes from (the profile's vLLM measurements or the
+catalog assumption, :mod:`rlhfc.cost.engine`); under ``auto``, per generating model the engine the ``engine``
+pass chose and why: both engines' prices at the compiled plan and, when the pass ran in this process, the
+prices it compared (before placement, torch credited with a reused log-prob forward), or what keeps the model
+off vLLM."""
+
+from __future__ import annotations
+
+from rlhfc.ir import Module, plan
+
+
+def engine_notes(module: Module, cm) -> list[str]:
+    """Notes for ``explain`` (none under ``rollout = torch``)."""
+    if module.run.rollout == "torch":
+        return []
+    from rlhfc.cost.engine import unsupported
+
+    notes = []
+    gens = [s for s in module.graph.stages if s.op == "generate" and s.target in module.models]
+    for s in gens:
+        c = cm.stage_cost(s)
+        engine = plan.stage_engine(module, s)
+        if engine == "vllm":
+            refit = c.parts.get("refit")
+            rates = "measured by the profile" if c.work.get("engine_source") == "profile" else \
+                "the catalog assumption (no vLLM measurement in the profile: run `rlhfc profile` with vLLM installed)"
+            extra = f", of which refit {refit * 1e3:.1f} ms ({c.work.get('refit_source')})" if refit else ""
+            notes.append(f"%{s.name} generates on vllm: {c.time_s * 1e3:.1f} ms a step{extra}; vLLM's rates: {rates}")
+        else:
+            notes.append(f"%{s.name} generates on torch (rlhfc's decode loop): {c.time_s * 1e3:.1f} ms a step")
+    if module.run.rollout != "auto":
+        return notes
+    from rlhfc.cost.engine import engine_prices
+
+    chosen = {c.model: c for c in getattr(module, "engine_choices", [])}   # the engine pass's own prices, if run
+    for name in dict.fromkeys(s.target for s in gens):
+        mine = [s for s in gens if s.target == name]
+        engine = plan.model_engine(module, name)
+        problem = plan.vllm_model_problem(module, name) or unsupported(cm.profile, module.models[name])
+        if problem is not None and engine == "torch":
+            notes.append(f"rollout = auto keeps @{name} on torch: {problem}")
+            continue
+        prices = engine_prices(module, mine, cm.config)
+        why = f" (the engine pass chose it before placement: {chosen[name].why})" if name in chosen else ""
+        notes.append(f"rollout = auto runs @{name} on {engine}: at this plan its generate stages cost "
+                     f"{prices['vllm'] * 1e3:.1f} ms a step on vllm (refit included) vs {prices['torch'] * 1e3:.1f} ms "
+                     f"on torch{why}")
+    return notes

@@ -1,0 +1,112 @@
+"""``engine``: under ``run { rollout = auto }``, pick the rollout engine of each generating model from the
+cost model.
+
+For every model with generate stages the pass prices those stages on rlhfc's torch decode loop and on the
+vLLM engine (:func:`rlhfc.cost.engine.engine_prices`: vLLM's measured speed from the profile — the pass's
+``profile`` option (``--profile``), else this machine's default profile that ``rlhfc profile`` saved —, continuous
+batching, its refit when the model is trained; or the documented catalog assumption) and marks the
+model's generate stages ``engine = "vllm"`` when vLLM is cheaper; torch is the unmarked default. Under
+vLLM the trainer's log-prob forward stays (``reuse_logprobs`` does not apply to the engine's log-probs), so
+when ``reuse_logprobs`` runs later in the pipeline the torch side is credited with the forwards it would
+remove.
+
+A model vLLM cannot run stays on torch, with a note, not an error
+(:func:`rlhfc.ir.plan.vllm_model_problem`: its head size, a generate's ``top_p``, a trainer that may run it
+as several ranks, vLLM not installed where it compiles, or a profile that recorded the engine failing on
+that shape).
+
+Not in the -O pipelines: ``compile``/``run``/``explain`` run it first at every level, -O0 included, whenever
+the program says ``rollout = auto`` (:func:`rlhfc.cli.optimise.optimise`), so every level runs the same
+engine and an -O2 build still trains as the -O0 one. So it runs before ``reuse_logprobs`` (whose decision
+depends on the engine) and before placement: the prices are taken on the stages' layouts at that point (the
+whole cluster when nothing is placed yet). Not exact in itself: the engines sample with different generators,
+so the tokens differ from torch's (the program opted in with ``auto``). Under ``torch``/``vllm`` the pass
+changes nothing; it is idempotent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhfc.ir import Module
+from rlhfc.ir import plan
+
+from rlhfc.ir.diagnostics import error
+
+from .base import Pass, register_pass
+
+
+@dataclass
+class EngineChoice:
+    """One generating model's choice: ``engine``, its ``prices`` (seconds per step of its generate stages on
+    each engine; empty when vLLM cannot run it), ``saved`` (the log-prob forwards torch avoids) and ``why``."""
+
+    model: str
+    engine: str
+    prices: dict
+    saved: float
+    why: str
+
+
+def choose_engines(module: Module, downstream_names=(), config=None) -> list[EngineChoice]:
+    """The choice for every generating model of ``module`` under ``rollout = auto`` (module docstring)."""
+    from rlhfc.cost import CostConfig, CostModel
+    from rlhfc.cost.engine import engine_prices, reusable_forwards, unsupported
+
+    g = module.graph
+    config = config or CostConfig()
+    out = []
+    models = list(dict.fromkeys(s.target for s in g.stages if s.op == "generate" and s.target in module.models))
+    for name in models:
+        gens = [s for s in g.stages if s.op == "generate" and s.target == name]
+        problem = plan.vllm_model_problem(module, name) or unsupported(config.profile, module.models[name])
+        if problem is not None:
+            out.append(EngineChoice(name, "torch", {}, 0.0, f"vLLM cannot run @{name} here: {problem}"))
+            continue
+        prices = engine_prices(module, gens, config)
+        saved = 0.0
+        if "reuse_logprobs" in downstream_names:   # torch's own sampling log-probs replace the trainer's forward
+            cm = CostModel(module, config)
+            saved = sum(cm.stage_cost(s).time_s for s in reusable_forwards(module, gens))
+        torch_s, vllm_s = prices["torch"] - saved, prices["vllm"]
+        engine = "vllm" if vllm_s < torch_s else "torch"
+        credit = f" minus the {saved * 1e3:.1f} ms log-prob forward its sampling log-probs replace" if saved else ""
+        out.append(EngineChoice(name, engine, prices, saved,
+                                f"vllm {vllm_s * 1e3:.1f} ms (refit included) vs torch {prices['torch'] * 1e3:.1f} ms"
+                                f"{credit}, per step"))
+    return out
+
+
+@register_pass
+@dataclass(frozen=True)
+class Engine(Pass):
+    name = "engine"
+    description = ("rollout = auto: pick torch or vllm per generating model from the cost model (run first, at "
+                   "every level, whenever a program says rollout = auto)")
+    exact = False
+    profile: str = field(default="", metadata={
+        "doc": "measured profile the engines are priced with (a path, as explain's --profile; empty: this "
+               "machine's default profile, the one `rlhfc profile` saves, else the catalog assumption)"})
+
+    def run(self, module: Module) -> Module:
+        return self.run_in_pipeline(module, [])
+
+    def run_in_pipeline(self, module: Module, downstream: list) -> Module:
+        if module.run.rollout != "auto":
+            return module
+        for s in module.graph.stages:   # idempotent: chosen again from the prices
+            s.annotations.pop(plan.ENGINE_KEY, None)
+        from rlhfc.cost import CostConfig, ProfileError, find_default_profile, load_profile
+
+        try:   # the measured speeds of this machine are what auto is for: its default profile unless one is given
+            prof = load_profile(self.profile) if self.profile else find_default_profile(module.cluster.device)
+        except ProfileError as exc:
+            raise error(f"engine: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
+        choices = choose_engines(module, [p.name for p in downstream], CostConfig(profile=prof))
+        for c in choices:
+            if c.engine == "vllm":
+                for s in module.graph.stages:
+                    if s.op == "generate" and s.target == c.model:
+                        s.annotations[plan.ENGINE_KEY] = "vllm"
+        module.engine_choices = choices   # not IR: what explain reports about the choice
+        return module
