@@ -51,6 +51,8 @@ def test_out_of_grid_configuration_is_predicted_per_stage_and_step_through_ray(t
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     prof = load_profile(path)
+    # the workers share 2 cores: each model is also timed on the 1 thread a stage gets beside others
+    assert all(prof.thread_counts(k) == [1, 2] for k in prof.models), {k: prof.thread_counts(k) for k in prof.models}
     batches, lengths = _grid_points(prof)
     text = open(PROGRAM).read()
     text = re.sub(r"ppo\(batch = 4\)", "ppo(batch = 10)", text)
