@@ -1,6 +1,7 @@
-"""What `rlhfc profile` measures beside the grid for predictions inside real jobs: each model's own thread
-speed-up (timed on 1 thread back to back with its workers' count) and the part of a train call paid once
-per call rather than once per minibatch."""
+"""What `rlhfc profile` measures beside the grid for predictions inside real jobs, and how the simulator uses
+it: each model's own thread speed-up (timed on 1 thread back to back with its workers' count, priced per
+stage), the part of a train call paid once per call rather than once per minibatch, each call timed after
+an idle pause as a job's worker calls come; and the dispatch a call's price holds, not stretched by sharing."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def test_thread_speedup_is_the_models_own_measured_ratio():
     # an unmeasured width borrows the measured shape's table
     wide = key.replace("-h64-", "-h96-")
     assert prof.thread_speedup(wide, "train") == pytest.approx((1.0, 0.9))
+    # ... and its fits at each measured count, transferred (no correction grid), for the stage's own prices
+    assert prof.thread_counts(wide) == [1, 2] and prof.fit_at(wide, "forward_grid", 1) is None
+    one_fit, two_fit = prof.fit_at(wide, "forward", 1), prof.fit_at(wide, "forward", 2)
+    assert two_fit == prof.fit(wide, "forward") and one_fit[0] == pytest.approx(0.9 * two_fit[0], rel=1e-6)
+    assert prof.fit_at(key, "forward", 4) is None
 
 
 def test_a_one_thread_stage_is_priced_with_the_models_speedup():
