@@ -28,10 +28,12 @@ from rlhfc.ir.plan import workers
 
 
 #: seconds a model call is timed after (idle, not timed): a job's worker waits between its calls (for the
-#: driver, for the other workers' stages: 2-80 ms in the tiny examples' traces, typically 10-30), and a call
-#: after such a wait ran 10-20 % slower on the 2-core VM of docs/benchmarks.md than in a tight loop (forward
-#: +0.4-0.5 ms, train +0.9-1.4 ms; docs/benchmarks.md, "Per stage inside real jobs")
-JOB_PAUSE_S = 0.02
+#: driver, for the other workers' stages: 2-80 ms in the tiny examples' traces, most of a step for a worker
+#: with one stage), and a call after such a wait runs slower than in a tight loop. On the idle 2-core VM of
+#: docs/benchmarks.md, after 0 / 5 / 20 / 50 / 100 ms: a forward 2.10 / 2.19 / 2.54 / 3.40 / 3.56 ms, a train
+#: step 8.1 / 8.1 / 9.0 / 9.9 / 10.1 ms, a generation 26.7 / 27.3 / 28.9 / 29.5 / 29.9 ms (fastest of 8):
+#: most of the effect is there by 50 ms
+JOB_PAUSE_S = 0.05
 
 
 def _timeit(fn, reps: int = 5, pause: float = 0.0) -> float:
