@@ -472,7 +472,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
                 "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
         log(f"model @{m.name} ({key})")
         count = min(threads, worker_threads.get(m.name, threads))
-        prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log, reps=reps,
+        prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log,
+                                         reps=min(reps, 3) if quick else reps,   # each after a JOB_PAUSE_S wait
                                          extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
                                          pause=pause)
         if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
