@@ -9,7 +9,9 @@ core of a worker's share of its cores, so 1 when several models share a node's c
 use every core of a node.
 
 Each point is the fastest of a few repetitions (after a warm-up): on a shared machine the
-least-disturbed run is the most repeatable estimate of what the code costs. Torch and the runtime are
+least-disturbed run is the most repeatable estimate of what the code costs. Each repetition of a model
+call follows a short idle pause (:data:`JOB_PAUSE_S`), as a job's worker calls follow a wait: a tight loop
+of calls runs faster than a job's calls do. Torch and the runtime are
 imported only when measuring, so importing this module is cheap. It sits above :mod:`rlhfc.cost`, which
 imports neither torch nor the runtime.
 """
@@ -25,10 +27,21 @@ from rlhfc.cost.profile import Profile, compute_features, cpu_name, fit_relative
 from rlhfc.ir.plan import workers
 
 
-def _timeit(fn, reps: int = 5) -> float:
+#: seconds a model call is timed after (idle, not timed): a job's worker waits between its calls (for the
+#: driver, for the other workers' stages: 2-80 ms in the tiny examples' traces, most of a step for a worker
+#: with one stage), and a call after such a wait runs slower than in a tight loop. On the idle 2-core VM of
+#: docs/benchmarks.md, after 0 / 5 / 20 / 50 / 100 ms: a forward 2.10 / 2.19 / 2.54 / 3.40 / 3.56 ms, a train
+#: step 8.1 / 8.1 / 9.0 / 9.9 / 10.1 ms, a generation 26.7 / 27.3 / 28.9 / 29.5 / 29.9 ms (fastest of 8):
+#: most of the effect is there by 50 ms
+JOB_PAUSE_S = 0.05
+
+
+def _timeit(fn, reps: int = 5, pause: float = 0.0) -> float:
     fn()  # warm-up (allocator, lazy init)
     times = []
     for _ in range(reps):
+        if pause > 0:
+            time.sleep(pause)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -257,13 +270,25 @@ def _grid(max_seq: int, quick: bool):
     return batches, seqs, gen_p, gen_t
 
 
+def thread_counts(threads: int, quick: bool = False) -> list[int]:
+    """The other torch thread counts a model is measured at besides its workers' ``threads``: 1 (what a
+    stage gets whenever it shares its cores: parallel forwards, streamed consumers beside generation) and,
+    unless ``quick``, the powers of two in between."""
+    if threads <= 1:
+        return []
+    return [1] if quick else [t for t in (1, 2, 4, 8, 16, 32, 64) if t < threads]
+
+
 def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,
-                  log=None) -> dict:
+                  log=None, extra_threads: tuple = (), pause: float = JOB_PAUSE_S) -> dict:
     """Time the primitives of one model shape through the runtime's own worker (the calls a job makes:
     ``ModelWorker.generate/logprobs/values/score/train``), see the module docstring.
 
     Generation runs with the model's own EOS; the fit uses the decode steps it actually took (random-weight
-    models rarely stop early). Returns a profile entry with raw points and fits.
+    models rarely stop early). Returns a profile entry with raw points and fits. ``extra_threads``: other
+    thread counts to time every point at as well, right after the main count's timing (the same spell of
+    machine load: their ratios are the model's own thread speed-up); they go to ``at_threads``. Each timed
+    call follows ``pause`` idle seconds, as a job's worker calls follow a wait (:data:`JOB_PAUSE_S`).
     """
     import torch
 
@@ -278,7 +303,16 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
         head = worker.model.spec["head"]
         vocab = int(worker.model.spec["vocab"])
         batches, seqs, gen_p, gen_t = _grid(int(worker.model.spec.get("max_seq") or 512), quick)
-        points: dict = {"generate": [], "forward": [], "train": [], "optimizer": []}
+        points: dict = {"generate": [], "forward": [], "train": [], "train_mb2": [], "optimizer": []}
+        at = {t: {"generate": [], "forward": [], "train": []} for t in extra_threads if t != threads}
+
+        def timed(prim: str, key: list, fn, extra=None) -> None:
+            """The point ``key + [seconds]`` at the main count, then at each extra count (back to back)."""
+            for t, dest in [(threads, points)] + list(at.items()):
+                torch.set_num_threads(max(1, t))
+                sec = _timeit(fn, reps, pause)
+                dest.setdefault(prim, []).append(key + (extra() if extra else []) + [sec])
+            torch.set_num_threads(max(1, threads))
 
         def rollout(B, S):
             P = max(1, S // 3)
@@ -300,8 +334,12 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                             sync()
                             steps.append(int(out.batch.response_lengths.max()))
 
-                        sec = _timeit(run, reps)
-                        points["generate"].append([B, P, float(statistics.median(steps)), sec])
+                        def taken(steps=steps):
+                            med = float(statistics.median(steps))
+                            steps.clear()
+                            return [med]
+
+                        timed("generate", [B, P], run, taken)
             if log:
                 log(f"  generate: {len(points['generate'])} points")
         call = {"lm": lambda r: worker.logprobs(r, temperature=1.0), "value": worker.values,
@@ -314,7 +352,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                     call(r)
                     sync()
 
-                points["forward"].append([B, S, _timeit(run_fwd, reps)])
+                timed("forward", [B, S], run_fwd)
         if log:
             log(f"  forward: {len(points['forward'])} points")
         if head in ("lm", "value"):
@@ -325,11 +363,13 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                     loss = (PolicyLossInput(r, zeros - 4.0, zeros + 0.1, None, 0.2, 0.0, 0.0, "k3", 1.0)
                             if head == "lm" else ValueLossInput(r, zeros, zeros + 0.5, 0.2))
 
-                    def run_train(loss=loss):
-                        worker.train(loss, lr=1e-6, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
+                    def run_train(loss=loss, mb=1):
+                        worker.train(loss, lr=1e-6, epochs=1, minibatches=mb, max_grad_norm=1.0, weight_decay=0.0)
                         sync()
 
-                    points["train"].append([B, S, _timeit(run_train, reps)])
+                    timed("train", [B, S], run_train)
+                    if S == seqs[len(seqs) // 2]:   # the same rows in two minibatches, right after: what a call
+                        timed("train_mb2", [B, S], lambda: run_train(mb=2))   # pays once (refit: train_call)
             model, opt = worker.model, worker.optimizer
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:
@@ -344,9 +384,12 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             opt.zero_grad(set_to_none=True)
             if log:
                 log(f"  train: {len(points['train'])} points")
-        return refit({"spec": {k: worker.model.spec[k] for k in ("arch", "layers", "hidden", "heads", "kv_heads",
-                                                                  "ffn", "vocab", "max_seq", "head")},
-                      "threads": threads, "points": points})
+        entry = refit({"spec": {k: worker.model.spec[k] for k in ("arch", "layers", "hidden", "heads", "kv_heads",
+                                                                   "ffn", "vocab", "max_seq", "head")},
+                       "threads": threads, "points": points})
+        if at:
+            entry["at_threads"] = {str(t): {"points": pts} for t, pts in sorted(at.items())}
+        return entry
     finally:
         torch.set_num_threads(old)
 
@@ -507,9 +550,11 @@ def detect_device() -> tuple[str, str]:
 
 
 def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
-                max_params: float | None = None, reps: int = 5, vllm: bool = True) -> Profile:
+                max_params: float | None = None, reps: int = 5, pause: float = JOB_PAUSE_S,
+                vllm: bool = True) -> Profile:
     """Measure the host and every model shape of ``module`` that is small enough to build here
-    (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model). With ``vllm`` and
+    (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model; ``pause``: idle
+    seconds before each timed model call, 0 for what calls back to back in one process). With ``vllm`` and
     vLLM installed, the vLLM engine of every generating model's shape too (:func:`measure_vllm`; the
     profile's host section names the vLLM version, or ``None`` when it was not measured)."""
     _set_passive_waits()
@@ -550,11 +595,13 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
         spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
                 "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
         log(f"model @{m.name} ({key})")
-        prof.models[key] = measure_model(spec, min(threads, worker_threads.get(m.name, threads)), device=device,
-                                         quick=quick, log=log, reps=reps)
+        count = min(threads, worker_threads.get(m.name, threads))
+        prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log,
+                                         reps=min(reps, 3) if quick else reps,   # each after a JOB_PAUSE_S wait
+                                         extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
+                                         pause=pause)
         if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
-            prof.models[key]["vllm"] = measure_vllm(spec, min(threads, worker_threads.get(m.name, threads)),
-                                                    device=device, quick=quick, reps=3 if quick else reps,
+            prof.models[key]["vllm"] = measure_vllm(spec, count, device=device, quick=quick, reps=3 if quick else reps,
                                                     copy_bw=float(prof.host.get("copy_bw", 0.0)), log=log)
             if "unsupported" in prof.models[key]["vllm"]:
                 log(f"  vllm: {prof.models[key]['vllm']['unsupported']}")

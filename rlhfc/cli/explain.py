@@ -132,7 +132,7 @@ def profile_cmd(
                                       "profile-<device>.json, or $RLHFC_CACHE_DIR)"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch threads (default: the cluster's "
                                           "devices per node)"),
-    quick: bool = typer.Option(False, "--quick", help="fewer points (a few seconds per model)"),
+    quick: bool = typer.Option(False, "--quick", help="fewer points and repetitions (seconds per model)"),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="also time the vLLM engine of the generating models "
                               "when vLLM is installed (its speed and refit; adds an engine start per model)"),
     plugin: List[str] = typer.Option([], "--plugin", help="import a module (or .py file) that registers ops"),

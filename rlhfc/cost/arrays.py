@@ -8,7 +8,7 @@ import numpy as np
 from rlhfc.ir.lora import lora_params
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout
 
-from .hardware import DeviceSpec
+from .hardware import DeviceSpec, table_speedup
 
 
 def arch_numbers(model) -> dict:
@@ -35,13 +35,15 @@ def hw_numbers(spec: DeviceSpec) -> dict:
 
 
 def layout_arrays(layouts: list[Layout], spec: DeviceSpec, per_node: int, prof_threads: int | None = None,
-                  runs: list | None = None) -> dict:
+                  runs: list | None = None, speedup: tuple | None = None) -> dict:
     """The per-candidate arrays the formulas take (1-D, one entry per layout).
 
     On a CPU cluster a layout runs as one process whose threads are the mesh's cores, unless ``runs`` gives
     its worker group's ``(dp, tp, pp)`` processes (the fsdp and megatron trainers): then each rank runs on
     one core of its own (two ranks share a core when they outnumber the mesh's cores) and the formulas see
-    the group's dp, tp and pp and their gloo collectives."""
+    the group's dp, tp and pp and their gloo collectives. ``speedup``: the model's own measured thread
+    speed-up (:meth:`rlhfc.cost.profile.Profile.thread_speedup`), which then scales the fitted work from the
+    profiled thread count instead of the host's matmul probe."""
     cpu = spec.is_cpu
     rc = {p: i for i, p in enumerate(RECOMPUTE_POLICIES)}
     runs = list(runs) if runs is not None else [None] * len(layouts)
@@ -67,7 +69,8 @@ def layout_arrays(layouts: list[Layout], spec: DeviceSpec, per_node: int, prof_t
         "bw_dp": col(lambda l, r: inter if l.dp_inter_node(per_node) else intra),
     }
     if cpu and prof_threads:
-        out["thread_factor"] = col(lambda l, r: spec.speedup(prof_threads) / spec.speedup(threads(l, r)) * crowd(l, r))
+        sp = (lambda t: table_speedup(speedup, t)) if speedup else spec.speedup
+        out["thread_factor"] = col(lambda l, r: sp(prof_threads) / sp(threads(l, r)) * crowd(l, r))
     else:
         out["thread_factor"] = col(lambda l, r: crowd(l, r) if cpu else 1.0)
     out["f_scale"] = col(lambda l, r: spec.speedup(threads(l, r)) / crowd(l, r)) if cpu else np.ones(len(layouts))

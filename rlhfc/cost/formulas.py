@@ -129,6 +129,8 @@ def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None, grid=None):
         a, b1, b2 = fit
         k = lay["thread_factor"]
         opt = min(opt_fit if opt_fit is not None else 0.0, a)
+        once = min(work.get("call_s", 0.0), a - opt)   # the part of `a` a call pays once, not per minibatch
+        a = a - once
         rcf = _rc_factor(xp, lay["rc"]) / 3.0
         micro = per_step / (dp * mb)
         ratio = grid_ratio(xp, grid, micro, S)
@@ -141,8 +143,8 @@ def train_time(xp, hw, arch, work, lay, fit=None, opt_fit=None, grid=None):
         step_opt = opt * ratio / shard
         grad_sync = allreduce(xp, hw["bpp"] * arch["N"] / (tp * pp), dp, lay["bw_dp"], hw["latency"])
         comm = steps * (mb * rank_comm(xp, hw, arch, lay, micro * S, passes=2.0) + grad_sync)
-        total = steps * (mb * fwd_bwd + step_opt) + comm
-        overhead = steps * (mb * calls * (a - opt) * ratio * split + step_opt) + 0.0 * total
+        total = steps * (mb * fwd_bwd + step_opt) + once * ratio + comm
+        overhead = steps * (mb * calls * (a - opt) * ratio * split + step_opt) + once * ratio + 0.0 * total
         return {"total": total, "compute": steps * mb * work_t, "memory": 0.0 * total, "comm": comm,
                 "overhead": overhead}
     b = per_step / (dp * mb)

@@ -79,11 +79,14 @@ class DeviceSpec:
 
     def speedup(self, threads: int) -> float:
         """Throughput of ``threads`` threads relative to one (cpu), from the profile's probe."""
-        table = self.thread_speedup or (1.0,)
-        threads = max(1, int(threads))
-        if threads <= len(table):
-            return float(table[threads - 1])
-        return float(table[-1])  # beyond what was measured: no further gain assumed
+        return table_speedup(self.thread_speedup, threads)
+
+
+def table_speedup(table, threads: int) -> float:
+    """``table[threads - 1]``: a measured speed-up over one thread; beyond the table no further gain."""
+    table = table or (1.0,)
+    threads = max(1, int(threads))
+    return float(table[min(threads, len(table)) - 1])
 
 
 #: Published figures (see module docstring). A100: 312 TFLOP/s bf16; 40GB 1.555 TB/s, 80GB 2.039 TB/s;

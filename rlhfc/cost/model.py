@@ -38,6 +38,7 @@ from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
 from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the formulas' inputs; re-exported)
+from .threads import model_speedup
 from .shared import shared_cache
 
 #: the torch engine drops finished rows from the decode batch once a quarter of it has finished, so a decode
@@ -395,14 +396,18 @@ class CostModel:
                          "overhead" if not layout else "comm", "profile" if fit else
                          ("driver" if not layout else "transfer"), work={"rows": float(batch), "response": width})
 
-    def price_inputs(self, stage: Stage, layouts: list[Layout], rows: float | None = None) -> PriceInputs:
-        """The formulas' inputs for ``stage`` under each of ``layouts`` (a model stage)."""
+    def price_inputs(self, stage: Stage, layouts: list[Layout], rows: float | None = None,
+                     threads: int | None = None) -> PriceInputs:
+        """The formulas' inputs for ``stage`` under each of ``layouts`` (a model stage); ``threads``: with the
+        profile's fits timed at that many threads, unscaled (:func:`rlhfc.cost.threads.stage_speedup`)."""
         model = self.module.models[stage.target]
         family = stage.op.split(".", 1)[0]
         key = model_key(model)
-        prof_threads = self.profile.model_threads(key) if self.profile is not None else None
+        prof_threads = self.profile.model_threads(key) if self.profile is not None and threads is None else None
         lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads,
-                            [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None)
+                            [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None,
+                            model_speedup(self, stage))
+        _fit = self._fit if threads is None else (lambda m, prim: self.profile.fit_at(key, prim, threads))
         opt_fit = None
         if family == "generate":
             micro = {l.microbatches for l in layouts}
@@ -418,15 +423,16 @@ class CostModel:
                 work.update(epochs=float(stage.attrs.get("epochs", 1)),
                             minibatches=float(max(1, min(stage.attrs.get("minibatches", 1), work["rows"]))))
                 opt_fit = self._fit(model, "optimizer")
+                work["call_s"] = float(_fit(model, "train_call") or 0.0)
                 traced = plan.recompute_decision(stage)
                 if traced is not None and traced.kept is not None:
                     work.update(rc_kept=float(traced.kept), rc_autograd=float(traced.autograd or 0),
                                 rc_seconds=float(traced.seconds or 0.0))
                     lay["rc"] = 0.0 * lay["rc"]
-        fit = self._fit(model, family)
+        fit = _fit(model, family)
         if family == "generate" and self.engine(stage) == "vllm":   # its own fit, else the torch rates (assumed)
             fit = E.vllm_fit(self, model, fit)
-        grid = self._fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
+        grid = _fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
                            [l.recompute for l in layouts], grid)
 

@@ -15,6 +15,8 @@ primitive                 what is timed                                         
 ``train`` (lm, value)     ``ModelWorker.train``, one optimizer step (actor or    (a + b*B*S + c*B*S^2) * r(B, S)
                           critic loss, forward+backward+clip+AdamW)
 ``optimizer``             ``clip_grad_norm_`` + ``AdamW.step`` alone            constant
+``train_call``            ``train`` with the same rows in 2 minibatches          ``a`` paid once per call
+                          (a few points): :func:`train_call`
 ``compute.<op>``          the driver-side op of ``rlhfc.runtime.compute``       a + b*B*R
 ========================  ====================================================  =============================
 
@@ -31,6 +33,11 @@ of a block's attention scores (what the recompute pass prices op kinds at),
 and ``recompute``: what a replay pays beyond its ops (seconds per byte of a
 fresh output by size, a checkpoint's cost per block and per dispatched op;
 rlhfc.passes.recompute_prices).
+
+A model on more than one thread is also timed at 1 thread (and, without ``--quick``, the powers of two in
+between), each point right after the main one: ``at_threads``. Their ratios are the model's own thread
+speed-up (:meth:`Profile.thread_speedup`), which prices a stage that runs on fewer threads than its mesh
+has cores (stages sharing cores at -O2); small models' kernels scale far worse than the host's matmul probe.
 
 A model shape the profile did not measure borrows the fits of the nearest measured shape of the same
 architecture and head (:meth:`Profile.fit`, :func:`transfer_fit`): each fitted term is split into what
@@ -129,6 +136,50 @@ class Profile:
                  and self.models[k].get("fit")]
         return min(cands)[2] if cands else None
 
+    def thread_counts(self, key: str) -> list[int]:
+        """The torch thread counts ``key`` (or its donor) was timed at: its fits' and ``at_threads``'."""
+        entry = self.models.get(key) or self.models.get(self.donor(key) or "") or {}
+        return sorted({self.model_threads(key)} | {int(t) for t in entry.get("at_threads") or {}})
+
+    def fit_at(self, key: str, primitive: str, threads: int):
+        """:meth:`fit` of the points timed at ``threads`` threads (None where none were); an unmeasured shape
+        transfers its donor's, at that count's matmul rate."""
+        if threads == self.model_threads(key):
+            return self.fit(key, primitive)
+        donor = None if key in self.models else self.donor(key)
+        sub = ((self.models.get(donor or key) or {}).get("at_threads") or {}).get(str(threads))
+        if sub is None:
+            return None
+        if "fit" not in sub:
+            sub["fit"] = refit({"points": sub.get("points", {})})["fit"]
+        fit = sub["fit"].get(primitive)
+        if fit is None or donor is None:
+            return clamp_grid(fit) if primitive.endswith("_grid") and fit else fit
+        return None if primitive.endswith("_grid") else transfer_fit(primitive, fit, donor, key, self.host, threads)
+
+    def thread_speedup(self, key: str, primitive: str) -> tuple | None:
+        """The model's own measured speed-up of ``primitive`` at 1..n threads over one thread (n: the count
+        its fits were measured at), from the points timed at other counts (``at_threads``, back to back with
+        the main ones): at each count the median over the grid of T(1) / T(count), counts in between
+        interpolated. None when the profile timed the model at one count only (the host's matmul probe then
+        stands in). An unmeasured shape borrows its donor's."""
+        entry = self.models.get(key) or self.models.get(self.donor(key) or "")
+        at = (entry or {}).get("at_threads") or {}
+        if primitive not in FEATURES or "1" not in at:
+            return None
+        by_count = {int(entry.get("threads", self.threads)): entry.get("points", {})}
+        by_count.update({int(t): sub.get("points", {}) for t, sub in at.items()})
+        one = _by_point(by_count.pop(1).get(primitive, []))
+        known = {1: 1.0}
+        for t, pts in by_count.items():
+            ratios = [one[k] / sec for k, sec in _by_point(pts.get(primitive, [])).items() if k in one and sec > 0]
+            if ratios:
+                known[t] = float(statistics.median(ratios))
+        if len(known) < 2:
+            return None
+        xs = sorted(known)
+        return tuple(float(np.interp(t, xs, [known[x] for x in xs])) for t in range(1, xs[-1] + 1))
+
     def model_threads(self, key: str) -> int:
         entry = self.models.get(key) or self.models.get(self.donor(key) or "", {})
         return int(entry.get("threads", self.threads))
@@ -150,6 +201,17 @@ class Profile:
         os.replace(tmp, path)
         self.path = path
         return path
+
+
+def _by_point(points: list) -> dict:
+    """Seconds by grid point: (B, S) or (B, P) and the point's rank among those (generate: one per T)."""
+    seen: dict = {}
+    out = {}
+    for p in points:
+        k = (float(p[0]), float(p[1]))
+        seen[k] = seen.get(k, -1) + 1
+        out[k + (seen[k],)] = float(p[-1])
+    return out
 
 
 class ProfileError(ValueError):
@@ -256,6 +318,8 @@ def transfer_fit(primitive: str, fit, donor: str, key: str, host: dict, threads:
     r_lh = k["L"] * k["h"] / (d["L"] * d["h"])
     if primitive == "optimizer":
         return float(fit) * (matmul_params(k) / matmul_params(d)) ** 0.5 * r_l ** 0.5
+    if primitive == "train_call":   # moving a batch and its metrics: per call, not per layer or weight
+        return float(fit)
     speed = host.get("thread_speedup") or [1.0]
     rate = float(host.get("matmul_flops_1", 0.0)) * float(speed[min(max(threads, 1), len(speed)) - 1])
     out = []
@@ -315,6 +379,21 @@ def fit_errors(features: list[list[float]], seconds: list[float], coef: list[flo
     return [float(p / t - 1) for p, t in zip(pred, seconds)]
 
 
+def train_call(pts: dict, fits: dict) -> float | None:
+    """The part of a train call's fixed cost paid once per call, not per minibatch (moving the batch, the
+    loss's inputs, the metrics): the fit's intercept ``a`` (one minibatch) less what a second minibatch of
+    the same rows adds, ``T(2 minibatches) - T(1)`` (same rows and tokens: only per-minibatch fixed costs
+    repeat), the median over the points timed both ways, within ``[0, a - optimizer]``."""
+    if not pts.get("train_mb2") or not fits.get("train"):
+        return None
+    one = {(float(p[0]), float(p[1])): p[-1] for p in pts.get("train", [])}
+    extra = [p[-1] - one[(float(p[0]), float(p[1]))] for p in pts["train_mb2"] if (float(p[0]), float(p[1])) in one]
+    if not extra:
+        return None
+    a = float(fits["train"][0])
+    return float(min(max(a - statistics.median(extra), 0.0), max(a - float(fits.get("optimizer", 0.0)), 0.0)))
+
+
 def correction_grid(points: list, coef: list) -> dict | None:
     """Measured / fitted time on the (B, S) grid of the points, for bilinear interpolation.
 
@@ -358,11 +437,27 @@ def refit(entry: dict) -> dict:
                 fits[prim + "_grid"] = grid
     if pts.get("optimizer"):
         fits["optimizer"] = float(statistics.median(pts["optimizer"]))
+    call = train_call(pts, fits)
+    if call is not None:
+        fits["train_call"] = call
     entry["fit"] = fits
     return entry
 
 
 # ------------------------------------------------------------------------------------------ merging
+
+
+def _fastest(pa: dict, pb: dict) -> dict:
+    """Per primitive, the faster time at every point measured in either (points keep the grid's order)."""
+    points = {}
+    for prim in ("generate", "forward", "train", "train_mb2"):
+        best: dict = {}
+        for p in pa.get(prim, []) + pb.get(prim, []):
+            k = tuple(round(x, 6) for x in p[:-1])
+            if k not in best or p[-1] < best[k][-1]:
+                best[k] = p
+        points[prim] = list(best.values())
+    return points
 
 
 def merge_profiles(a: Profile, b: Profile) -> Profile:
@@ -379,18 +474,16 @@ def merge_profiles(a: Profile, b: Profile) -> Profile:
         if ea is None or eb is None:
             out.models[key] = json.loads(json.dumps(ea or eb))
             continue
-        points = {}
-        for prim in ("generate", "forward", "train"):
-            best: dict = {}
-            for p in ea["points"].get(prim, []) + eb["points"].get(prim, []):
-                k = tuple(round(x, 6) for x in p[:-1])
-                if k not in best or p[-1] < best[k][-1]:
-                    best[k] = p
-            points[prim] = list(best.values())
+        points = _fastest(ea["points"], eb["points"])
         points["optimizer"] = [min(ea["points"].get("optimizer", []) + eb["points"].get("optimizer", []),
                                    default=None)] if (ea["points"].get("optimizer") or
                                                       eb["points"].get("optimizer")) else []
         out.models[key] = refit({"spec": ea["spec"], "threads": ea["threads"], "points": points})
+        ta, tb = ea.get("at_threads") or {}, eb.get("at_threads") or {}
+        if ta or tb:
+            out.models[key]["at_threads"] = {
+                t: {"points": _fastest((ta.get(t) or {}).get("points", {}), (tb.get(t) or {}).get("points", {}))}
+                for t in sorted(set(ta) | set(tb))}
         vllm = eb.get("vllm") if (eb.get("vllm") or {}).get("fit") else ea.get("vllm") or eb.get("vllm")
         if vllm:   # the vLLM engine's measurements (rlhfc.cost.engine): the later pass's when it has a fit
             out.models[key]["vllm"] = json.loads(json.dumps(vllm))

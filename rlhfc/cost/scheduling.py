@@ -9,13 +9,16 @@ rules they follow.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from rlhfc.ir import Stage, plan
 from rlhfc.ir.schedule import stage_threads
 
+from .hardware import table_speedup
 from .model import CostModel, StageCost
+from .threads import stage_speedup
 
 DRIVER = -1
 
@@ -173,12 +176,13 @@ class _Job:
     unit_start: float = 0.0
 
 
-def _speed(spec, x: float) -> float:
-    """Throughput of ``x`` cores' worth of CPU time relative to one core (fractions: time-sliced)."""
+def _speed(speedup, x: float) -> float:
+    """Throughput of ``x`` cores' worth of CPU time relative to one core (fractions: time-sliced);
+    ``speedup(n)``: n threads' throughput relative to one."""
     if x <= 1.0:
         return max(x, 1e-9)
     lo = int(math.floor(x))
-    a, b = spec.speedup(lo), spec.speedup(lo + 1)
+    a, b = speedup(lo), speedup(lo + 1)
     return a + (b - a) * (x - lo)
 
 
@@ -212,8 +216,12 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     submission order, while workers whose cores overlap run *at the same time*, each getting its fair
     share of the cores (:func:`_fair_shares`). A call priced at ``T`` seconds on its whole mesh (the cost
     model: one thread per core) runs on ``a`` cores' worth of CPU in
-    ``T * (sigma / min(a, 1) + (1 - sigma) * s(cores) / s(a))``: the serial part (per-call and per-layer
-    overhead, fraction ``sigma``) needs one core, the rest scales with the measured thread speed-up ``s``.
+    ``d + (T - d) * (sigma / min(a, 1) + (1 - sigma) * s(cores) / s(a))``, ``d`` the dispatch the price
+    holds (the driver's round trip, not the worker's CPU): the serial part (per-call and per-layer
+    overhead, fraction ``sigma``) needs one core, the rest scales with the host's measured thread speed-up
+    ``s``. When the profile timed the stage's model at fewer threads too, the stage's own speed-up
+    (:func:`rlhfc.cost.threads.stage_speedup`, serial part included) replaces that estimate:
+    ``T * s_m(cores) / s_m(a)``.
     A call runs with the torch threads the runtime gives it (:func:`rlhfc.ir.schedule.stage_threads`: its
     mesh's cores, divided among the workers that may share them at the same time)."""
     cm = ctx.cm
@@ -295,9 +303,15 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
                 rate[id(j)] = 1.0
                 continue
             a = max(alloc[id(j)], 1e-9)
-            sigma = j.units[j.unit][1]
             count = len(j.cores)
-            rate[id(j)] = 1.0 / (sigma / min(a, 1.0) + (1.0 - sigma) * _speed(spec, count) / _speed(spec, a))
+            priced, sigma, _, _, table, d = j.units[j.unit]
+            if table:   # the stage's own times at the measured thread counts: its serial part is inside
+                sp = functools.partial(table_speedup, table)
+                slow = _speed(sp, count) / _speed(sp, a)
+            else:
+                slow = sigma / min(a, 1.0) + (1.0 - sigma) * _speed(spec.speedup, count) / _speed(spec.speedup, a)
+            d = min(d, priced)   # the dispatch at full speed, the rest slowed (a constant rate over the unit)
+            rate[id(j)] = priced / (d + (priced - d) * slow) if priced > 0 else 1.0 / slow
         dt = min(j.rem / rate[id(j)] for j in running)
         for j in jobs:   # a held chunk waiting for its generate to get far enough
             if j.state == "held":
@@ -364,13 +378,18 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
         if s.op == "sync":
             cores = frozenset()   # a weight transfer waits on memory copies and the object store, not a core
 
+    # a worker call's price holds the driver's dispatch (the Ray round trip): latency, not the worker's CPU,
+    # so sharing the cores does not stretch it (and the worker's measured span does not contain it)
+    d = cm.dispatch if cores and s.op.split(".")[0] in ("generate", "forward", "train") else 0.0
+
     def sigma(c: StageCost) -> float:
-        return min(1.0, max(0.0, c.parts.get("overhead", 0.0) / c.time_s)) if c.time_s > 0 else 0.0
+        busy = c.time_s - d
+        return min(1.0, max(0.0, (c.parts.get("overhead", 0.0) - d) / busy)) if busy > 0 else 0.0
 
     src = ctx.stream_source(s)
     if src is None:
         duration = cost.time_s + extra + ctx.sync_time.get(s.name, 0.0)
-        units = [[duration, sigma(cost), None, None]]
+        units = [[duration, sigma(cost), None, None, stage_speedup(cm, s) if cores else None, d]]
     else:
         gen = jobs[pos[(src.name, k)]]
         gen_cost = ctx.costs[src.name]
@@ -384,7 +403,8 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
             frac = None if (i == n_chunks - 1 or not gen_cost.finish_offsets) else \
                 gen_cost.finish_offsets[last] / max(gen.total_s, 1e-12)
             c = cm.stage_cost(s, rows=float(rows))
-            units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac)])
+            units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac),
+                          stage_speedup(cm, s, float(rows)) if cores else None, d])
     job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [])
     job.total_s = sum(u[0] for u in units)
     return job

@@ -51,6 +51,8 @@ def test_out_of_grid_configuration_is_predicted_per_stage_and_step_through_ray(t
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     prof = load_profile(path)
+    # the workers share 2 cores: each model is also timed on the 1 thread a stage gets beside others
+    assert all(prof.thread_counts(k) == [1, 2] for k in prof.models), {k: prof.thread_counts(k) for k in prof.models}
     batches, lengths = _grid_points(prof)
     text = open(PROGRAM).read()
     text = re.sub(r"ppo\(batch = 4\)", "ppo(batch = 10)", text)
@@ -70,8 +72,9 @@ def test_out_of_grid_configuration_is_predicted_per_stage_and_step_through_ray(t
     table = "\n".join(f"{r['stage']}: predicted {r['predicted_s'] * 1e3:.1f} ms, measured "
                       f"{r['measured_s'] * 1e3:.1f} ms" for r in on_workers if r["measured_s"])
     assert len(on_workers) >= 5 and all(r["measured_s"] and r["predicted_s"] for r in on_workers), table
-    # other processes only slow the measured side: no stage is priced at more than twice its measurement
-    assert all(r["predicted_s"] / r["measured_s"] < 2 for r in on_workers), table
+    # other processes only slow the measured side: no stage is priced at more than 1.5x its measurement (the
+    # host's matmul probe priced 1-thread stages at 1.7x their 2-thread time: 2.3x the measurement on an idle VM)
+    assert all(r["predicted_s"] / r["measured_s"] < 1.5 for r in on_workers), table
     load, cores = result["load1"], os.cpu_count() or 1
     if load is not None and load > 2 * cores + 1:
         pytest.skip(f"the machine was loaded (load average {load:.1f} on {cores} cores, the job's own processes "
