@@ -12,7 +12,7 @@ them) — the benchmark measures:
   recompute pass does with a profile taken here, ``rlhfc profile``'s host probes run in this process at one
   thread: each op by its kind — matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the
   fresh-output cost of every replayed op that allocates and the checkpoint's own cost:
-  :func:`rlhfc.calibrate.measure_fresh_bytes`, :func:`rlhfc.calibrate.measure_checkpoint`,
+  :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, :func:`rlhfc.calibrate.recompute.measure_checkpoint`,
   :mod:`rlhfc.passes.recompute_prices`) and, for comparison, **per kind, before** (kind rates fitted from one
   profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates` — and nothing else, the pricing
   before this change). rlhfc's choices are made on the profile prices.

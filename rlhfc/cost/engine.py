@@ -7,7 +7,7 @@ prompt + ``max_new_tokens`` tokens each, whichever is fewer. More rows than that
 finishes). The per-step and per-token rates are, in order of preference:
 
 1. the profile's vLLM fit for the model's shape (``rlhfc profile`` with vLLM installed times the engine
-   through the runtime's worker: :func:`rlhfc.calibrate.measure_vllm`), or a measured neighbour's fit
+   through the runtime's worker: :func:`rlhfc.calibrate.vllm_engine.measure_vllm`), or a measured neighbour's fit
    carried over as the torch fits are (:func:`rlhfc.cost.profile.transfer_fit`);
 2. otherwise the *catalog assumption*: the torch engine's rates for that shape (its profile fit, or the
    roofline) under continuous batching, plus :data:`VLLM_STEP_S` per decode step (vLLM's scheduler and

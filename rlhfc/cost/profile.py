@@ -20,19 +20,15 @@ primitive                 what is timed                                         
 ``compute.<op>``          the driver-side op of ``rlhfc.runtime.compute``       a + b*B*R
 ========================  ====================================================  =============================
 
-``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated
-bilinearly (held at the grid's edges; each ratio within ``GRID_CLAMP``, 0.8-1.25):
-small CPU kernels do not scale smoothly.
-Fits are non-negative least squares on relative error (every point counts the
-same whatever its size); :func:`merge_profiles` combines passes taken at
-different times. The host section holds a float32 matmul probe at
-1..threads threads (the CPU's FLOP/s and thread scaling), a memory-copy
-bandwidth, which price models the profile did not measure, and ``kind_bw``:
-the bytes/s of a softmax, an elementwise op and a copy on a tensor the size
-of a block's attention scores (what the recompute pass prices op kinds at),
-and ``recompute``: what a replay pays beyond its ops (seconds per byte of a
-fresh output by size, a checkpoint's cost per block and per dispatched op;
-rlhfc.passes.recompute_prices).
+``r(B, S)`` is the measured/fitted ratio at the grid points, interpolated bilinearly (held at the grid's
+edges; each ratio within ``GRID_CLAMP``, 0.8-1.25): small CPU kernels do not scale smoothly. Fits are
+non-negative least squares on relative error (every point counts the same whatever its size);
+:func:`merge_profiles` combines passes taken at different times. The host section holds a float32 matmul
+probe at 1..threads threads (the CPU's FLOP/s and thread scaling), a memory-copy bandwidth, which price
+models the profile did not measure, ``kind_bw``: the bytes/s of a softmax, an elementwise op and a copy on a
+tensor the size of a block's attention scores (what the recompute pass prices op kinds at), and
+``recompute``: what a replay pays beyond its ops (seconds per byte of a fresh output by size, a checkpoint's
+cost per block and per dispatched op; rlhfc.passes.recompute_prices).
 
 A model on more than one thread is also timed at 1 thread (and, without ``--quick``, the powers of two in
 between), each point right after the main one: ``at_threads``. Their ratios are the model's own thread

@@ -7,17 +7,17 @@ block's forward misses is:
 - **fresh outputs**: an op whose output is a large new allocation (glibc maps blocks of 32 MiB and more from
   the OS afresh each time; their pages fault on first touch, about a microsecond per 4 KiB page) pays for it
   every time it runs — a recomputed s x s attention op pays it again in backward. The profile measures the
-  cost per byte at 32 and 64 MiB (:func:`rlhfc.calibrate.measure_fresh_bytes`); an op pays ``bytes x`` the
+  cost per byte at 32 and 64 MiB (:func:`rlhfc.calibrate.recompute.measure_fresh_bytes`); an op pays ``bytes x`` the
   rate of the largest measured size not above its allocation (nothing below 32 MiB: the heap reuses those);
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
-  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.measure_checkpoint`).
+  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`).
 
 :func:`with_replay_costs` puts both on a trace (op seconds and the trace's fixed costs, which
 :func:`rlhfc.passes.recompute_choice.price` adds per policy). A per-kind rate fitted from a whole block forward
 smears the fresh-output cost of its few large ops over every op of the kind (the s x s ops look 3x slower
 per byte than the small ones, the scores' matmul 4x slower per FLOP than the others); priced apart, each
-kind's rate is the probe's (:func:`rlhfc.calibrate.measure_kinds`, into a reused buffer).
+kind's rate is the probe's (:func:`rlhfc.calibrate.recompute.measure_kinds`, into a reused buffer).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def test_recompute_choice_follows_replay_costs():
 def test_checkpoint_costs_are_measured():
     """The profile's checkpoint probe (the runtime's own selective and full checkpoints on a tiny block) and
     its fresh-output probe give non-negative seconds, per aten call a selective policy dispatches and per byte."""
-    from rlhfc.calibrate import measure_checkpoint, measure_fresh_bytes
+    from rlhfc.calibrate.recompute import measure_checkpoint, measure_fresh_bytes
 
     costs = measure_checkpoint(reps=2)
     assert set(costs) == {"ckpt_op_s", "ckpt_region_s"}

