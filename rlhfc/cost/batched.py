@@ -80,10 +80,16 @@ def _evaluate(cm: CostModel, st, layouts: list[Layout], backend: str) -> dict[st
     inp = cm.price_inputs(st, list(layouts))
     if backend == "numpy":
         out = price(np, inp, cm.dispatch)
-        return {k: np.broadcast_to(np.asarray(out[k], dtype=np.float64), (len(layouts),)).copy() for k in KEYS}
-    if backend != "jax":
+        out = {k: np.broadcast_to(np.asarray(out[k], dtype=np.float64), (len(layouts),)).copy() for k in KEYS}
+    elif backend == "jax":
+        out = _evaluate_jax(inp, cm.dispatch, len(layouts))
+    else:
         raise ValueError(f"unknown backend {backend!r}: use numpy or jax")
-    return _evaluate_jax(inp, cm.dispatch, len(layouts))
+    if inp.family == "generate" and cm.engine(st) == "vllm":   # the refit and engine memory, as stage_cost
+        from .engine import add_refit_batched
+
+        add_refit_batched(cm, st, cm.module.models[st.target], out)
+    return out
 
 
 #: jitted pricing functions, one per stage's fixed inputs and padded batch size (see :func:`_evaluate_jax`)

@@ -189,12 +189,52 @@ def vllm_fit(cm, model, torch_fit):
 
 
 def add_refit(cm, stage, model, first: dict, summary: dict) -> None:
-    """Record the engine in a generate's summary and add a trained model's refit to its time."""
+    """Record the engine in a generate's summary and add a trained model's refit to its time (and, on GPUs,
+    the engine's awake footprint to its transient memory: :func:`engine_bytes`)."""
     summary["engine"], summary["engine_source"] = "vllm", vllm_work(cm, stage, model)[2]
     if model.trainable:
         bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
         first["refit"], summary["refit_source"] = refit_seconds(cm, model, first["weights_bytes"], bucket)
         first["total"] += first["refit"]
+    awake = engine_bytes(cm, model)["transient"]
+    if awake:
+        first["transient_bytes"] = awake
+
+
+def add_refit_batched(cm, stage, model, out: dict) -> None:
+    """:func:`add_refit` on a batch of candidate layouts' prices (:func:`rlhfc.cost.batched.evaluate`): each
+    candidate's refit of its own weight shard, and the engine's awake footprint, as the per-stage price has."""
+    if model.trainable:
+        bucket = stage.annotations.get("refit_mb", 64)
+        w = np.asarray(out["weights_bytes"], dtype=np.float64).reshape(-1)
+        refit = np.array([refit_seconds(cm, model, float(x), bucket)[0] for x in w])
+        out["total"] = np.asarray(out["total"], dtype=np.float64) + refit
+    awake = engine_bytes(cm, model)["transient"]
+    if awake:
+        out["transient_bytes"] = 0.0 * np.asarray(out["transient_bytes"], dtype=np.float64) + awake
+
+
+def engine_bytes(cm, model) -> dict[str, float]:
+    """Device memory the vLLM engine of ``model`` takes besides the trainer's own copy: ``{"resident": bytes
+    held for the whole run, "transient": bytes held while its generate stages run}``.
+
+    On CPU the engine never sleeps: its copy of the weights (in the model's dtype) and its KV-cache
+    reservation (``VLLM_CPU_KVCACHE_SPACE``, :data:`VLLM_CPU_KV_BYTES`; the profile's recorded KV tokens when
+    it has them) stay for the whole run. On CUDA the runtime puts the engine to sleep (level 1) after every
+    generate call, which offloads its weights to host memory and frees its KV cache, so it holds memory only
+    while a generate stage runs — then its ``gpu_memory_utilization`` share of the device
+    (:data:`VLLM_GPU_MEMORY_FRACTION`, which covers its weights copy and KV cache), in place of the torch
+    decode loop's KV cache."""
+    from .arrays import arch_numbers
+
+    arch = arch_numbers(model)
+    copy = arch["N"] * cm.spec.bytes_per_param
+    if not cm.spec.is_cpu:
+        return {"resident": 0.0, "transient": max(copy, VLLM_GPU_MEMORY_FRACTION * cm.spec.memory)}
+    entry, _ = vllm_entry(cm.profile, model_key(model))
+    kv_tokens = (entry or {}).get("kv_tokens")
+    kv = float(kv_tokens) * arch["kv_tok"] * cm.spec.bytes_per_param if kv_tokens else float(VLLM_CPU_KV_BYTES)
+    return {"resident": float(copy + kv), "transient": 0.0}
 
 
 def reusable_forwards(module, gens: list) -> list:

@@ -132,6 +132,11 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
     suggestion = suggest_layout(cm, module, stage, dev.capacity_bytes - (sum(dev.static.values()) - repriced))
     if suggestion is not None and cost.layout is not None and suggestion[0] == cost.layout:
         suggestion = None
+    engines = [k.split()[0] for k in dev.static if k.endswith(" vllm engine")]
+    if engines:   # the vLLM engine's own weights copy and KV-cache reservation (rlhfc.cost.engine.engine_bytes)
+        parts.append(f"the vLLM engine of {', '.join(engines)} keeps its own copy of the weights and its KV cache "
+                     "(VLLM_CPU_KVCACHE_SPACE GiB on CPU) on the device for the whole run: rollout = torch needs "
+                     "neither")
     fix = _recompute_fix(cm, module, stage, dev)
     if fix:
         parts.append(fix)

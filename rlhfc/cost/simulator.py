@@ -253,7 +253,7 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
                   core_busy: list | None = None) -> list[DeviceStats]:
     c = module.cluster
     n = c.nodes * c.per_node
-    static = resident_bytes(module, costs, n)
+    static = resident_bytes(module, costs, n, cm)
     lo, hi = window
     span = max(hi - lo, 1e-12)
     out = []
@@ -308,12 +308,24 @@ def _runs(devices, n: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def resident_bytes(module: Module, costs: dict, n: int) -> list[dict]:
+def resident_bytes(module: Module, costs: dict, n: int, cm: CostModel | None = None) -> list[dict]:
     """What stays on each of ``n`` devices for the whole run: ``{"@actor weights": bytes, "@actor
-    grads+optimizer": bytes}`` (the larger shard when a model has two layouts there). Devices covered by the
-    same stages share one dict (computed once per run of such devices; read it, do not change it)."""
+    grads+optimizer": bytes}`` (the larger shard when a model has two layouts there), and with ``cm``, a
+    vLLM engine's resident bytes on its generate stages' devices (``"@actor vllm engine"``:
+    :func:`rlhfc.cost.engine.engine_bytes`). Devices covered by the same stages share one dict (computed once
+    per run of such devices; read it, do not change it)."""
     spans = [(costs[s.name].layout, s.target, costs[s.name]) for s in module.graph.stages
              if costs[s.name].layout is not None and s.target in module.models]
+    engines = {}
+    if cm is not None:
+        from .engine import engine_bytes
+
+        for s in module.graph.stages:
+            if s.op == "generate" and s.target in module.models and costs[s.name].layout is not None \
+                    and cm.engine(s) == "vllm":
+                held = engine_bytes(cm, module.models[s.target])["resident"]
+                if held:
+                    engines[s.name] = (costs[s.name].layout, f"@{s.target} vllm engine", held)
     cuts = sorted({0, n} | {min(max(x, 0), n) for lay, _, _ in spans for x in (lay.first, lay.first + lay.count)})
     out: list[dict] = [{}] * n
     for lo, hi in zip(cuts, cuts[1:]):
@@ -327,6 +339,9 @@ def resident_bytes(module: Module, costs: dict, n: int) -> list[dict]:
                 if cost.state_bytes:
                     skey = f"@{target} grads+optimizer"
                     held[skey] = max(held.get(skey, 0.0), cost.state_bytes)
+        for lay, key, nbytes in engines.values():
+            if lay.first <= lo and hi <= lay.first + lay.count:
+                held[key] = max(held.get(key, 0.0), nbytes)
         out[lo:hi] = [held] * (hi - lo)
     return out
 

@@ -145,7 +145,7 @@ def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> floa
     from rlhfc.cost.simulator import resident_bytes
 
     n = module.cluster.nodes * module.cluster.per_node
-    resident = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n)
+    resident = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n, cm)
     layout = cm.layout(stage)
     static = max((sum(resident[d].values()) for d in layout.devices if d < n), default=0.0)
     capacity = cm.spec.memory

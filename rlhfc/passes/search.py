@@ -155,7 +155,7 @@ def _resident_fits(module: Module, cm) -> bool:
     from rlhfc.cost.simulator import resident_bytes
 
     n = module.cluster.nodes * module.cluster.per_node
-    held = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n)
+    held = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n, cm)
     return all(sum(h.values()) <= cm.spec.memory for h in held)
 
 
