@@ -148,6 +148,34 @@ def test_searched_price_is_explains_price_of_the_compiled_job(example, tmp_path)
     assert search["trajectory"][-1][1] == search["best_s"]
 
 
+def test_searched_price_is_explains_price_under_the_vllm_engine(tmp_path, monkeypatch):
+    """The same with ``rollout = vllm``: the batched prices the layouts are chosen with include the engine's
+    refit (as its per-stage price does: tests/cost/test_engine_memory.py), and the searched plan's price is
+    still explain's, refit included. The tiny example with heads vLLM runs (head size 32)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from rlhfc.cli import main as cli
+
+    real = importlib.util.find_spec   # the check's "vLLM is installed" answer, whatever this machine has
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real(n, *a))
+    text = Path("examples/ppo_tiny.rlhf").read_text().replace("heads = 4,", "heads = 2,")
+    text = text.replace("optimize = O2 }", "optimize = O2; rollout = vllm }")
+    assert "rollout = vllm" in text and "heads = 4," not in text
+    src, out = tmp_path / "ppo_vllm.rlhf", tmp_path / "e.json"
+    src.write_text(text)
+    code = cli(["explain", str(src), "--passes", O2_SMALL, "--no-profile", "-f", "json", "-o", str(out)])
+    assert code in (0, None)
+    report = json.loads(out.read_text())
+    search = report["search"]
+    gens = [s for s in report["stages"] if s["op"] == "generate"]
+    assert gens and all(g["parts"]["refit"] > 0 for g in gens)
+    assert search["candidates"] >= 3 and search["fits"]
+    assert search["best_s"] == report["predicted_step_time_s"]
+    assert search["trajectory"][-1][1] == search["best_s"]
+
+
 # -- 4. a search that explores -----------------------------------------------------------------------------------
 
 def test_search_is_never_worse_than_a_strategy():
