@@ -71,10 +71,29 @@ def choose_engines(module: Module, downstream_names=(), config=None) -> list[Eng
         torch_s, vllm_s = prices["torch"] - saved, prices["vllm"]
         engine = "vllm" if vllm_s < torch_s else "torch"
         credit = f" minus the {saved * 1e3:.1f} ms log-prob forward its sampling log-probs replace" if saved else ""
-        out.append(EngineChoice(name, engine, prices, saved,
-                                f"vllm {vllm_s * 1e3:.1f} ms (refit included) vs torch {prices['torch'] * 1e3:.1f} ms"
-                                f"{credit}, per step"))
+        why = f"vllm {vllm_s * 1e3:.1f} ms (refit included) vs torch {prices['torch'] * 1e3:.1f} ms{credit}, per step"
+        if engine == "vllm" and not _engine_fits(module, gens, config):
+            engine, why = "torch", why + "; but the vLLM engine's weights copy and KV cache do not fit where torch's do"
+        out.append(EngineChoice(name, engine, prices, saved, why))
     return out
+
+
+def _engine_fits(module: Module, gens: list, config) -> bool:
+    """Whether the plan still fits in memory with ``gens`` on vLLM, or did not fit on torch either (then the
+    placement's memory check speaks, not this choice): :func:`rlhfc.cost.engine.engine_bytes`."""
+    from dataclasses import replace
+
+    from rlhfc.cost import CostModel
+    from rlhfc.cost.memory import fits
+
+    names = {s.name for s in gens}
+    trial = module.clone()
+    for s in trial.graph.stages:
+        if s.name in names:
+            s.annotations[plan.ENGINE_KEY] = "vllm"
+    if fits(trial, cost_model=CostModel(trial, replace(config, engine=None))):
+        return True
+    return not fits(module, cost_model=CostModel(module, replace(config, engine="torch")))
 
 
 @register_pass

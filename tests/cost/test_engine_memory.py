@@ -82,3 +82,25 @@ def test_batched_prices_include_the_refit_and_engine_memory_as_the_stage_price(c
         assert res["transient_bytes"][i] == pytest.approx(one.transient_bytes, rel=1e-12)
     torch_res = evaluate(module, gen.name, cands, cost_model=CostModel(module, CostConfig(engine="torch")))
     assert np.all(res["total"] != torch_res["total"])
+
+
+def test_auto_keeps_torch_where_the_engine_would_not_fit(monkeypatch):
+    """``rollout = auto`` with a vLLM measured 10x faster: picked on a device with room for the engine, not on
+    one that fits the torch engine only (the choice says why)."""
+    import importlib.util
+
+    from rlhfc.passes.engine import choose_engines
+
+    from .test_engine_price import _profile
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real(n, *a))
+    picked = {}
+    for memory in ("8GB", "0.5GB"):
+        module, _ = compile_source(PROGRAM.format(cluster=f'devices = cpu:1; memory = "{memory}"')
+                                   .replace("steps = 2", "steps = 2; rollout = auto"))
+        (choice,) = choose_engines(module, (), CostConfig(profile=_profile(module, vllm_scale=0.1)))
+        picked[memory] = choice.engine
+        assert choice.prices["vllm"] < choice.prices["torch"]
+    assert picked == {"8GB": "vllm", "0.5GB": "torch"}
+    assert "do not fit where torch's do" in choice.why
