@@ -104,3 +104,20 @@ def test_auto_keeps_torch_where_the_engine_would_not_fit(monkeypatch):
         assert choice.prices["vllm"] < choice.prices["torch"]
     assert picked == {"8GB": "vllm", "0.5GB": "torch"}
     assert "do not fit where torch's do" in choice.why
+
+
+def test_check_says_a_cuda_engine_leaves_no_room_for_the_generating_weights():
+    """A 7B model on one 80 GB GPU: torch can generate (its train stage alone cannot fit), but vLLM's 90 % share
+    beside the trainer's 13 GB copy cannot; the diagnostic names the engine and the way out."""
+    from rlhfc.cost.memory import unfittable
+    from rlhfc.ir import DiagnosticSink
+
+    module, _ = compile_source(PROGRAM.format(cluster='gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1')
+                               .replace("llama(layers = 2, hidden = 128, heads = 2, vocab = 96)", "llama(size = 7B)"))
+    bad, hints = {}, {}
+    for engine in ("torch", "vllm"):
+        sink = DiagnosticSink()
+        bad[engine] = unfittable(module, sink, CostConfig(engine=engine))
+        hints[engine] = [d.hint for d in sink.errors if d.message.startswith("stage %roll ")]
+    assert "roll" not in bad["torch"] and "roll" in bad["vllm"]
+    assert hints["vllm"] and "vLLM engine" in hints["vllm"][0] and "rollout = torch" in hints["vllm"][0]
