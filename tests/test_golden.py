@@ -11,6 +11,7 @@ and review the diff before committing it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +97,30 @@ def test_golden(path: Path):
             path.write_text(g.head + marker + "\n" + actual)
         return
     assert marker == g.marker, f"{path.name}: got {marker!r}:\n{actual}"
+    actual = _traced_seconds_as_expected(actual, g.expected)
     assert actual == g.expected, f"{path.name}: output differs (UPDATE_GOLDEN=1 regenerates it)"
+
+
+_SECONDS = re.compile(r"(recompute = \{[^}]*seconds = )([0-9.e+-]+)")
+
+
+def _traced_seconds_as_expected(actual: str, expected: str) -> str:
+    """A recompute decision's ``seconds`` prices the ops of the block torch.fx traces, and the installed
+    transformers decides how many aten ops a block dispatches (5.23's llama block has one ``view`` more than
+    5.19's, the version the ``[vllm]`` extra pins) — each priced at the selective checkpoint's per-op cost. So
+    those seconds are compared within 2 % (everything else, the chosen ops included, exactly): within it the
+    expected text stands in for the actual number."""
+    want = _SECONDS.findall(expected)
+    got = _SECONDS.findall(actual)
+    if len(want) != len(got):
+        return actual
+    it = iter(want)
+
+    def swap(m):
+        _, exp = next(it)
+        return m.group(1) + (exp if abs(float(m.group(2)) - float(exp)) <= 0.02 * abs(float(exp)) else m.group(2))
+
+    return _SECONDS.sub(swap, actual)
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
