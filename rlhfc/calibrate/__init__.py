@@ -126,6 +126,12 @@ def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):
                         eos=torch.zeros(B, dtype=torch.bool, device=device))
 
 
+def profile_prompts(B: int, P: int) -> list[str]:
+    """``B`` prompts of P/2..P tokens (BOS + characters), so a batch is left-padded like a real one."""
+    return [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2)) // max(B - 1, 1))]
+            for i in range(B)]
+
+
 def _grid(max_seq: int, quick: bool):
     """Batch sizes and lengths to measure, within the model's max_seq."""
     batches = (4, 16, 64) if not quick else (4, 24)
@@ -188,10 +194,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             for B in batches:
                 for P in gen_p:
                     for T in gen_t:
-                        # prompts of P/2..P tokens (BOS + characters), so batches are left-padded like real ones
-                        prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2))
-                                                                                       // max(B - 1, 1))]
-                                   for i in range(B)]
+                        prompts = profile_prompts(B, P)
                         steps = []
 
                         def run(prompts=prompts, T=T, steps=steps):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from rlhfc.calibrate import _grid
+from rlhfc.calibrate import _grid, profile_prompts
 
 
 def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 3,
@@ -57,9 +57,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
         for B in batches:
             for P in gen_p:
                 for T in gen_t:
-                    prompts = [("abcdefghijklmnopqrstuvwxyz" * 8)[i % 7: i % 7 + max(1, P - 1 - (i * (P // 2))
-                                                                                   // max(B - 1, 1))]
-                               for i in range(B)]
+                    prompts = profile_prompts(B, P)
                     runs = []
                     for rep in range(reps + 1):   # the first is a warm-up
                         torch.set_num_threads(max(1, threads))
