@@ -123,7 +123,7 @@ class Cluster:
             args = (model_name, model["spec"], model["init"], self.seed)
             device = "cuda" if use_gpu else "cpu"
             precision = self.plan["run"].get("precision", "fp32")
-            engine = w.get("engine") or self.plan["run"].get("rollout", "torch")   # vLLM: in a one-rank worker
+            engine = w.get("engine") or self.plan["run"].get("rollout", "torch")   # vLLM: an engine per rank
             engine = engine if engine in ("torch", "vllm") else "torch"   # rollout = auto: the worker's "engine"
             rollout = {"engine": engine, "folder": os.path.join(os.path.abspath(self.out), "vllm")}
             if trainer == "torch" and ranks == 1:
@@ -139,7 +139,7 @@ class Cluster:
                 cores = w.get("cores") or []
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
                     *args, 1, device, [cores[r % len(cores)]] if cores else None, rank=r, world=ranks, store=store,
-                    backend="nccl" if use_gpu else "gloo", **extra) for r in range(ranks)]
+                    backend="nccl" if use_gpu else "gloo", rollout=rollout, **extra) for r in range(ranks)]
             group = WorkerGroup(name, handles, model=model_name)
             self.workers[name] = group
             refs[name] = group.ready.remote()   # the health check: every rank has built its model

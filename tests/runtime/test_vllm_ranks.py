@@ -1,0 +1,127 @@
+"""A generating model of several ranks on vLLM (issue #15): an engine per FSDP2 rank, in the group's world.
+
+Skipped where vLLM is not installed. Two processes host the ranks of a dp2 group (``trainer = fsdp``) whose
+rollout engine is vLLM; a third hosts the one-process worker on vLLM, the reference. Each process starts
+one engine (~10-20 s on CPU); the three start side by side.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("vllm")
+
+from rlhfc.runtime.parallel import join, open_store, row_share  # noqa: E402
+from rlhfc.runtime.values import PolicyLossInput  # noqa: E402
+from rlhfc.runtime.worker import ModelWorker  # noqa: E402
+
+#: head size 64 (what vLLM's CPU attention runs)
+SPEC = dict(arch="llama", layers=2, hidden=128, heads=2, vocab=96, max_seq=128)
+#: the second half repeats the first: rank 1's share holds rank 0's prompts
+PROMPTS = [f"{w} {i}" for i in range(3) for w in ("the cat", "hello", "xyz", "a")] * 2
+GEN = dict(max_new_tokens=12, top_p=1.0)
+
+
+def _broadcast(obj, rank: int):
+    import torch.distributed as dist
+
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rank(rank: int, world: int, store, folder: str) -> dict:
+    """One rank: greedy and sampled generation on its engine, a training step, the refit at the reshard
+    stage, a sampled rollout on the refitted engines, a stream from rank 0, and a two-rank sync group."""
+    from rlhfc.runtime.parallel import DataParallelWorker
+
+    torch.set_num_threads(1)
+    w = DataParallelWorker("actor", SPEC, {"kind": "random"}, seed=7, rank=rank, world=world, store=store,
+                           rollout={"engine": "vllm", "folder": folder})
+    out = {"greedy": _broadcast(w.generate(PROMPTS, temperature=0.0, **GEN), rank)}
+    roll = _broadcast(w.generate(PROMPTS, temperature=1.0, **GEN), rank)
+    logp = w.logprobs(roll)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(roll.mask.shape, generator=g) * roll.mask
+    old = torch.randn(roll.mask.shape, generator=g) * 0.1 - 2.0
+    w.train(PolicyLossInput(roll, old, adv, None, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3",
+                            temperature=1.0), lr=3e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
+    out["reshard"] = w.reshard(1)   # the refit: every rank gathers the trained shards into its engine
+    out["engine_version"] = w.engine.version
+    after = w.generate(PROMPTS, temperature=1.0, **GEN)   # no refit left to do
+    after = _broadcast(after, rank)
+    out.update(roll=roll, logp=logp, after=after, trainer=w.logprobs(after), version=w.version)
+    chunks = list(w.generate_chunks(PROMPTS[:6], chunk=3, temperature=1.0, **GEN))   # rank 0 streams every row
+    out["streamed"] = [c.size for c in chunks]
+    # a two-rank sync group (rlhfc.runtime.collective) beside vLLM's groups in the same world
+    where = _broadcast(w.sync_open("t") if rank == 0 else None, rank)
+    w.sync_join("t", rank, *where, "gloo")
+    flat = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    w._broadcast("t", flat)
+    out["synced"] = flat.tolist()
+    return out
+
+
+def _one(folder: str) -> dict:
+    """The reference: one process's worker on vLLM (no group)."""
+    torch.set_num_threads(1)
+    w = ModelWorker("actor", SPEC, {"kind": "random"}, seed=7, rollout={"engine": "vllm", "folder": folder})
+    return {"greedy": w.generate(PROMPTS, temperature=0.0, **GEN)}
+
+
+def _spawned(key, fn, args, queue):
+    try:
+        queue.put((key, pickle.dumps(fn(*args))))   # bytes: torch shares tensors through file descriptors
+    except BaseException:   # report, do not hang the parent
+        import traceback
+
+        queue.put((key, traceback.format_exc()))
+
+
+def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp_path):
+    store = open_store()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    jobs = {0: (_rank, (0, 2, store, str(tmp_path / "dp2"))), 1: (_rank, (1, 2, store, str(tmp_path / "dp2"))),
+            "one": (_one, (str(tmp_path / "one"),))}
+    procs = [ctx.Process(target=_spawned, args=(k, fn, args, queue)) for k, (fn, args) in jobs.items()]
+    for p in procs:
+        p.start()
+    res = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for k, r in res.items():
+        assert isinstance(r, bytes), f"{k} failed:\n{r}"
+    ranks = [pickle.loads(res[0]), pickle.loads(res[1])]
+    one = pickle.loads(res["one"])
+
+    # greedy: each rank decodes its share on its own engine; row for row the one-process engine's tokens
+    greedy = ranks[0]["greedy"]
+    assert greedy.batch.response_token_lists() == one["greedy"].batch.response_token_lists()
+    assert greedy.rollout_engine == "vllm" and greedy.logprobs is not None
+
+    # sampled: the ranks draw from seeds of their own, so the same prompt on rank 1 continues otherwise
+    n = len(PROMPTS)
+    lo, hi = row_share(n, 1, 2)
+    rows = ranks[0]["roll"].batch.response_token_lists()
+    assert (lo, hi) == (n // 2, n) and rows[:lo] != rows[lo:]
+
+    # the engines' sampled-token log-probs are the trainer's at equal weights, then after the step's refit
+    roll, after = ranks[0]["roll"], ranks[0]["after"]
+    before = join([r["logp"] for r in ranks]).values
+    assert float((roll.logprobs - before).abs()[roll.mask.bool()].max()) < 1e-3
+    nbytes, buckets = ranks[0]["reshard"]
+    assert buckets >= 1 and nbytes > 0 and all(r["engine_version"] == r["version"] == 1 for r in ranks)
+    mask = after.mask.bool()
+    trainer = join([r["trainer"] for r in ranks]).values
+    assert float((after.logprobs - trainer).abs()[mask].max()) < 1e-3   # rows of both ranks' engines
+    initial = ModelWorker("actor", SPEC, {"kind": "random"}, seed=7).logprobs(after).values
+    assert float((after.logprobs - initial).abs()[mask].max()) > 1e-2   # so the refit really changed them
+    assert after.engine["refit_buckets"] == buckets   # the reshard stage's refit, reported with the rollout
+
+    assert sum(ranks[0]["streamed"]) == 6 and ranks[1]["streamed"] == []
+    assert ranks[1]["synced"] == [0.0, 1.0, 2.0, 3.0]
