@@ -111,3 +111,34 @@ def test_the_cost_model_prices_the_engines_refit_in_the_generate_stage(tmp_path,
     assert "refit" not in costs["torch"].parts and "engine" not in costs["torch"].work
     # continuous batching: vLLM computes each row's own tokens, the torch loop carries finished rows a while
     assert costs["vllm"].work["computed_tokens"] < costs["torch"].work["computed_tokens"]
+
+
+def test_a_generating_model_of_several_ranks_runs_on_vllm_each_rank_priced_on_its_share(tmp_path, vllm_installed):
+    """trainer = fsdp on cpu:2 runs the actor as two ranks: check accepts vLLM for it (an engine per rank), the
+    engine pass may pick vLLM for it, and the generate stage is priced per rank: each decodes half the rows
+    and refits the whole model; explain says so."""
+    from rlhfc.cli.optimise import optimise
+    from rlhfc.cost import CostModel
+    from rlhfc.explain.engines import engine_notes
+    from rlhfc.ir import plan
+
+    def compiled(name: str, run: str, devices: int):
+        from rlhfc.frontend import load_file
+
+        path = tmp_path / f"{name}.rlhf"
+        path.write_text(PROGRAM.format(heads=1, tis="", run=run).replace("cpu:1", f"cpu:{devices}"))
+        return optimise(load_file(str(path))[0], "O1", None).module
+
+    dp2 = compiled("dp2", "run { rollout = vllm; trainer = fsdp }\n", 2)
+    one = compiled("one", "run { rollout = vllm }\n", 1)
+    assert plan.vllm_model_problem(dp2, "actor") is None
+    assert {w.ranks for w in plan.workers(dp2).values() if w.model == "actor"} == {2}
+    costs = {}
+    for name, module in (("dp2", dp2), ("one", one)):
+        gen = next(s for s in module.graph.stages if s.op == "generate")
+        costs[name] = CostModel(module).stage_cost(gen)
+    assert costs["dp2"].layout.dp == 2 and costs["one"].layout.dp == 1
+    assert costs["dp2"].parts["refit"] == pytest.approx(costs["one"].parts["refit"])   # the whole model each
+    assert costs["dp2"].parts["decode"] < costs["one"].parts["decode"]   # half the rows per engine
+    notes = engine_notes(dp2, CostModel(dp2))
+    assert any("generates on vllm on 2 ranks, an engine each decoding its share of the 8 rows" in n for n in notes)

@@ -120,12 +120,14 @@ def concurrency(cm, model, prompt: float, max_new: float) -> int:
     return max(1, min(seqs, fits))
 
 
-def vllm_work(cm, stage, model) -> tuple[dict, int, str]:
+def vllm_work(cm, stage, model, dp: int = 1) -> tuple[dict, int, str]:
     """(the generation work of one wave under continuous batching, the waves, the fit's source) of
-    generate ``stage`` on vLLM (module docstring)."""
+    generate ``stage`` on vLLM (module docstring). ``dp``: the generating group's data-parallel ranks, each
+    of which runs an engine on its share of the rows, so the waves are those of one rank's share."""
     one = cm.generation_work(stage, 1, continuous=True)
     n = int(one["batch"]) + int(one["delta"])
-    waves = max(1, math.ceil(n / concurrency(cm, model, one["prompt"], one["T"])))
+    share = math.ceil(n / max(1, int(dp)))
+    waves = max(1, math.ceil(share / concurrency(cm, model, one["prompt"], one["T"])))
     work = dict(one if waves == 1 else cm.generation_work(stage, waves, continuous=True))
     return work, waves, "profile" if vllm_generate_fit(cm.profile, model) is not None else "assumed"
 
@@ -173,8 +175,12 @@ def engine_prices(module, stages, config=None) -> dict[str, float]:
 
 
 def vllm_inputs(cm, stage, model, lay: dict) -> dict:
-    """The work of one wave of ``stage`` on vLLM; sets the layout arrays' ``mb`` to the waves."""
-    work, waves, _ = vllm_work(cm, stage, model)
+    """The work of one wave of ``stage`` on vLLM; sets the layout arrays' ``mb`` to the waves. A group of
+    ``dp`` ranks runs an engine per rank (:mod:`rlhfc.runtime.vllm_engine`), each on its share of the rows:
+    the formulas divide each wave's rows by ``dp``, and the waves are one share's (candidate layouts of
+    different ``dp`` are priced with the fewest ranks' waves, an upper bound for the others)."""
+    dp = int(np.min(np.asarray(lay["dp"]))) if np.size(lay["dp"]) else 1
+    work, waves, _ = vllm_work(cm, stage, model, dp)
     lay["mb"] = 0.0 * lay["mb"] + waves
     return work
 
@@ -194,7 +200,8 @@ def add_refit(cm, stage, model, first: dict, summary: dict) -> None:
     summary["engine"], summary["engine_source"] = "vllm", vllm_work(cm, stage, model)[2]
     if model.trainable:
         bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
-        first["refit"], summary["refit_source"] = refit_seconds(cm, model, first["weights_bytes"], bucket)
+        # every rank's engine holds the whole model, whatever the trainer's layout: it loads all of it
+        first["refit"], summary["refit_source"] = refit_seconds(cm, model, full_bytes(cm, model), bucket)
         first["total"] += first["refit"]
     awake = engine_bytes(cm, model)["transient"]
     if awake:
@@ -202,16 +209,23 @@ def add_refit(cm, stage, model, first: dict, summary: dict) -> None:
 
 
 def add_refit_batched(cm, stage, model, out: dict) -> None:
-    """:func:`add_refit` on a batch of candidate layouts' prices (:func:`rlhfc.cost.batched.evaluate`): each
-    candidate's refit of its own weight shard, and the engine's awake footprint, as the per-stage price has."""
+    """:func:`add_refit` on a batch of candidate layouts' prices (:func:`rlhfc.cost.batched.evaluate`): the
+    refit of the whole model (every rank's engine holds it, whatever the candidate's layout), and the
+    engine's awake footprint, as the per-stage price has."""
     if model.trainable:
         bucket = stage.annotations.get("refit_mb", 64)
-        w = np.asarray(out["weights_bytes"], dtype=np.float64).reshape(-1)
-        refit = np.array([refit_seconds(cm, model, float(x), bucket)[0] for x in w])
+        refit = refit_seconds(cm, model, full_bytes(cm, model), bucket)[0]   # the whole model on every rank
         out["total"] = np.asarray(out["total"], dtype=np.float64) + refit
     awake = engine_bytes(cm, model)["transient"]
     if awake:
         out["transient_bytes"] = 0.0 * np.asarray(out["transient_bytes"], dtype=np.float64) + awake
+
+
+def full_bytes(cm, model) -> float:
+    """Bytes of the whole model in the engine's dtype (what a rank's engine holds and a refit loads)."""
+    from .arrays import arch_numbers
+
+    return float(arch_numbers(model)["N"] * cm.spec.bytes_per_param)
 
 
 def engine_bytes(cm, model) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """What ``explain`` says about the rollout engines (``run { rollout = vllm | auto }``): per generate stage the
-engine it runs on, its price per step and where the price comes from (the profile's vLLM measurements or the
+engine it runs on (and on how many ranks, each with an engine of its own), its price per step and where the price comes from (the profile's vLLM measurements or the
 catalog assumption, :mod:`rlhfc.cost.engine`); under ``auto``, per generating model the engine the ``engine``
 pass chose and why: both engines' prices at the compiled plan and, when the pass ran in this process, the
 prices it compared (before placement, torch credited with a reused log-prob forward), or what keeps the model
@@ -26,7 +26,11 @@ def engine_notes(module: Module, cm) -> list[str]:
             rates = "measured by the profile" if c.work.get("engine_source") == "profile" else \
                 "the catalog assumption (no vLLM measurement in the profile: run `rlhfc profile` with vLLM installed)"
             extra = f", of which refit {refit * 1e3:.1f} ms ({c.work.get('refit_source')})" if refit else ""
-            notes.append(f"%{s.name} generates on vllm: {c.time_s * 1e3:.1f} ms a step{extra}; vLLM's rates: {rates}")
+            dp = c.layout.dp if c.layout is not None else 1
+            ranks = f" on {dp} ranks, an engine each decoding its share of the {c.work['rows']:g} rows" \
+                if dp > 1 else ""
+            notes.append(f"%{s.name} generates on vllm{ranks}: {c.time_s * 1e3:.1f} ms a step{extra}; "
+                         f"vLLM's rates: {rates}")
         else:
             notes.append(f"%{s.name} generates on torch (rlhfc's decode loop): {c.time_s * 1e3:.1f} ms a step")
     if module.run.rollout != "auto":

@@ -6,6 +6,10 @@ Under ``rollout = torch`` or ``vllm`` every generate stage runs on that engine. 
 stages ``engine = "vllm"`` when it picks vLLM; an unmarked stage runs on torch (so at -O0, where no pass runs,
 ``auto`` is torch). The pass asks :func:`vllm_model_problem` first, so what keeps a model off vLLM is one rule.
 
+A generating model that runs as several ranks (``trainer = fsdp`` or ``megatron``) is fine: every rank owns
+an engine of the whole model in the group's ``torch.distributed`` world and generates its share of the rows
+(docs/runtime.md, The vLLM rollout engine).
+
 A program that asks for the vLLM engine (or an IR whose stages are marked ``engine = "vllm"``) is refused
 before any job starts when:
 
@@ -13,7 +17,6 @@ before any job starts when:
   (the language has only those), so the rule is the attention head size (``hidden / heads``), which vLLM's
   attention kernels support only for the sizes in :data:`VLLM_HEAD_SIZES`;
 * a generate stage asks for sampling vLLM does not do (``top_p = 0``: vLLM needs 0 < top_p <= 1);
-* the generating model runs as several ranks (FSDP2 / megatron-core): the engine is owned by one worker;
 * vLLM is not installed (reported only when nothing else is wrong, so a program's own mistakes read the
   same with or without vLLM installed); the message gives the install command. Not for stages the ``engine``
   pass marked: it marks only when vLLM is installed where it compiles.
@@ -66,11 +69,8 @@ def model_engine(module: Module, model: str) -> str:
 
 def vllm_model_problem(module: Module, model: str) -> str | None:
     """Why ``rollout = auto`` must keep generating model ``model`` on torch (None when vLLM can run it): the
-    checks of ``rollout = vllm`` — head size, a generate's ``top_p``, vLLM installed — and that the model may
-    run as several ranks (a trainer other than torch, unless its fixed layout is one process or the cluster
-    has one device)."""
-    from .rules import fixed_layout
-
+    checks of ``rollout = vllm``: head size, a generate's ``top_p``, vLLM installed (a model of several ranks
+    runs an engine on each)."""
     m = module.models.get(model)
     if m is None:
         return None
@@ -82,10 +82,6 @@ def vllm_model_problem(module: Module, model: str) -> str | None:
         top_p = s.attrs.get("top_p", 1.0) if s.op == "generate" and s.target == model else 1.0
         if isinstance(top_p, (int, float)) and top_p <= 0:
             return f"%{s.name} samples with top_p = {top_p}, which vLLM does not support"
-    fixed = fixed_layout(m)
-    one_device = module.cluster.num_devices == 1
-    if module.run.trainer != "torch" and (fixed is None or fixed.size > 1) and not one_device:
-        return f"trainer = {module.run.trainer} may run it as several ranks (a vLLM engine lives in one process)"
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed ({VLLM_INSTALL})"
     return None
@@ -96,8 +92,6 @@ def verify_rollout(module: Module, sink: DiagnosticSink) -> None:
     stages the ``engine`` pass marked under ``auto``, none under ``torch``."""
     if module.run.rollout == "torch":
         return
-    from .rules import stage_mesh, workers
-
     before = len(sink.errors)
     at_run = where(module.run, "rollout")
     seen: set[str] = set()
@@ -119,16 +113,5 @@ def verify_rollout(module: Module, sink: DiagnosticSink) -> None:
             what, hint = problem
             sink.error(f"model @{m.name} generates under rollout = vllm, but vLLM cannot run its {what}",
                        where(m, "heads"), hint)
-    if isinstance(module.cluster.num_devices, int) and all(st.outputs for st in module.graph.stages):
-        placed = workers(module)
-        for st in module.graph.stages:
-            w = placed.get((st.target, stage_mesh(module, st))) \
-                if st.op == "generate" and stage_engine(module, st) == "vllm" else None
-            if w is not None and w.ranks > 1:
-                sink.error(f"model @{w.model} generates under rollout = vllm on {w.ranks} ranks ({w.trainer}), "
-                           "but the vLLM engine is owned by a one-process worker", at_run,
-                           "run the generating model as one process (trainer = torch, or a one-device layout), "
-                           "or run { rollout = torch }")
-                break
     if module.run.rollout == "vllm" and len(sink.errors) == before and importlib.util.find_spec("vllm") is None:
         sink.error("rollout = vllm, but vLLM is not installed", at_run, f"install the extra: {VLLM_INSTALL}")
