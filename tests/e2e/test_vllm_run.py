@@ -141,3 +141,38 @@ def test_overcommit_on_vllm_resumes_exactly_and_a_killed_engine_keeps_the_last_c
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     meta = json.load(open(os.path.join(part, "checkpoints", "step_2", "job.json")))
     assert meta["overcommit"] == json.load(open(os.path.join(full, "checkpoints", "step_2", "job.json")))["overcommit"]
+
+
+FSDP = OVERCOMMIT.replace("max_new_tokens = 40", "max_new_tokens = 16").replace(
+    "checkpoint_every = 1 }", "checkpoint_every = 1; trainer = fsdp; rollout = vllm }")
+
+
+@pytest.mark.slow
+def test_fsdp_dp2_trains_on_an_engine_per_rank_and_resumes_exactly(tmp_path):
+    """trainer = fsdp on cpu:2: the actor runs as two ranks, each generating its share of the rows on its own
+    vLLM engine, refitted from the gathered shards at the plan's reshard stage (-O2); a run resumed from its
+    step-1 checkpoint (fresh engines, refitted from the checkpoint's weights) repeats the uninterrupted
+    run's steps exactly, and writes the same checkpoint bit for bit."""
+    (tmp_path / "dp2.rlhf").write_text(FSDP)
+    job = str(tmp_path / "job")
+    assert main(["compile", str(tmp_path / "dp2.rlhf"), "-O2", "--emit", "job", "-o", job]) == 0
+    with open(os.path.join(job, "plan.json")) as fh:
+        plan = json.load(fh)
+    assert plan["placement"]["workers"]["actor"]["ranks"] == 2
+    assert "job.reshard(" in open(os.path.join(job, "main.py")).read()
+    full = str(tmp_path / "full")
+    rows = run_job(job, out=full, progress=False)
+    assert len(rows) == 3 and rows[0]["engine_start_s"] > 0 and all(r["refit_s"] > 0 for r in rows)
+    assert all(r["rollout_logprob_diff_max"] < 1e-3 for r in rows)
+    assert os.listdir(os.path.join(full, "vllm", "actor", "hf")) == ["config.json"]   # weights came in memory
+
+    part = str(tmp_path / "part")
+    shutil.copytree(full, part, ignore=shutil.ignore_patterns("ray", "step_2", "step_3"))
+    with open(os.path.join(part, "checkpoints", "latest"), "w") as fh:
+        fh.write("step_1")
+    run_job(job, out=part, resume=True, progress=False)
+    got, want = _exact(_rows(part)), _exact(_rows(full))
+    assert got == want, [(r["step"], k, a.get(k), r.get(k)) for r, a in zip(got, want) for k in a if a.get(k) != r.get(k)]
+    a = load_file(os.path.join(part, "checkpoints", "step_3", "actor", "weights.safetensors"))
+    b = load_file(os.path.join(full, "checkpoints", "step_3", "actor", "weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
