@@ -125,3 +125,45 @@ def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp
 
     assert sum(ranks[0]["streamed"]) == 6 and ranks[1]["streamed"] == []
     assert ranks[1]["synced"] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _megatron_rank(rank: int, world: int, store, folder: str) -> dict:
+    """A megatron-core rank of a tp = 2 group: an engine of the whole model (refitted from its gathered
+    single-rank copy), its share of the rows; then rank 0 streams every row."""
+    from rlhfc.runtime.megatron import MegatronWorker
+
+    torch.set_num_threads(1)
+    w = MegatronWorker("actor", SPEC, {"kind": "random"}, seed=7, rank=rank, world=world, store=store, tp=2,
+                       rollout={"engine": "vllm", "folder": folder})
+    roll = _broadcast(w.generate(PROMPTS, temperature=1.0, **GEN), rank)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(roll.mask.shape, generator=g) * roll.mask
+    old = torch.randn(roll.mask.shape, generator=g) * 0.1 - 2.0
+    w.train(PolicyLossInput(roll, old, adv, None, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3",
+                            temperature=1.0), lr=3e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
+    w.reshard(1)
+    after = _broadcast(w.generate(PROMPTS, temperature=1.0, **GEN), rank)
+    chunks = list(w.generate_chunks(PROMPTS[:6], chunk=3, temperature=1.0, **GEN))
+    return {"after": after, "trainer": w.logprobs(after), "streamed": [c.size for c in chunks]}
+
+
+@pytest.mark.slow
+def test_megatron_tp2_ranks_each_generate_on_an_engine_of_the_whole_model(tmp_path):
+    pytest.importorskip("megatron.core")
+    store = open_store()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(r, _megatron_rank, (r, 2, store, str(tmp_path)), queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    res = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for k, r in res.items():
+        assert isinstance(r, bytes), f"rank {k} failed:\n{r}"
+    ranks = [pickle.loads(res[0]), pickle.loads(res[1])]
+    after = ranks[0]["after"]
+    trainer = join([r["trainer"] for r in ranks if r["trainer"] is not None]).values
+    assert float((after.logprobs - trainer).abs()[after.mask.bool()].max()) < 1e-3
+    assert sum(ranks[0]["streamed"]) == 6 and ranks[1]["streamed"] == []
