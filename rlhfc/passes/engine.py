@@ -11,9 +11,9 @@ when ``reuse_logprobs`` runs later in the pipeline the torch side is credited wi
 remove.
 
 A model vLLM cannot run stays on torch, with a note, not an error
-(:func:`rlhfc.ir.plan.vllm_model_problem`: its head size, a generate's ``top_p``, a trainer that may run it
-as several ranks, vLLM not installed where it compiles, or a profile that recorded the engine failing on
-that shape).
+(:func:`rlhfc.ir.plan.vllm_model_problem`: its head size, a generate's ``top_p``, vLLM not installed where
+it compiles, or a profile that recorded the engine failing on that shape). A model of several ranks may run
+on vLLM: an engine per rank, priced on its share of the rows.
 
 Not in the -O pipelines: ``compile``/``run``/``explain`` run it first at every level, -O0 included, whenever
 the program says ``rollout = auto`` (:func:`rlhfc.cli.optimise.optimise`), so every level runs the same

@@ -30,7 +30,8 @@ How each stage runs:
   lazily at the first generate after the weights changed (a tensor-parallel generation layout is not
   built); every rank decodes its share of the rows, each row
   from its own random stream, so the group samples the tokens one rank samples; rank 0 answers.
-  Streamed generation is decoded by rank 0 alone (as under FSDP).
+  Streamed generation is decoded by rank 0 alone (as under FSDP). On vLLM each rank's engine (the whole
+  model, not tensor-parallel) is refitted from that copy (:mod:`rlhfc.runtime.vllm_engine`).
 - **weights out** and **checkpoints**: gathered in Hugging Face layout (tensor all-gathers within each
   replica's model-parallel group, in buckets; every rank knows the others' shapes from the spec); rank 0 answers ``get_weights``
   and writes checkpoints — full tensors, so a run saved under one layout resumes under any other.

@@ -21,6 +21,10 @@ How each stage runs on the group (the driver calls every rank; :mod:`rlhfc.runti
   samples) and rank 0 answers with the gathered rollout. Streamed generation (``generate_chunks``) is
   still decoded by rank 0 alone: its chunks and the overcommit cut-off follow the finish order over
   all rows.
+  On the vLLM engine (``rollout = vllm``) no unsharded copy is built: each rank owns an engine, refitted
+  from the shards (each parameter gathered in turn, in buckets) at the plan's reshard stage or before a
+  generate, and decodes its share on it (:mod:`rlhfc.runtime.vllm_engine`); streamed, rank 0's engine
+  decodes every row while the others start and refit theirs with it (collectives).
 - **weights out** (``get_weights``, ``sync_export``, ``save``): gathered in full on every
   rank (a collective), answered or written by rank 0; **weights in** (``set_weights``,
   ``sync_import``, ``load``): every rank takes its shard of the full tensors. Checkpoints hold

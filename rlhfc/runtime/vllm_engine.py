@@ -11,6 +11,16 @@ Refit (:meth:`VllmEngine.refit`): the trainer's parameters go into the running e
 ``(Hugging Face name, tensor)`` pairs, which fuses q/k/v and gate/up as vLLM lays them out) — no
 safetensors round trip on disk.
 
+A group of ranks (``trainer = fsdp`` or ``megatron``): every rank owns an engine of the whole model. The
+ranks' ``torch.distributed`` world is already up, so the engine starts with vLLM's ``external_launcher``
+backend, which adopts that world (``RANK``/``LOCAL_RANK`` set from the rank) instead of starting its own;
+with tensor and pipeline size 1 vLLM lays the world out as that many independent engines. The start is a
+collective (vLLM builds its process groups over the world), so every rank starts its engine in the same
+call. Rank 0 writes only the model's config; the engines start on vLLM's placeholder weights and are
+refitted with the trainer's before they generate: an FSDP2 rank gathers each parameter (``full_tensor``)
+into the current bucket, a megatron rank refits from its gathered single-rank copy. Each rank then decodes
+its share of the rows (:func:`rlhfc.runtime.parallel.split_generate`), seeded from its own rows' keys.
+
 Generation (:meth:`VllmEngine.stream`) has the contract of :func:`rlhfc.runtime.decoding.generate_stream`:
 one :class:`FinishedSample` per row as vLLM finishes it (per-request outputs of the engine's step loop, so
 the ``stream`` pass's chunks leave as requests complete), and with ``stop_after`` the unfinished requests
@@ -28,7 +38,8 @@ an empty persistent batch, so its rows take slots 0.. in order, as in a fresh en
 reproducible and a resumed step (same rows, carried partial samples first, same key from the checkpointed
 sampling generator) regenerates the uninterrupted run's tokens. Unlike the torch engine's per-row streams,
 a row's tokens depend on the other rows of its call: the same prompts split into other calls (another
-generation layout) sample other tokens, which no exactness guarantee of rlhfc compares across layouts on vLLM.
+generation layout: a group of another size, a streamed call that rank 0 decodes alone) sample other
+tokens, which no exactness guarantee of rlhfc compares across layouts on vLLM.
 ``seeds`` (one per row, vLLM's per-request generators) remains for a caller that needs rows independent.
 The log-prob of each sampled token is vLLM's (``processed_logprobs``: log-softmax of logits / T — what the
 sampler drew from); a resumed row's carried tokens get vLLM's prompt log-probs (temperature 1).
