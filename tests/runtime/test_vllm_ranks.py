@@ -1,8 +1,8 @@
 """A generating model of several ranks on vLLM (issue #15): an engine per FSDP2 rank, in the group's world.
 
 Skipped where vLLM is not installed. Two processes host the ranks of a dp2 group (``trainer = fsdp``) whose
-rollout engine is vLLM; a third hosts the one-process worker on vLLM, the reference. Each process starts
-one engine (~10-20 s on CPU); the three start side by side.
+rollout engine is vLLM, each starting one engine (~10-20 s on CPU), side by side. The one-engine reference
+is rank 0's engine decoding every row alone (a streamed call, as ``stream`` runs on a group).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _rank(rank: int, world: int, store, folder: str) -> dict:
     torch.set_num_threads(1)
     w = DataParallelWorker("actor", SPEC, {"kind": "random"}, seed=7, rank=rank, world=world, store=store,
                            rollout={"engine": "vllm", "folder": folder})
-    out = {"greedy": _broadcast(w.generate(PROMPTS, temperature=0.0, **GEN), rank)}
+    out = {"greedy": _broadcast(w.generate(PROMPTS, temperature=0.0, **GEN), rank),
+           "alone": list(w.generate_chunks(PROMPTS, chunk=8, temperature=0.0, **GEN))}   # rank 0: every row
     roll = _broadcast(w.generate(PROMPTS, temperature=1.0, **GEN), rank)
     logp = w.logprobs(roll)
     g = torch.Generator().manual_seed(5)
@@ -55,8 +56,6 @@ def _rank(rank: int, world: int, store, folder: str) -> dict:
     after = w.generate(PROMPTS, temperature=1.0, **GEN)   # no refit left to do
     after = _broadcast(after, rank)
     out.update(roll=roll, logp=logp, after=after, trainer=w.logprobs(after), version=w.version)
-    chunks = list(w.generate_chunks(PROMPTS[:6], chunk=3, temperature=1.0, **GEN))   # rank 0 streams every row
-    out["streamed"] = [c.size for c in chunks]
     # a two-rank sync group (rlhfc.runtime.collective) beside vLLM's groups in the same world
     where = _broadcast(w.sync_open("t") if rank == 0 else None, rank)
     w.sync_join("t", rank, *where, "gloo")
@@ -64,13 +63,6 @@ def _rank(rank: int, world: int, store, folder: str) -> dict:
     w._broadcast("t", flat)
     out["synced"] = flat.tolist()
     return out
-
-
-def _one(folder: str) -> dict:
-    """The reference: one process's worker on vLLM (no group)."""
-    torch.set_num_threads(1)
-    w = ModelWorker("actor", SPEC, {"kind": "random"}, seed=7, rollout={"engine": "vllm", "folder": folder})
-    return {"greedy": w.generate(PROMPTS, temperature=0.0, **GEN)}
 
 
 def _spawned(key, fn, args, queue):
@@ -86,9 +78,7 @@ def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp
     store = open_store()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    jobs = {0: (_rank, (0, 2, store, str(tmp_path / "dp2"))), 1: (_rank, (1, 2, store, str(tmp_path / "dp2"))),
-            "one": (_one, (str(tmp_path / "one"),))}
-    procs = [ctx.Process(target=_spawned, args=(k, fn, args, queue)) for k, (fn, args) in jobs.items()]
+    procs = [ctx.Process(target=_spawned, args=(r, _rank, (r, 2, store, str(tmp_path)), queue)) for r in range(2)]
     for p in procs:
         p.start()
     res = dict(queue.get(timeout=600) for _ in procs)
@@ -97,11 +87,14 @@ def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp
     for k, r in res.items():
         assert isinstance(r, bytes), f"{k} failed:\n{r}"
     ranks = [pickle.loads(res[0]), pickle.loads(res[1])]
-    one = pickle.loads(res["one"])
 
-    # greedy: each rank decodes its share on its own engine; row for row the one-process engine's tokens
+    # greedy: each rank decodes its share on its own engine; row for row what one engine decodes alone
     greedy = ranks[0]["greedy"]
-    assert greedy.batch.response_token_lists() == one["greedy"].batch.response_token_lists()
+    alone: dict[int, list[int]] = {}
+    for chunk in ranks[0]["alone"]:   # streamed chunks, as the rows finished
+        alone.update(zip(chunk.rows, chunk.batch.response_token_lists()))
+    assert [c.size for c in ranks[0]["alone"]] == [8, 8, 8] and ranks[1]["alone"] == []
+    assert greedy.batch.response_token_lists() == [alone[i] for i in range(len(PROMPTS))]
     assert greedy.rollout_engine == "vllm" and greedy.logprobs is not None
 
     # sampled: the ranks draw from seeds of their own, so the same prompt on rank 1 continues otherwise
@@ -123,7 +116,6 @@ def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp
     assert float((after.logprobs - initial).abs()[mask].max()) > 1e-2   # so the refit really changed them
     assert after.engine["refit_buckets"] == buckets   # the reshard stage's refit, reported with the rollout
 
-    assert sum(ranks[0]["streamed"]) == 6 and ranks[1]["streamed"] == []
     assert ranks[1]["synced"] == [0.0, 1.0, 2.0, 3.0]
 
 
