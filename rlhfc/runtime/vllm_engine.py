@@ -88,7 +88,9 @@ class VllmEngine:
     """A vLLM engine for ``model`` (a :class:`~rlhfc.runtime.models.PolicyModel`) of worker ``name``.
 
     ``version``: the trainer version of the weights the engine holds (the worker refits when its own is newer).
-    ``max_seqs``: requests decoded at once (vLLM's continuous batching; None = vLLM's default)."""
+    ``max_seqs``: requests decoded at once (vLLM's continuous batching; None = vLLM's default).
+    ``rank``: (rank, world) of the worker's group, whose ``torch.distributed`` world is up: the engine joins it
+    (a collective; :func:`_rank_options`) and starts at version -1, to be refitted before it generates."""
 
     def __init__(self, model, folder: str, *, name: str, seed: int, device: str = "cpu",
                  max_seqs: int | None = None, version: int = 0, rank: tuple[int, int] | None = None):
