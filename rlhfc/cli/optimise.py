@@ -131,6 +131,9 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
 
     pm = PassManager(chosen, verify_each=verify_each, print_after=print_after or set(), printer=show)
     module = pm.run(module)
+    from rlhfc.passes.engine import set_gpu_memory
+
+    set_gpu_memory(module)   # a CUDA vLLM engine's gpu_memory_utilization, before the memory check prices it
     if memory_check:
         from rlhfc.cost import check_memory
         from rlhfc.ir import DiagnosticSink

@@ -62,7 +62,8 @@ def placement(module: Module) -> dict:
     Each worker also says how it runs (:func:`rlhfc.ir.plan.worker_layout`, the runtime's contract):
     ``trainer`` (``"torch"`` | ``"fsdp"`` | ``"megatron"``, ``auto`` resolved), its layout ``dp``, ``tp``,
     ``pp`` and ``ranks`` = dp·tp·pp processes (1, with dp = tp = pp = 1, under torch); ``engine = "vllm"`` when
-    its model's generate stages run on vLLM (:func:`rlhfc.ir.plan.model_engine`; absent: torch).
+    its model's generate stages run on vLLM (:func:`rlhfc.ir.plan.model_engine`; absent: torch), and on GPUs
+    the ``gpu_memory_utilization`` its engine starts with (the stages' ``gpu_memory``).
     """
     c = module.cluster
     gpu = c.device != "cpu"
@@ -72,9 +73,18 @@ def placement(module: Module) -> dict:
                         "num_cpus": 0 if gpu else w.share, "num_gpus": w.share if gpu else 0,
                         "threads": 1 if gpu else w.threads, "cores": list(w.cores), "ranks": w.ranks,
                         "dp": w.dp, "tp": w.tp, "pp": w.pp, "trainer": w.trainer,
-                        **({"engine": "vllm"} if plan.model_engine(module, w.model) == "vllm" else {})}
+                        **({"engine": "vllm"} if plan.model_engine(module, w.model) == "vllm" else {}),
+                        **_gpu_memory(module, w.model)}
                for w in plan.workers(module).values()}
     return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
+
+
+def _gpu_memory(module: Module, model: str) -> dict:
+    """``{"gpu_memory_utilization": f}`` for a worker whose vLLM generate stages the compiler marked
+    ``gpu_memory = f`` (a CUDA engine's share of its GPU: rlhfc.passes.engine.set_gpu_memory), else ``{}``."""
+    shares = [float(s.annotations["gpu_memory"]) for s in module.graph.stages
+              if s.op == "generate" and s.target == model and "gpu_memory" in s.annotations]
+    return {"gpu_memory_utilization": max(shares)} if shares else {}
 
 
 def metric_roles(module: Module) -> dict:

@@ -88,7 +88,7 @@ def _evaluate(cm: CostModel, st, layouts: list[Layout], backend: str) -> dict[st
     if inp.family == "generate" and cm.engine(st) == "vllm":   # the refit and engine memory, as stage_cost
         from .engine import add_refit_batched
 
-        add_refit_batched(cm, st, cm.module.models[st.target], out)
+        add_refit_batched(cm, st, cm.module.models[st.target], out, layouts)
     return out
 
 

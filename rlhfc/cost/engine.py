@@ -42,6 +42,11 @@ VLLM_MAX_SEQS = 256
 #: KV-cache bytes the runtime gives vLLM on CPU (``VLLM_CPU_KVCACHE_SPACE`` = 1 GiB) / fraction of a GPU
 VLLM_CPU_KV_BYTES = 2 ** 30
 VLLM_GPU_MEMORY_FRACTION = 0.9
+#: bytes of a GPU the engine needs besides its weights and KV cache: the activations of vLLM's profiling
+#: forward (``max_num_batched_tokens`` tokens), its CUDA graphs and the sampler (a catalog assumption)
+VLLM_GPU_OVERHEAD_BYTES = 2 * 2 ** 30
+#: ``gpu_memory_utilization`` below this is not asked of vLLM (the engine's fraction is never smaller)
+VLLM_GPU_MIN_FRACTION = 0.05
 
 
 def vllm_features(B, P, steps, tokens):
@@ -113,11 +118,54 @@ def concurrency(cm, model, prompt: float, max_new: float) -> int:
     per_token = float(arch_numbers(model)["kv_tok"]) * cm.spec.bytes_per_param
     if entry.get("kv_tokens"):
         kv_tokens = float(entry["kv_tokens"])
-    else:
-        space = VLLM_CPU_KV_BYTES if cm.spec.is_cpu else VLLM_GPU_MEMORY_FRACTION * cm.spec.memory
-        kv_tokens = space / max(per_token, 1.0)
+    elif cm.spec.is_cpu:
+        kv_tokens = VLLM_CPU_KV_BYTES / max(per_token, 1.0)
+    else:   # the KV cache is what the engine's fraction leaves beside its weights and overhead
+        kv_tokens = gpu_kv_bytes(cm, model, gpu_fraction(cm, model)) / max(per_token, 1.0)
     fits = int(kv_tokens // max(prompt + max_new, 1.0))
     return max(1, min(seqs, fits))
+
+
+def gpu_kv_bytes(cm, model, fraction: float) -> float:
+    """KV-cache bytes a CUDA engine of ``model`` gets from ``gpu_memory_utilization = fraction``: the share
+    of the device less its weight copy and :data:`VLLM_GPU_OVERHEAD_BYTES`."""
+    from .arrays import arch_numbers
+
+    copy = arch_numbers(model)["N"] * cm.spec.bytes_per_param
+    return max(0.0, fraction * cm.spec.memory - copy - VLLM_GPU_OVERHEAD_BYTES)
+
+
+#: the generate stage annotation that records a CUDA engine's ``gpu_memory_utilization`` (set by
+#: :func:`rlhfc.passes.engine.set_gpu_memory`; the runtime passes it to ``vllm.LLM``)
+GPU_MEMORY_KEY = "gpu_memory"
+
+
+def gpu_fraction(cm, model, dp: int | None = None) -> float:
+    """``gpu_memory_utilization`` for the CUDA vLLM engine of ``model``: what it needs — its weight copy, KV
+    cache for every row of one rank's share of its largest generate stage at prompt + ``max_new_tokens``
+    tokens (at most ``max_num_seqs`` rows at once), and :data:`VLLM_GPU_OVERHEAD_BYTES` —, as a share of
+    the device rounded up to 0.01, between :data:`VLLM_GPU_MIN_FRACTION` and vLLM's default 0.9. Not all of the
+    device (vLLM's default): the trained model co-located with it keeps its weights, gradients and optimizer
+    state on the device while the engine generates, and vLLM refuses to start when less than its fraction is free.
+    A stage's ``gpu_memory`` annotation, when the compiler set it, is the answer; ``dp`` overrides the stage's
+    data-parallel ranks (each rank's engine decodes its share)."""
+    from .arrays import arch_numbers
+
+    gens = [s for s in cm.module.graph.stages if s.op == "generate" and s.target == model.name]
+    marked = [float(s.annotations[GPU_MEMORY_KEY]) for s in gens if GPU_MEMORY_KEY in s.annotations]
+    if marked and dp is None:
+        return max(marked)
+    arch = arch_numbers(model)
+    entry, _ = vllm_entry(cm.profile, model_key(model))
+    seqs = int((entry or {}).get("max_num_seqs") or VLLM_MAX_SEQS)
+    kv = 0.0
+    for s in gens:
+        one = cm.generation_work(s, 1, continuous=True)
+        ranks = dp if dp is not None else max(1, int(cm.layout(s).dp))
+        rows = min(seqs, math.ceil((int(one["batch"]) + int(one["delta"])) / max(1, ranks)))
+        kv = max(kv, rows * (float(one["prompt"]) + float(one["T"])) * arch["kv_tok"] * cm.spec.bytes_per_param)
+    need = arch["N"] * cm.spec.bytes_per_param + kv + VLLM_GPU_OVERHEAD_BYTES
+    return min(VLLM_GPU_MEMORY_FRACTION, max(VLLM_GPU_MIN_FRACTION, math.ceil(100.0 * need / cm.spec.memory) / 100.0))
 
 
 def vllm_work(cm, stage, model, dp: int = 1) -> tuple[dict, int, str]:
@@ -206,18 +254,24 @@ def add_refit(cm, stage, model, first: dict, summary: dict) -> None:
     awake = engine_bytes(cm, model)["transient"]
     if awake:
         first["transient_bytes"] = awake
+        summary["gpu_memory_utilization"] = gpu_fraction(cm, model)
 
 
-def add_refit_batched(cm, stage, model, out: dict) -> None:
+def add_refit_batched(cm, stage, model, out: dict, layouts=None) -> None:
     """:func:`add_refit` on a batch of candidate layouts' prices (:func:`rlhfc.cost.batched.evaluate`): the
     refit of the whole model (every rank's engine holds it, whatever the candidate's layout), and the
-    engine's awake footprint, as the per-stage price has."""
+    engine's awake footprint, as the per-stage price has (on GPUs each candidate's: its ``dp`` sets the rows
+    a rank's engine holds KV cache for, :func:`gpu_fraction`)."""
     if model.trainable:
         bucket = stage.annotations.get("refit_mb", 64)
         refit = refit_seconds(cm, model, full_bytes(cm, model), bucket)[0]   # the whole model on every rank
         out["total"] = np.asarray(out["total"], dtype=np.float64) + refit
-    awake = engine_bytes(cm, model)["transient"]
-    if awake:
+    if cm.spec.is_cpu or not layouts:
+        awake = engine_bytes(cm, model)["transient"]
+    else:
+        by_dp = {dp: engine_bytes(cm, model, dp)["transient"] for dp in {int(x.dp) for x in layouts}}
+        awake = np.array([by_dp[int(x.dp)] for x in layouts], dtype=np.float64)
+    if np.any(awake):
         out["transient_bytes"] = 0.0 * np.asarray(out["transient_bytes"], dtype=np.float64) + awake
 
 
@@ -228,7 +282,7 @@ def full_bytes(cm, model) -> float:
     return float(arch_numbers(model)["N"] * cm.spec.bytes_per_param)
 
 
-def engine_bytes(cm, model) -> dict[str, float]:
+def engine_bytes(cm, model, dp: int | None = None) -> dict[str, float]:
     """Device memory the vLLM engine of ``model`` takes besides the trainer's own copy: ``{"resident": bytes
     held for the whole run, "transient": bytes held while its generate stages run}``.
 
@@ -237,14 +291,14 @@ def engine_bytes(cm, model) -> dict[str, float]:
     it has them) stay for the whole run. On CUDA the runtime puts the engine to sleep (level 1) after every
     generate call, which offloads its weights to host memory and frees its KV cache, so it holds memory only
     while a generate stage runs — then its ``gpu_memory_utilization`` share of the device
-    (:data:`VLLM_GPU_MEMORY_FRACTION`, which covers its weights copy and KV cache), in place of the torch
-    decode loop's KV cache."""
+    (:func:`gpu_fraction`: its weights copy, the KV cache its rows need and vLLM's overhead), in place of the
+    torch decode loop's KV cache."""
     from .arrays import arch_numbers
 
     arch = arch_numbers(model)
     copy = arch["N"] * cm.spec.bytes_per_param
     if not cm.spec.is_cpu:
-        return {"resident": 0.0, "transient": max(copy, VLLM_GPU_MEMORY_FRACTION * cm.spec.memory)}
+        return {"resident": 0.0, "transient": max(copy, gpu_fraction(cm, model, dp) * cm.spec.memory)}
     entry, _ = vllm_entry(cm.profile, model_key(model))
     kv_tokens = (entry or {}).get("kv_tokens")
     kv = float(kv_tokens) * arch["kv_tok"] * cm.spec.bytes_per_param if kv_tokens else float(VLLM_CPU_KV_BYTES)

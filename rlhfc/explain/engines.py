@@ -29,8 +29,10 @@ def engine_notes(module: Module, cm) -> list[str]:
             dp = c.layout.dp if c.layout is not None else 1
             ranks = f" on {dp} ranks, an engine each decoding its share of the {c.work['rows']:g} rows" \
                 if dp > 1 else ""
+            share = c.work.get("gpu_memory_utilization")
+            share = f"; its engine starts with gpu_memory_utilization = {share:g} of each GPU" if share else ""
             notes.append(f"%{s.name} generates on vllm{ranks}: {c.time_s * 1e3:.1f} ms a step{extra}; "
-                         f"vLLM's rates: {rates}")
+                         f"vLLM's rates: {rates}{share}")
         else:
             notes.append(f"%{s.name} generates on torch (rlhfc's decode loop): {c.time_s * 1e3:.1f} ms a step")
     if module.run.rollout != "auto":

@@ -126,6 +126,8 @@ class Cluster:
             engine = w.get("engine") or self.plan["run"].get("rollout", "torch")   # vLLM: an engine per rank
             engine = engine if engine in ("torch", "vllm") else "torch"   # rollout = auto: the worker's "engine"
             rollout = {"engine": engine, "folder": os.path.join(os.path.abspath(self.out), "vllm")}
+            if w.get("gpu_memory_utilization"):   # a CUDA engine's share of its GPU, as the compiler priced it
+                rollout["gpu_memory"] = float(w["gpu_memory_utilization"])
             if trainer == "torch" and ranks == 1:
                 actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
                                        max_restarts=0)(ModelWorker)

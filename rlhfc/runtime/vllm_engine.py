@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from typing import Iterator, Sequence
 
@@ -78,6 +79,9 @@ def engine_env(folder: str) -> None:
     for key, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TMPDIR", "tmp")):
         os.makedirs(os.path.join(folder, sub), exist_ok=True)
         os.environ[key] = os.path.join(folder, sub)
+    # Python caches its temp folder at the first tempfile call, before TMPDIR changed: vLLM's own temp files
+    # (e.g. its file:// rendezvous, vllm_dist_*) would land in /tmp, outside the run folder
+    tempfile.tempdir = os.environ["TMPDIR"]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core in this process: refit reaches it
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # its chat-template warm-up warns without a tokenizer
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB of KV cache on CPU (vLLM's default is larger)
@@ -89,11 +93,13 @@ class VllmEngine:
 
     ``version``: the trainer version of the weights the engine holds (the worker refits when its own is newer).
     ``max_seqs``: requests decoded at once (vLLM's continuous batching; None = vLLM's default).
+    ``gpu_memory``: on CUDA, vLLM's ``gpu_memory_utilization`` (the plan's; None: vLLM's default).
     ``rank``: (rank, world) of the worker's group, whose ``torch.distributed`` world is up: the engine joins it
     (a collective; :func:`_rank_options`) and starts at version -1, to be refitted before it generates."""
 
     def __init__(self, model, folder: str, *, name: str, seed: int, device: str = "cpu",
-                 max_seqs: int | None = None, version: int = 0, rank: tuple[int, int] | None = None):
+                 max_seqs: int | None = None, version: int = 0, rank: tuple[int, int] | None = None,
+                 gpu_memory: float | None = None):
         self.name, self.folder, self.version, self.calls, self.device = name, folder, version, 0, device
         engine_env(folder)
         hf_dir = os.path.join(folder, "hf")
@@ -115,6 +121,8 @@ class VllmEngine:
         self.sleeps, self.asleep = device.startswith("cuda"), False
         if self.sleeps:
             options["enable_sleep_mode"] = True
+            if gpu_memory:   # the share the compiler priced (a co-located trainer keeps the rest), not vLLM's 0.9
+                options["gpu_memory_utilization"] = float(gpu_memory)
         try:
             self.llm = LLM(model=hf_dir, skip_tokenizer_init=True, enforce_eager=device == "cpu", dtype=dtype,
                            seed=seed, generation_config="vllm", enable_prefix_caching=False,
@@ -362,7 +370,8 @@ def ensure_engine(worker, refit_mb: int = 64) -> None:
         written = not ranked and not os.path.isfile(os.path.join(folder, "hf", "config.json"))
         worker.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
                                    version=worker.version if written else -1,
-                                   rank=(int(worker.rank), int(worker.world)) if ranked else None)
+                                   rank=(int(worker.rank), int(worker.world)) if ranked else None,
+                                   gpu_memory=worker.rollout.get("gpu_memory"))
         worker.engine_stats["engine_start_s"] = time.perf_counter() - start
     wake = worker.engine.wake_up()   # CUDA: the engine slept while the trainer trained
     if wake:

@@ -9,7 +9,8 @@ import pytest
 
 from rlhfc.cost import CostConfig, CostModel, simulate
 from rlhfc.cost.batched import candidate_layouts, evaluate
-from rlhfc.cost.engine import VLLM_CPU_KV_BYTES, VLLM_GPU_MEMORY_FRACTION
+from rlhfc.cost.engine import (VLLM_CPU_KV_BYTES, VLLM_GPU_MEMORY_FRACTION, VLLM_GPU_MIN_FRACTION,
+                               VLLM_GPU_OVERHEAD_BYTES, gpu_fraction, gpu_kv_bytes)
 from rlhfc.cost.memory import memory_issues
 from rlhfc.frontend import compile_source
 
@@ -59,9 +60,94 @@ def test_cuda_engine_sleeps_between_generates_so_it_holds_memory_only_while_gene
     assert "@actor vllm engine" not in _static(module, "vllm")
     cm = CostModel(module, CostConfig(engine="vllm"))
     gen = next(s for s in module.graph.stages if s.op == "generate")
-    assert cm.stage_cost(gen).transient_bytes == pytest.approx(VLLM_GPU_MEMORY_FRACTION * cm.spec.memory)
+    share = gpu_fraction(cm, module.models["actor"])
+    assert cm.stage_cost(gen).transient_bytes == pytest.approx(share * cm.spec.memory)
+    assert cm.stage_cost(gen).parts.get("gpu_memory_utilization") is None   # a summary entry, not a time part
     torch_cm = CostModel(module, CostConfig(engine="torch"))
     assert torch_cm.stage_cost(gen).transient_bytes < cm.stage_cost(gen).transient_bytes
+
+
+def test_a_cuda_engine_asks_for_what_it_needs_not_vllms_ninety_percent():
+    """The engine's share of a GPU: its weights copy, the KV cache of its rows at prompt + max_new_tokens and
+    vLLM's overhead, rounded up to 0.01 — so a co-located trainer keeps its memory; capped at vLLM's 0.9."""
+    model_text = "llama(layers = 2, hidden = 128, heads = 2, vocab = 96)"
+    tiny = _module('gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1')
+    cm = CostModel(tiny, CostConfig(engine="vllm"))
+    actor = tiny.models["actor"]
+    assert gpu_fraction(cm, actor) == VLLM_GPU_MIN_FRACTION   # a tiny model: the floor
+    big, _ = compile_source(PROGRAM.format(cluster='gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1')
+                            .replace(model_text, "llama(size = 7B)"))
+    cm = CostModel(big, CostConfig(engine="vllm"))
+    actor = big.models["actor"]
+    share = gpu_fraction(cm, actor)
+    copy = actor.params * cm.spec.bytes_per_param
+    assert (copy + VLLM_GPU_OVERHEAD_BYTES) / cm.spec.memory < share < VLLM_GPU_MEMORY_FRACTION
+    assert share == round(share, 2)
+    # the KV cache holds every row of a rank's share at once: no extra waves for the smaller share
+    gen = next(s for s in big.graph.stages if s.op == "generate")
+    assert gpu_kv_bytes(cm, actor, share) >= 32 * 24 * 1024   # 32 rows (8 prompts x 4) of a few tokens
+    assert cm.stage_cost(gen).time_s > 0
+    assert gpu_fraction(cm, actor, dp=4) < share   # each of 4 ranks holds KV for a quarter of the rows
+    huge, _ = compile_source(PROGRAM.format(cluster='gpu = "A100-40GB"; nodes = 1; gpus_per_node = 1')
+                             .replace(model_text, "llama(size = 70B)"))
+    cm = CostModel(huge, CostConfig(engine="vllm"))
+    assert gpu_fraction(cm, huge.models["actor"]) == VLLM_GPU_MEMORY_FRACTION
+
+
+def test_compile_marks_the_engines_share_and_the_job_starts_vllm_with_it(tmp_path, capsys, monkeypatch):
+    """``gpu_memory`` on the vLLM generate stages of a GPU cluster (canonical text), carried into plan.json's
+    worker as ``gpu_memory_utilization``, which the runtime gives ``vllm.LLM``; none on CPU clusters."""
+    import importlib.util
+    import json
+
+    from rlhfc.cli import main
+
+    real = importlib.util.find_spec   # the check asks for vLLM to be installed; this test needs none of it
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real(n, *a))
+    for cluster, gpu in (('gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1', True), ("devices = cpu:1", False)):
+        path = tmp_path / "p.rlhf"
+        path.write_text(PROGRAM.format(cluster=cluster).replace("steps = 2", "steps = 2; rollout = vllm"))
+        job = tmp_path / ("gpu" if gpu else "cpu")
+        assert main(["compile", str(path), "-O0", "--emit", "job", "-o", str(job)]) == 0, capsys.readouterr().err
+        assert main(["compile", str(path), "-O2"]) == 0
+        ir = capsys.readouterr().out
+        workers = json.loads((job / "plan.json").read_text())["placement"]["workers"]
+        assert main(["explain", str(path), "-O2"]) == 0
+        said = capsys.readouterr().out
+        assert ("its engine starts with gpu_memory_utilization = 0.05 of each GPU" in said) is gpu
+        if gpu:
+            assert workers["actor"]["gpu_memory_utilization"] == VLLM_GPU_MIN_FRACTION
+            assert f"gpu_memory = {VLLM_GPU_MIN_FRACTION}" in ir
+        else:
+            assert "gpu_memory_utilization" not in workers["actor"] and "gpu_memory" not in ir
+
+
+def test_the_engine_is_started_with_the_plans_share_on_cuda(tmp_path, monkeypatch):
+    """The runtime gives ``vllm.LLM`` the plan's ``gpu_memory_utilization`` on CUDA, with sleep mode (a
+    stand-in for vLLM: this machine has no CUDA); on CPU neither."""
+    import sys
+    import types
+
+    import torch
+
+    from rlhfc.runtime.vllm_engine import VllmEngine
+
+    import tempfile
+
+    for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "VLLM_LOGGING_LEVEL", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.setenv(key, "")   # recorded, so restored (or removed) after the test: the engine sets
+        monkeypatch.delenv(key)       # them for its whole process
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    seen = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: seen.append(kw)))
+    hf = types.SimpleNamespace(save_pretrained=lambda d: (tmp_path / "hf").mkdir(exist_ok=True))
+    model = types.SimpleNamespace(hf=hf, parameters=lambda: iter([torch.zeros(1)]))
+    VllmEngine(model, str(tmp_path / "cuda"), name="actor", seed=0, device="cuda", gpu_memory=0.37)
+    VllmEngine(model, str(tmp_path / "cpu"), name="actor", seed=0, device="cpu", gpu_memory=0.37)
+    assert seen[0]["gpu_memory_utilization"] == 0.37 and seen[0]["enable_sleep_mode"] is True
+    assert "gpu_memory_utilization" not in seen[1] and "enable_sleep_mode" not in seen[1]
+    assert tempfile.gettempdir() == str(tmp_path / "cpu" / "tmp")   # vLLM's temp files stay in the run folder
 
 
 @pytest.mark.parametrize("cluster", ["devices = cpu:2", 'gpu = "A100-80GB"; nodes = 1; gpus_per_node = 4'])
@@ -107,17 +193,21 @@ def test_auto_keeps_torch_where_the_engine_would_not_fit(monkeypatch):
 
 
 def test_check_says_a_cuda_engine_leaves_no_room_for_the_generating_weights():
-    """A 7B model on one 80 GB GPU: torch can generate (its train stage alone cannot fit), but vLLM's 90 % share
-    beside the trainer's 13 GB copy cannot; the diagnostic names the engine and the way out."""
+    """A 13B model on one 40 GB GPU: torch can generate (its train stage alone cannot fit), but the engine's
+    share (its own 26 GB copy, KV cache and overhead) beside the trainer's 26 GB copy cannot; the diagnostic
+    names the engine and the way out. The same model on an 80 GB GPU fits: the engine asks for what it needs,
+    not vLLM's 90 %."""
     from rlhfc.cost.memory import unfittable
     from rlhfc.ir import DiagnosticSink
 
-    module, _ = compile_source(PROGRAM.format(cluster='gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1')
-                               .replace("llama(layers = 2, hidden = 128, heads = 2, vocab = 96)", "llama(size = 7B)"))
-    bad, hints = {}, {}
-    for engine in ("torch", "vllm"):
-        sink = DiagnosticSink()
-        bad[engine] = unfittable(module, sink, CostConfig(engine=engine))
-        hints[engine] = [d.hint for d in sink.errors if d.message.startswith("stage %roll ")]
-    assert "roll" not in bad["torch"] and "roll" in bad["vllm"]
-    assert hints["vllm"] and "vLLM engine" in hints["vllm"][0] and "rollout = torch" in hints["vllm"][0]
+    for gpu, fits in (("A100-40GB", False), ("A100-80GB", True)):
+        module, _ = compile_source(PROGRAM.format(cluster=f'gpu = "{gpu}"; nodes = 1; gpus_per_node = 1')
+                                   .replace("llama(layers = 2, hidden = 128, heads = 2, vocab = 96)", "llama(size = 13B)"))
+        bad, hints = {}, {}
+        for engine in ("torch", "vllm"):
+            sink = DiagnosticSink()
+            bad[engine] = unfittable(module, sink, CostConfig(engine=engine))
+            hints[engine] = [d.hint for d in sink.errors if d.message.startswith("stage %roll ")]
+        assert "roll" not in bad["torch"] and ("roll" in bad["vllm"]) is not fits
+        if not fits:
+            assert hints["vllm"] and "vLLM engine" in hints["vllm"][0] and "rollout = torch" in hints["vllm"][0]

@@ -225,6 +225,13 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
         elif module.run.rollout != "auto":
             sink.error(f"{label}: engine = \"vllm\" marks rollout = auto's choice, but the run has rollout = "
                        f"{module.run.rollout}", at, "drop the annotation, or write run { rollout = \"auto\" }")
+    if "gpu_memory" in ann:   # a CUDA vLLM engine's gpu_memory_utilization (rlhfc.passes.engine.set_gpu_memory)
+        share = ann["gpu_memory"]
+        if stage.op != "generate" or isinstance(share, bool) or not isinstance(share, (int, float)) \
+                or not 0 < share <= 1:
+            sink.error(f"{label}: gpu_memory = {describe(share)} is not a generate stage's share of a GPU", at,
+                       "gpu_memory marks the fraction of a GPU a vLLM engine starts with: a number in (0, 1] "
+                       "on a generate stage, e.g. gpu_memory = 0.3")
     if "overlap" in ann and not _is_int(ann["overlap"]):
         sink.error(f"{label}: overlap must be an integer group id, got {describe(ann['overlap'])}", at,
                    "stages with the same overlap = K are launched together, e.g. overlap = 1")
