@@ -88,34 +88,39 @@ def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3, resident: int = 256 <<
     return out
 
 
-def measure_checkpoint(reps: int = 5) -> dict[str, float]:
-    """CPU seconds a checkpointed block pays beyond its recomputed ops, on a tiny llama block (eager attention,
-    one thread; the runtime's own checkpoint, :mod:`rlhfc.runtime.recompute`):
+#: the block :func:`measure_checkpoint` times when it is given none: a tiny llama block (eager attention)
+TINY_BLOCK = dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager")
+
+
+def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, seq: int = 64,
+                       op_s: dict | None = None) -> dict[str, float]:
+    """CPU seconds a checkpointed block pays beyond its recomputed ops, on one block of ``spec`` (a runtime
+    model spec: the program's own model, ``rlhfc profile`` passes it; default :data:`TINY_BLOCK`) at a
+    micro-batch of ``rows x seq`` tokens (the stage's training shape), one thread, the runtime's own checkpoint
+    (:mod:`rlhfc.runtime.recompute`):
 
     - ``ckpt_op_s``: per aten call seen by a selective checkpoint's policy (Python dispatch on every op of the
-      forward and of the replay): a block that keeps every op's output (nothing recomputed) trains slower
-      than plain autograd by this times the calls it dispatches (its forward's and the replay's, until the
-      last op that saves);
+      forward and of the replay, and the outputs it caches): a block that keeps every op's output (nothing
+      recomputed) trains slower than plain autograd by this times the calls it dispatches (its forward's and
+      the replay's, until the last op that saves);
     - ``ckpt_region_s``: per checkpointed block, what a full checkpoint costs beyond replaying its forward
-      (saving its input, the backward's recompute hook); a selective one pays it too, ``ckpt_op_s`` on top.
+      (saving its input, the backward's recompute hook, the replay's allocations); a selective one pays it too,
+      ``ckpt_op_s`` on top.
 
-    Each is the fastest of ``reps`` forward+backward runs (after a warm-up) minus the baseline's."""
+    Both grow with the block's size (on the 2-core VM of docs/benchmarks.md: 0.8 ms and 16 us on the tiny
+    block, 4-6 ms and 40-60 us on a 256-wide llama block at 1024 tokens), which is why the profile measures
+    them on the program's block at its shape. Each run is a forward+backward after a warm-up; a step's page
+    faults make single runs scatter (docs/benchmarks.md), so each configuration's time is the median of
+    ``reps`` runs and the differences are taken between medians. ``op_s`` (:func:`measure_block_ops` of the
+    same block): the replay is priced at those op times, so the region's cost is what a full checkpoint pays
+    beyond their sum (without it, beyond a timed forward)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlhfc.runtime.models import build_model
-    from rlhfc.runtime.recompute import apply_recompute, blocks, op_key
+    from rlhfc.runtime.recompute import apply_recompute, op_key
 
-    model = build_model(dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager"), seed=0)
-    model.train()
-    ids = torch.randint(3, 30, (1, 64), generator=torch.Generator().manual_seed(0))
-    block = blocks(model)[0]
-    seen, keys = {}, []
-    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
-    with torch.no_grad():
-        model(ids, torch.ones_like(ids))
-    hook.remove()
-    args = (seen["a"][0].detach().requires_grad_(True), *seen["a"][1:])
+    model, block, args, kwargs = _block_at(spec, rows, seq)
+    seen, keys = {"k": kwargs}, []
 
     class Calls(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), kw=None):
@@ -134,13 +139,95 @@ def measure_checkpoint(reps: int = 5) -> dict[str, float]:
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plain, fwd = _cpu_time(step, reps), _cpu_time(forward, reps)
+        plain = _cpu_median(step, reps)
+        fwd = sum(op_s.values()) if op_s else _cpu_median(forward, reps)
         apply_recompute(model, {"policy": "ops", "save": keys})
-        kept_all = _cpu_time(step, reps)
+        kept_all = _cpu_median(step, reps)
         apply_recompute(model, {"policy": "full"})
-        full = _cpu_time(step, reps)
+        full = _cpu_median(step, reps)
     finally:
         apply_recompute(model, None)
         torch.set_num_threads(old)
     region = max(0.0, full - plain - fwd)
     return {"ckpt_op_s": max(0.0, kept_all - plain - region) / (2 * len(keys)), "ckpt_region_s": region}
+
+
+def _block_at(spec: dict | None, rows: int, seq: int):
+    """(model, its first block, the block's positional args and keywords) of a one-block model of ``spec``
+    (default :data:`TINY_BLOCK`) fed a left-padded micro-batch of ``rows x seq`` tokens, as the runtime feeds
+    it; the hidden-state input requires grad (a block inside a trained model)."""
+    import torch
+
+    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.recompute import blocks
+
+    spec = dict(spec or TINY_BLOCK, layers=1)
+    spec["max_seq"] = max(int(spec.get("max_seq") or 0), seq)
+    model = build_model(spec, seed=0)
+    model.train()
+    vocab = int(model.spec["vocab"])
+    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
+    block = blocks(model)[0]
+    seen = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        model(ids, mask)
+    hook.remove()
+    return model, block, (seen["a"][0].detach().requires_grad_(True), *seen["a"][1:]), seen["k"]
+
+
+def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 5) -> dict[str, float]:
+    """CPU seconds of each aten call of one block forward of ``spec`` at ``rows x seq`` tokens, with gradients
+    (as a checkpoint replays it), one thread, by op key (:func:`rlhfc.runtime.recompute.op_key`): the median of
+    ``reps`` forwards after a warm-up. What a recompute replays costs what the same ops cost in a forward
+    (docs/benchmarks.md, measured per kind), so these are the replay's prices on the program's block at its
+    shape — its matrix products at their own shapes (a 1024 x 32 attention product runs at half the square
+    probe's FLOP/s) and each output's page faults as a step pays them — which the probes' kind rates miss by
+    20-30 % on a CPU."""
+    import statistics
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlhfc.runtime.recompute import op_key
+
+    _, block, args, kwargs = _block_at(spec, rows, seq)
+    times: dict[str, list[float]] = {}
+    counts: dict = {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            key = op_key(func, counts.get(func, 0))
+            counts[func] = counts.get(func, 0) + 1
+            t = time.process_time()
+            out = func(*a, **(kw or {}))
+            times.setdefault(key, []).append(time.process_time() - t)
+            return out
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(max(1, reps) + 1):
+            counts.clear()
+            with Timer():
+                block(*args, **kwargs)
+            if i == 0:
+                times.clear()                             # the warm-up
+    finally:
+        torch.set_num_threads(old)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _cpu_median(fn, reps: int) -> float:
+    """The median CPU time of ``reps`` calls after a warm-up (see :func:`_cpu_time`)."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(max(1, reps)):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times)

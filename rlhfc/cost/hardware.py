@@ -72,6 +72,10 @@ class DeviceSpec:
     fresh_s_per_byte: tuple = field(default=())
     ckpt_region_s: float = 0.0
     ckpt_op_s: float = 0.0
+    #: a recompute's costs measured on a program's own block at its training shape (they grow with the block),
+    #: ``((model key, ckpt_region_s, ckpt_op_s, rows, seq, ((op key, forward CPU s), ...)), ...)``: preferred
+    #: to the host's probes for that model (rlhfc.passes.recompute_prices.spec_costs, measured_ops)
+    ckpt_models: tuple = field(default=())
 
     @property
     def is_cpu(self) -> bool:
@@ -113,6 +117,12 @@ CATALOG: dict[str, DeviceSpec] = {
 }
 
 
+def own_block(key: str, rc: dict) -> tuple:
+    """A :attr:`DeviceSpec.ckpt_models` entry from a profile model's ``recompute`` section."""
+    return (key, float(rc["ckpt_region_s"]), float(rc["ckpt_op_s"]), int(rc.get("rows", 1)), int(rc.get("seq", 1)),
+            tuple(sorted((str(k), float(v)) for k, v in (rc.get("op_s") or {}).items())))
+
+
 def device_spec(kind: str, profile=None) -> DeviceSpec:
     """The spec of device ``kind``, with measured rates from ``profile`` when it was taken on that kind.
 
@@ -135,6 +145,8 @@ def device_spec(kind: str, profile=None) -> DeviceSpec:
                        fresh_s_per_byte=tuple(tuple(map(float, p)) for p in rc.get("fresh_s_per_byte", ()))
                        or spec.fresh_s_per_byte, ckpt_region_s=float(rc.get("ckpt_region_s", spec.ckpt_region_s)),
                        ckpt_op_s=float(rc.get("ckpt_op_s", spec.ckpt_op_s)),
+                       ckpt_models=tuple(own_block(key, m["recompute"]) for key, m in sorted(profile.models.items())
+                                         if "recompute" in m),
                        kind_eff=tuple(sorted((k, float(v) / bw) for k, v in kinds.items())) or spec.kind_eff,
                        thread_speedup=tuple(float(x) for x in host.get("thread_speedup", (1.0,))),
                        source=f"profile {profile.path or ''}".strip())

@@ -11,7 +11,10 @@ block's forward misses is:
   rate of the largest measured size not above its allocation (nothing below 32 MiB: the heap reuses those);
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
-  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`).
+  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`). Both
+  grow with the block (the replay's allocations, the outputs a selective policy caches): ``rlhfc profile``
+  measures them on each trained model's own block at its training shape (:func:`spec_costs` prefers those to
+  the host's tiny-block probe).
 
 :func:`with_replay_costs` puts both on a trace (op seconds and the trace's fixed costs, which
 :func:`rlhfc.passes.recompute_choice.price` adds per policy). A per-kind rate fitted from a whole block forward
@@ -61,7 +64,41 @@ def _priced(trace: BlockTrace, fresh, ckpt_op_s: float, ckpt_region_s: float) ->
                    ckpt_region_s=float(ckpt_region_s))
 
 
-def spec_costs(spec) -> dict:
+def spec_costs(spec, model: str | None = None) -> dict:
     """The replay costs a :class:`rlhfc.cost.hardware.DeviceSpec` carries, as :func:`with_replay_costs`
-    keywords."""
-    return {"fresh": tuple(spec.fresh_s_per_byte), "ckpt_op_s": spec.ckpt_op_s, "ckpt_region_s": spec.ckpt_region_s}
+    keywords; the checkpoint's costs measured on ``model``'s own block (its profile key,
+    ``spec.ckpt_models``) where the profile has them, else the host's (a tiny block's)."""
+    region, op = spec.ckpt_region_s, spec.ckpt_op_s
+    for key, r, o, *_ in getattr(spec, "ckpt_models", ()):
+        if key == model:
+            region, op = r, o
+    return {"fresh": tuple(spec.fresh_s_per_byte), "ckpt_op_s": op, "ckpt_region_s": region}
+
+
+def measured_ops(spec, model: str | None):
+    """``(rows, seq, ((op key, CPU s), ...))``: the forward op times a profile measured on ``model``'s own block
+    at its training shape (``spec.ckpt_models``), or None."""
+    for key, _, _, rows, seq, ops in getattr(spec, "ckpt_models", ()):
+        if key == model and ops:
+            return rows, seq, ops
+    return None
+
+
+_MEASURED: dict[tuple, tuple] = {}
+
+
+def with_measured_ops(trace: BlockTrace, at: BlockTrace, ops) -> BlockTrace:
+    """``trace`` with each op's price scaled by what the same op measured against its price on ``at`` (the
+    same block priced alike at the shape the profile measured, ``ops``: ``((op key, CPU s), ...)``): at that
+    shape each op costs exactly its measured forward time (a replay costs what a forward does); at another,
+    its price moves with its work. Ops not measured, or priced free (views), keep their price; the same object
+    for the same inputs."""
+    key = (id(trace), id(at), id(ops))
+    if key not in _MEASURED:
+        if len(_MEASURED) > 1024:
+            _MEASURED.clear()
+        measured, base = dict(ops), {n.key: n.seconds for n in at.nodes}
+        nodes = tuple(replace(n, seconds=n.seconds * measured[n.key] / base[n.key])
+                      if n.key in measured and base.get(n.key, 0.0) > 0 else n for n in trace.nodes)
+        _MEASURED[key] = (trace, at, ops, replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes)))
+    return _MEASURED[key][3]

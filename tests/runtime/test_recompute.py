@@ -206,12 +206,16 @@ def test_recompute_choice_follows_replay_costs():
 
 
 def test_checkpoint_costs_are_measured():
-    """The profile's checkpoint probe (the runtime's own selective and full checkpoints on a tiny block) and
-    its fresh-output probe give non-negative seconds, per aten call a selective policy dispatches and per byte."""
+    """The profile's checkpoint probe (the runtime's own selective and full checkpoints on a tiny block, or on a
+    program's own block at its training shape) and its fresh-output probe give non-negative seconds, per aten
+    call a selective policy dispatches and per byte."""
     from rlhfc.calibrate.recompute import measure_checkpoint, measure_fresh_bytes
 
     costs = measure_checkpoint(reps=2)
     assert set(costs) == {"ckpt_op_s", "ckpt_region_s"}
     assert 0 < costs["ckpt_op_s"] < 1e-3 and 0 <= costs["ckpt_region_s"] < 0.1
+    own = measure_checkpoint(2, dict(arch="gpt2", layers=4, hidden=32, heads=2, vocab=40, max_seq=16), rows=2, seq=24)
+    assert set(own) == {"ckpt_op_s", "ckpt_region_s"}
+    assert 0 < own["ckpt_op_s"] < 1e-3 and 0 <= own["ckpt_region_s"] < 0.1
     (size, per_byte), = measure_fresh_bytes((1 << 20,), reps=2)
     assert size == 1 << 20 and 0 <= per_byte < 1e-8
