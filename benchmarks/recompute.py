@@ -11,13 +11,13 @@ them) — the benchmark measures:
   over the policies; the best and worst are shown too), and its overhead over ``none``, against the predicted
   overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
   recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in this
-  process at one thread: the block's forward ops timed on this block at its shape,
-  :func:`rlhfc.calibrate.recompute.measure_block_ops`, and the checkpoint's own costs measured there,
-  :func:`rlhfc.calibrate.recompute.measure_checkpoint`; :mod:`rlhfc.passes.recompute_prices`) and, for
-  comparison, **tiny-block checkpoint** (the pricing before: each op by its kind at the host probes' rates —
+  process at one thread: each op of this block's forward timed on it at its shape,
+  :func:`rlhfc.calibrate.recompute.measure_block_ops` — a replay costs what the forward does — plus the
+  checkpoint's own costs, :func:`rlhfc.calibrate.recompute.measure_checkpoint`; :mod:`rlhfc.passes.recompute_prices`)
+  and, for comparison, **kind rates** (the pricing before: each op by its kind at the host probes' rates —
   matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the fresh-output cost of every
   replayed op that allocates 32 MiB or more, :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, and the
-  checkpoint's costs measured on a tiny block). rlhfc's choices are made on the profile prices.
+  same checkpoint costs). rlhfc's choices are made on the profile prices.
 
 The median, not the best: a step's page faults are a third of its CPU time here, and how many a round takes
 depends on the heap's state (glibc returns freed memory to the OS and faults it back in), so one policy's
@@ -43,7 +43,7 @@ from dataclasses import replace as dc_replace
 import torch
 
 from rlhfc.calibrate import measure_host
-from rlhfc.calibrate.recompute import measure_block_ops, measure_checkpoint
+from rlhfc.calibrate.recompute import measure_block_ops
 from rlhfc.cost.hardware import device_spec, own_block
 from rlhfc.cost.profile import Profile, model_key
 from rlhfc.passes import recompute_choice as choice
@@ -207,19 +207,17 @@ def main() -> None:
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
     before = reprice(trace, *fit_kind_rates(trace, op_times))     # CUDA: kind rates fitted from a block forward
     dev = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
-    tiny = before
+    kinds = before
     if dev is not None:
         # the last pricing: the host probes' kind rates, fresh outputs, the checkpoint's costs on a tiny block
         ops = reprice(trace, dev.peak_flops * dev.train_eff, {k: dev.hbm_bw * dev.mem_eff * e for k, e in dev.kind_eff})
-        tiny = with_replay_costs(ops, **spec_costs(dev))
-        # what `rlhfc profile` now measures with the program: this block at its shape (one row of --seq tokens),
-        # each forward op's CPU time and the checkpoint's own costs; priced as the recompute pass prices with it
+        kinds = with_replay_costs(ops, **spec_costs(dev))
+        # what `rlhfc profile` now measures with the program: each forward op of this block at its shape (one row of
+        # --seq tokens), CPU time; priced as the recompute pass prices with it (the checkpoint's costs as before)
         own_ops = measure_block_ops(spec, 1, args.seq, 5)
-        own = measure_checkpoint(5, spec, 1, args.seq, own_ops)
         key = model_key(full_spec)
-        dev = dc_replace(dev, ckpt_models=(own_block(key, dict(own, rows=1, seq=args.seq, op_s=own_ops)),))
-        priced = with_replay_costs(ops, **spec_costs(dev, key))
-        trace = with_measured_ops(priced, priced, measured_ops(dev, key)[2])
+        dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops)),))
+        trace = with_measured_ops(kinds, kinds, measured_ops(dev, key)[2])    # at its own shape: the measured times
         print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
               "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)
               + "; fresh outputs (ps/byte by MiB): "
@@ -227,9 +225,8 @@ def main() -> None:
               + f"; checkpoint, tiny block: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us "
               f"an op dispatched")
         print(f"# this block at 1 x {args.seq}: forward ops {sum(own_ops.values()) * 1e3:.1f} ms (priced at the "
-              f"probes {tiny.forward_s * 1e3:.1f}); checkpoint {own['ckpt_region_s'] * 1e3:.2f} ms a block + "
-              f"{own['ckpt_op_s'] * 1e6:.1f} us an op dispatched ({len(trace.nodes)} ops, {choice._cut(trace) + 1} "
-              "replayed up to the last that saves)")
+              f"probes' kind rates and fresh outputs: {kinds.forward_s * 1e3:.1f}; {len(trace.nodes)} ops, "
+              f"{choice._cut(trace) + 1} replayed up to the last that saves)")
     else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
         trace = before
     sel = choice.selective(trace)
@@ -247,7 +244,7 @@ def main() -> None:
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
           + f"block forward: ops sum to {sum(op_times.values()) * 1e3:.1f} ms")
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
-          "(median; best of) | predicted (profile prices) | predicted, tiny-block checkpoint |"
+          "(median; best of) | predicted (profile prices) | predicted at kind rates (before) |"
           + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
@@ -267,7 +264,7 @@ def main() -> None:
         step = statistics.median(steps[label])
         measured, best = step - base, min(steps[label]) - best_base
         predicted = ch.recompute_s * spec["layers"]
-        old = (choice.price(tiny, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
+        old = (choice.price(kinds, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
 
         def err(x):
             return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""

@@ -334,9 +334,9 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     vLLM installed, the vLLM engine of every generating model's shape too (:func:`.vllm_engine.measure_vllm`; the
     profile's host section names the vLLM version, or ``None`` when it was not measured). ``train_shapes``
     (``{model key: (rows, seq)}``, :func:`rlhfc.cost.profile.model_key`; on a CPU): the micro-batch each trained
-    model's block trains at; what a recompute of that block costs is measured on it at that shape (the model's
-    ``recompute`` entry: each forward op's CPU time, :func:`.recompute.measure_block_ops`, and the checkpoint's
-    own costs, :func:`.recompute.measure_checkpoint`), which the recompute pass prefers to the host's probes."""
+    model's block trains at; each op of that block's forward is timed there (the model's ``recompute`` entry,
+    :func:`.recompute.measure_block_ops`), which the recompute pass prices a replay with rather than the host's
+    kind rates."""
     _set_passive_waits()
     import torch
 
@@ -383,15 +383,13 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
                                          extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
                                          pause=pause)
         shape = (train_shapes or {}).get(key)
-        if shape and device == "cpu":   # what its block's recompute costs, on that block at its training shape
-            from rlhfc.calibrate.recompute import measure_block_ops, measure_checkpoint
+        if shape and device == "cpu":   # what a replay of its block costs: each op, on that block at its shape
+            from rlhfc.calibrate.recompute import measure_block_ops
 
             rows, seq = int(shape[0]), int(shape[1])
             ops = measure_block_ops(spec, rows, seq, 3 if quick else 5)
-            own = dict(rows=rows, seq=seq, **measure_checkpoint(3 if quick else 5, spec, rows, seq, ops), op_s=ops)
-            prof.models[key]["recompute"] = own
-            log(f"  its block at {rows} x {seq} tokens: forward ops {sum(ops.values()) * 1e3:.2f} ms; checkpoint "
-                f"{own['ckpt_region_s'] * 1e3:.2f} ms a block + {own['ckpt_op_s'] * 1e6:.1f} us an op dispatched")
+            prof.models[key]["recompute"] = dict(rows=rows, seq=seq, op_s=ops)
+            log(f"  its block's forward at {rows} x {seq} tokens: {len(ops)} ops, {sum(ops.values()) * 1e3:.2f} ms")
         if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
             prof.models[key]["vllm"] = measure_vllm(spec, count, device=device, quick=quick, reps=3 if quick else reps,
                                                     copy_bw=float(prof.host.get("copy_bw", 0.0)), log=log)

@@ -92,12 +92,10 @@ def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3, resident: int = 256 <<
 TINY_BLOCK = dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager")
 
 
-def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, seq: int = 64,
-                       op_s: dict | None = None) -> dict[str, float]:
+def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, seq: int = 64) -> dict[str, float]:
     """CPU seconds a checkpointed block pays beyond its recomputed ops, on one block of ``spec`` (a runtime
-    model spec: the program's own model, ``rlhfc profile`` passes it; default :data:`TINY_BLOCK`) at a
-    micro-batch of ``rows x seq`` tokens (the stage's training shape), one thread, the runtime's own checkpoint
-    (:mod:`rlhfc.runtime.recompute`):
+    model spec; default :data:`TINY_BLOCK`, what ``rlhfc profile`` measures) at a micro-batch of ``rows x seq``
+    tokens, one thread, the runtime's own checkpoint (:mod:`rlhfc.runtime.recompute`):
 
     - ``ckpt_op_s``: per aten call seen by a selective checkpoint's policy (Python dispatch on every op of the
       forward and of the replay, and the outputs it caches): a block that keeps every op's output (nothing
@@ -107,13 +105,13 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
       (saving its input, the backward's recompute hook, the replay's allocations); a selective one pays it too,
       ``ckpt_op_s`` on top.
 
-    Both grow with the block's size (on the 2-core VM of docs/benchmarks.md: 0.8 ms and 16 us on the tiny
-    block, 4-6 ms and 40-60 us on a 256-wide llama block at 1024 tokens), which is why the profile measures
-    them on the program's block at its shape. Each run is a forward+backward after a warm-up; a step's page
-    faults make single runs scatter (docs/benchmarks.md), so each configuration's time is the median of
-    ``reps`` runs and the differences are taken between medians. ``op_s`` (:func:`measure_block_ops` of the
-    same block): the replay is priced at those op times, so the region's cost is what a full checkpoint pays
-    beyond their sum (without it, beyond a timed forward)."""
+    Each run is a forward+backward after a warm-up; each configuration's time is the median of ``reps`` runs
+    and the differences are taken between medians. The profile takes them on the tiny block, where they are
+    repeatable: on a big block (a 256-wide llama block at 1024 tokens on the 2-core VM of docs/benchmarks.md)
+    the same differences are small against the step's page faults, which depend on the heap's state, and
+    came out 0-15 ms a block and 0-94 us an op in three runs, while inside a 6-block model a full checkpoint
+    cost its ops' forward time plus 1-2 ms a block, as on the tiny block.
+    """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -139,8 +137,7 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plain = _cpu_median(step, reps)
-        fwd = sum(op_s.values()) if op_s else _cpu_median(forward, reps)
+        plain, fwd = _cpu_median(step, reps), _cpu_median(forward, reps)
         apply_recompute(model, {"policy": "ops", "save": keys})
         kept_all = _cpu_median(step, reps)
         apply_recompute(model, {"policy": "full"})

@@ -138,7 +138,7 @@ def stage_trace(module: Module, stage, cm=None, rates=None):
                   bytes_per_s=bw, kind_bw=tuple((k, bw * eff) for k, eff in spec.kind_eff))
     # what the replay pays beyond the ops' work (fresh outputs, the checkpoint itself): measured by a profile
     key = model_key(model)
-    costs = spec_costs(spec, key)
+    costs = spec_costs(spec)
     trace = with_replay_costs(trace_block(*dims, rows, seq, **prices), **costs)
     own = measured_ops(spec, key)
     if own is not None:   # the ops as measured on this block at its training shape (`rlhfc profile` with the program)

@@ -11,10 +11,7 @@ block's forward misses is:
   rate of the largest measured size not above its allocation (nothing below 32 MiB: the heap reuses those);
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
-  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`). Both
-  grow with the block (the replay's allocations, the outputs a selective policy caches): ``rlhfc profile``
-  measures them on each trained model's own block at its training shape (:func:`spec_costs` prefers those to
-  the host's tiny-block probe).
+  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`).
 
 :func:`with_replay_costs` puts both on a trace (op seconds and the trace's fixed costs, which
 :func:`rlhfc.passes.recompute_choice.price` adds per policy). A per-kind rate fitted from a whole block forward
@@ -64,21 +61,16 @@ def _priced(trace: BlockTrace, fresh, ckpt_op_s: float, ckpt_region_s: float) ->
                    ckpt_region_s=float(ckpt_region_s))
 
 
-def spec_costs(spec, model: str | None = None) -> dict:
+def spec_costs(spec) -> dict:
     """The replay costs a :class:`rlhfc.cost.hardware.DeviceSpec` carries, as :func:`with_replay_costs`
-    keywords; the checkpoint's costs measured on ``model``'s own block (its profile key,
-    ``spec.ckpt_models``) where the profile has them, else the host's (a tiny block's)."""
-    region, op = spec.ckpt_region_s, spec.ckpt_op_s
-    for key, r, o, *_ in getattr(spec, "ckpt_models", ()):
-        if key == model:
-            region, op = r, o
-    return {"fresh": tuple(spec.fresh_s_per_byte), "ckpt_op_s": op, "ckpt_region_s": region}
+    keywords."""
+    return {"fresh": tuple(spec.fresh_s_per_byte), "ckpt_op_s": spec.ckpt_op_s, "ckpt_region_s": spec.ckpt_region_s}
 
 
 def measured_ops(spec, model: str | None):
     """``(rows, seq, ((op key, CPU s), ...))``: the forward op times a profile measured on ``model``'s own block
-    at its training shape (``spec.ckpt_models``), or None."""
-    for key, _, _, rows, seq, ops in getattr(spec, "ckpt_models", ()):
+    at its training shape (``spec.block_ops``, by profile key), or None."""
+    for key, rows, seq, ops in getattr(spec, "block_ops", ()):
         if key == model and ops:
             return rows, seq, ops
     return None
