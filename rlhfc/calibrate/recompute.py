@@ -176,26 +176,38 @@ def _block_at(spec: dict | None, rows: int, seq: int):
 
 
 def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 5) -> dict[str, float]:
-    """CPU seconds of each aten call of one block forward of ``spec`` at ``rows x seq`` tokens, with gradients
-    (as a checkpoint replays it), one thread, by op key (:func:`rlhfc.runtime.recompute.op_key`): the median of
-    ``reps`` forwards after a warm-up. What a recompute replays costs what the same ops cost in a forward
-    (docs/benchmarks.md, measured per kind), so these are the replay's prices on the program's block at its
-    shape — its matrix products at their own shapes (a 1024 x 32 attention product runs at half the square
-    probe's FLOP/s) and each output's page faults as a step pays them — which the probes' kind rates miss by
-    20-30 % on a CPU."""
+    """CPU seconds of each aten call of a block forward of ``spec`` (the program's model, all its blocks) at
+    ``rows x seq`` tokens, one thread, by op key (:func:`rlhfc.runtime.recompute.op_key`): the model trains
+    ``reps`` steps after a warm-up (forward, a loss, backward) and each op of every block's forward is timed;
+    an op's time is the median over blocks and steps. A recompute replays its ops at what the same ops cost in
+    a forward (docs/benchmarks.md, measured per kind), so these are the replay's prices on the program's block
+    at its shape — its matrix products at their own shapes (a 1024 x 32 attention product runs at half the
+    square probe's FLOP/s) and each output's page faults as a training step pays them (the heap's state is a
+    step's: timing a block's forwards alone in a loop read 10 % lower) — which the host probes' kind rates
+    miss by 10-30 % on a CPU."""
     import statistics
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlhfc.runtime.recompute import op_key
+    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.recompute import blocks, op_key
 
-    _, block, args, kwargs = _block_at(spec, rows, seq)
+    spec = dict(spec or TINY_BLOCK)
+    spec["max_seq"] = max(int(spec.get("max_seq") or 0), seq)
+    model = build_model(spec, seed=0)
+    model.train()
+    vocab = int(model.spec["vocab"])
+    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
     times: dict[str, list[float]] = {}
-    counts: dict = {}
+    inside, counts = [False], {}
 
     class Timer(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), kw=None):
+            if not inside[0]:
+                return func(*a, **(kw or {}))
             key = op_key(func, counts.get(func, 0))
             counts[func] = counts.get(func, 0) + 1
             t = time.process_time()
@@ -203,17 +215,30 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
             times.setdefault(key, []).append(time.process_time() - t)
             return out
 
+    def enter(*_):
+        inside[0] = True
+        counts.clear()
+
+    def leave(*_):
+        inside[0] = False
+
+    hooks = [h for blk in blocks(model) for h in (blk.register_forward_pre_hook(enter),
+                                                  blk.register_forward_hook(leave))]
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for i in range(max(1, reps) + 1):
-            counts.clear()
+            model.zero_grad(set_to_none=True)
             with Timer():
-                block(*args, **kwargs)
+                out = model(ids, mask)
+            out.float().pow(2).mean().backward()
+            del out
             if i == 0:
                 times.clear()                             # the warm-up
     finally:
         torch.set_num_threads(old)
+        for h in hooks:
+            h.remove()
     return {k: statistics.median(v) for k, v in times.items()}
 
 
