@@ -168,6 +168,22 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
             + f"; minor page faults a block step: {faults(ch)} vs {base} without recompute")
 
 
+def _probes(spec: dict, seq: int):
+    """(``rlhfc profile``'s host probes at one thread, this block's forward op times at 1 x ``seq``), taken in a
+    separate process as the profile is: run in the measuring process, the probes' large allocations leave its
+    heap holding free memory that its steps then reuse without page faults (a run measured full recomputation
+    at +190 ms instead of +460-500)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_probe_child, (spec, seq))
+
+
+def _probe_child(spec: dict, seq: int):
+    torch.set_num_threads(1)
+    return measure_host(1), measure_block_ops(spec, 1, seq, 5)
+
+
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
     """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
     other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
@@ -204,9 +220,10 @@ def main() -> None:
     block, bargs, bkw = _block_call(model, batch)
     trace = trace_block("llama", spec["hidden"], spec["heads"], full_spec["kv_heads"], full_spec["ffn"],
                         spec["vocab"], 1, args.seq, attn=args.attn)
-    op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
-    before = reprice(trace, *fit_kind_rates(trace, op_times))     # CUDA: kind rates fitted from a block forward
-    dev = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
+    op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
+    before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
+    host, own_ops = _probes(spec, args.seq) if not args.cuda else (None, None)
+    dev = device_spec("cpu", Profile("cpu", "here", 1, host)) if not args.cuda else None
     kinds = before
     if dev is not None:
         # the last pricing: the host probes' kind rates, fresh outputs, the checkpoint's costs on a tiny block
@@ -214,7 +231,6 @@ def main() -> None:
         kinds = with_replay_costs(ops, **spec_costs(dev))
         # what `rlhfc profile` now measures with the program: each forward op of this block at its shape (one row of
         # --seq tokens), CPU time; priced as the recompute pass prices with it (the checkpoint's costs as before)
-        own_ops = measure_block_ops(spec, 1, args.seq, 5)
         key = model_key(full_spec)
         dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops)),))
         trace = with_measured_ops(kinds, kinds, measured_ops(dev, key)[2])    # at its own shape: the measured times
@@ -241,8 +257,7 @@ def main() -> None:
         if frac < 1.0:
             runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
-          f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
-          + f"block forward: ops sum to {sum(op_times.values()) * 1e3:.1f} ms")
+          f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block")
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
           "(median; best of) | predicted (profile prices) | predicted at kind rates (before) |"
           + (" cuda peak |" if args.cuda else ""))

@@ -176,19 +176,21 @@ def _block_at(spec: dict | None, rows: int, seq: int):
 
 
 def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 5) -> dict[str, float]:
-    """CPU seconds of each aten call of a block forward of ``spec`` (the program's model, all its blocks) at
-    ``rows x seq`` tokens, one thread, by op key (:func:`rlhfc.runtime.recompute.op_key`): the model trains
-    ``reps`` steps after a warm-up (forward, a loss, backward) and each op of every block's forward is timed;
-    an op's time is the median over blocks and steps. A recompute replays its ops at what the same ops cost in
-    a forward (docs/benchmarks.md, measured per kind), so these are the replay's prices on the program's block
-    at its shape — its matrix products at their own shapes (a 1024 x 32 attention product runs at half the
-    square probe's FLOP/s) and each output's page faults as a training step pays them (the heap's state is a
-    step's: timing a block's forwards alone in a loop read 10 % lower) — which the host probes' kind rates
-    miss by 10-30 % on a CPU."""
+    """CPU seconds of each aten call of a block of ``spec`` (the program's model, all its blocks) as a
+    checkpoint's replay runs it, at ``rows x seq`` tokens, one thread, by op key
+    (:func:`rlhfc.runtime.recompute.op_key`): the model trains ``reps`` steps after a warm-up (forward, a
+    loss, backward) with every block under a full checkpoint (non-reentrant, as the runtime's), and each op of
+    every block's replay in backward is timed; an op's time is the median over blocks and steps (ops after
+    the replay's early stop: their forward's). These are the replay's prices on the program's block at its
+    shape — its matrix products at their own shapes (a 1024 x 32 attention product runs at half the square
+    probe's FLOP/s), its large outputs' page faults, and not the faults a forward pays for small outputs while
+    the step's heap grows to hold its activations (a replay reuses what backward frees) — which the host
+    probes' kind rates miss by 10-30 % on a CPU."""
     import statistics
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
 
     from rlhfc.runtime.models import build_model
     from rlhfc.runtime.recompute import blocks, op_key
@@ -201,45 +203,53 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
     ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
-    times: dict[str, list[float]] = {}
-    inside, counts = [False], {}
+    times: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}   # forward / replay
+    phase: list = [None]
+    counts: dict = {}
 
     class Timer(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), kw=None):
-            if not inside[0]:
+            if phase[0] is None:
                 return func(*a, **(kw or {}))
             key = op_key(func, counts.get(func, 0))
             counts[func] = counts.get(func, 0) + 1
             t = time.process_time()
             out = func(*a, **(kw or {}))
-            times.setdefault(key, []).append(time.process_time() - t)
+            times[phase[0]].setdefault(key, []).append(time.process_time() - t)
             return out
 
-    def enter(*_):
-        inside[0] = True
-        counts.clear()
+    def checkpointed(forward):
+        def run(*a, **k):
+            calls = [0]
 
-    def leave(*_):
-        inside[0] = False
+            def timed(*a, **k):
+                phase[0], calls[0] = calls[0] > 0, calls[0] + 1
+                counts.clear()
+                try:
+                    return forward(*a, **k)
+                finally:
+                    phase[0] = None
 
-    hooks = [h for blk in blocks(model) for h in (blk.register_forward_pre_hook(enter),
-                                                  blk.register_forward_hook(leave))]
+            return checkpoint(timed, *a, use_reentrant=False, **k)
+        return run
+
+    for blk in blocks(model):
+        blk.forward = checkpointed(blk.forward)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for i in range(max(1, reps) + 1):
             model.zero_grad(set_to_none=True)
             with Timer():
-                out = model(ids, mask)
-            out.float().pow(2).mean().backward()
-            del out
+                model(ids, mask).float().pow(2).mean().backward()
             if i == 0:
-                times.clear()                             # the warm-up
+                times[False].clear()                      # the warm-up
+                times[True].clear()
     finally:
         torch.set_num_threads(old)
-        for h in hooks:
-            h.remove()
-    return {k: statistics.median(v) for k, v in times.items()}
+        for blk in blocks(model):
+            blk.__dict__.pop("forward", None)
+    return {k: statistics.median(times[True].get(k) or v) for k, v in times[False].items()}
 
 
 def _cpu_median(fn, reps: int) -> float:
