@@ -61,9 +61,10 @@ def test_profile_round_trip_merge_and_errors(tmp_path):
     slow["points"]["forward"] = [[b, s, t * 1.5] for b, s, t in slow["points"]["forward"]]
     a = Profile("cpu", "cpu x", 2, {"matmul_flops_1": 1e10}, {"k": entry})
     b = Profile("cpu", "cpu x", 2, {"matmul_flops_1": 2e10}, {"k": refit(slow)})
+    a.models["k"]["recompute"] = {"rows": 1, "seq": 64, "op_s": {"mm.default#0": 1e-4}}   # its block's replay times
     merged = merge_profiles(b, a)
     assert [p[2] for p in merged.models["k"]["points"]["forward"]] == [0.010, 0.030, 0.02]
-    assert merged.host["matmul_flops_1"] == 2e10
+    assert merged.host["matmul_flops_1"] == 2e10 and merged.models["k"]["recompute"] == a.models["k"]["recompute"]
     path = str(tmp_path / "p.json")
     merged.save(path)
     again = load_profile(path)
