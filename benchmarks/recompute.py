@@ -7,42 +7,49 @@ them) — the benchmark measures:
 
 - the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
   :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
-- the best forward+backward time of the whole model, and its overhead over ``none``, against the predicted
+- the forward+backward time of the whole model (CPU time, the median of ``--repeat`` rounds run round-robin
+  over the policies, each timed step right after an untimed one of the same policy; the best and worst are
+  shown too), and its overhead over ``none``, against the predicted
   overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
-  recompute pass does with a profile taken here, ``rlhfc profile``'s host probes run in this process at one
-  thread: each op by its kind — matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the
-  fresh-output cost of every replayed op that allocates and the checkpoint's own cost:
-  :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, :func:`rlhfc.calibrate.recompute.measure_checkpoint`,
-  :mod:`rlhfc.passes.recompute_prices`) and, for comparison, **per kind, before** (kind rates fitted from one
-  profiled block forward — :func:`rlhfc.passes.recompute_trace.fit_kind_rates` — and nothing else, the pricing
-  before this change). rlhfc's choices are made on the profile prices.
+  recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in this
+  process at one thread: each op of this block's forward timed on it at its shape,
+  :func:`rlhfc.calibrate.recompute.measure_block_ops` — a replay costs what the forward does — plus the
+  checkpoint's own costs, :func:`rlhfc.calibrate.recompute.measure_checkpoint`; :mod:`rlhfc.passes.recompute_prices`)
+  and, for comparison, **kind rates** (the pricing before: each op by its kind at the host probes' rates —
+  matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the fresh-output cost of every
+  replayed op that allocates 32 MiB or more, :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, and the
+  same checkpoint costs). rlhfc's choices are made on the profile prices.
+
+The median, not the best: a step's page faults are a third of its CPU time here, and how many a round takes
+depends on the heap's state (glibc returns freed memory to the OS and faults it back in), so one policy's
+rounds scatter by up to +-15 %; the best round is the luckiest heap, not what a step costs.
 
 With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
 ``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
 also read from ``torch.cuda.max_memory_allocated``.
 
-``--profile`` prices each op by its measured time in a block forward (fresh outputs included) plus the
-checkpoint's measured cost, instead of the probes' kind rates.
-
 ``--replay`` (CPU) first times the ops full and Megatron-selective replay inside the checkpointed backward against
 the same ops in a forward, by kind, and counts a block step's page faults.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 3] [--profile] [--replay] [--cuda]
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 5] [--replay] [--cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from dataclasses import replace as dc_replace
 
 import torch
 
 from rlhfc.calibrate import measure_host
-from rlhfc.cost.hardware import device_spec
-from rlhfc.cost.profile import Profile
+from rlhfc.calibrate.recompute import measure_block_ops
+from rlhfc.cost.hardware import device_spec, own_block
+from rlhfc.cost.profile import Profile, model_key
 from rlhfc.passes import recompute_choice as choice
-from rlhfc.passes.recompute_prices import spec_costs, with_replay_costs
-from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, retime, trace_block
+from rlhfc.passes.recompute_prices import measured_ops, spec_costs, with_measured_ops, with_replay_costs
+from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, trace_block
 from rlhfc.runtime.models import build_model
 from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
 
@@ -162,6 +169,22 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
             + f"; minor page faults a block step: {faults(ch)} vs {base} without recompute")
 
 
+def _probes(spec: dict, seq: int):
+    """(``rlhfc profile``'s host probes at one thread, this block's forward op times at 1 x ``seq``), taken in a
+    separate process as the profile is: run in the measuring process, the probes' large allocations leave its
+    heap holding free memory that its steps then reuse without page faults (a run measured full recomputation
+    at +190 ms instead of +460-500)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_probe_child, (spec, seq))
+
+
+def _probe_child(spec: dict, seq: int):
+    torch.set_num_threads(1)
+    return measure_host(1), measure_block_ops(spec, 1, seq, 5)
+
+
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
     """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
     other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
@@ -183,10 +206,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="time each op of a block forward and price from that")
     ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -199,26 +221,31 @@ def main() -> None:
     block, bargs, bkw = _block_call(model, batch)
     trace = trace_block("llama", spec["hidden"], spec["heads"], full_spec["kv_heads"], full_spec["ffn"],
                         spec["vocab"], 1, args.seq, attn=args.attn)
-    op_times = _op_seconds(block, bargs, bkw, 3, args.cuda)
-    before = reprice(trace, *fit_kind_rates(trace, op_times))     # per kind, nothing else (the pricing before)
-    dev = device_spec("cpu", Profile("cpu", "here", 1, measure_host(1))) if not args.cuda else None
-    if args.profile:   # each op at its own measured time (fresh outputs included), plus the checkpoint's cost
-        costs = spec_costs(dev) if dev else {}
-        trace = with_replay_costs(retime(trace, op_times), (), costs.get("ckpt_op_s", 0.0),
-                                  costs.get("ckpt_region_s", 0.0))
-    elif dev is not None:   # priced as the recompute pass prices with a profile taken here
-        bw = dev.hbm_bw * dev.mem_eff
-        trace = with_replay_costs(reprice(trace, dev.peak_flops * dev.train_eff,
-                                          {k: bw * eff for k, eff in dev.kind_eff}), **spec_costs(dev))
-    else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
-        trace = before
+    op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
+    before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
+    host, own_ops = _probes(spec, args.seq) if not args.cuda else (None, None)
+    dev = device_spec("cpu", Profile("cpu", "here", 1, host)) if not args.cuda else None
+    kinds = before
     if dev is not None:
+        # the last pricing: the host probes' kind rates, fresh outputs, the checkpoint's costs on a tiny block
+        ops = reprice(trace, dev.peak_flops * dev.train_eff, {k: dev.hbm_bw * dev.mem_eff * e for k, e in dev.kind_eff})
+        kinds = with_replay_costs(ops, **spec_costs(dev))
+        # what `rlhfc profile` now measures with the program: each forward op of this block at its shape (one row of
+        # --seq tokens), CPU time; priced as the recompute pass prices with it (the checkpoint's costs as before)
+        key = model_key(full_spec)
+        dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops)),))
+        trace = with_measured_ops(kinds, kinds, measured_ops(dev, key)[2])    # at its own shape: the measured times
         print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
               "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)
               + "; fresh outputs (ps/byte by MiB): "
               + ", ".join(f"{int(n) >> 20}: {r * 1e12:.0f}" for n, r in dev.fresh_s_per_byte)
-              + f"; checkpoint: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us an op "
-              f"dispatched ({len(trace.nodes)} ops, {choice._cut(trace) + 1} replayed up to the last that saves)")
+              + f"; checkpoint, tiny block: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us "
+              f"an op dispatched")
+        print(f"# this block at 1 x {args.seq}: forward ops {sum(own_ops.values()) * 1e3:.1f} ms (priced at the "
+              f"probes' kind rates and fresh outputs: {kinds.forward_s * 1e3:.1f}; {len(trace.nodes)} ops, "
+              f"{choice._cut(trace) + 1} replayed up to the last that saves)")
+    else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
+        trace = before
     sel = choice.selective(trace)
     if args.replay and not args.cuda:
         _replay_vs_forward(block, bargs, bkw, trace, op_times, {"full": choice.full(trace), "selective": sel})
@@ -231,34 +258,40 @@ def main() -> None:
         if frac < 1.0:
             runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
-          f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block; "
-          + f"block forward: ops sum to {sum(op_times.values()) * 1e3:.1f} ms"
-          + (" (op times profiled)" if args.profile else ""))
-    print("| policy | kept/block est. | kept/block measured | step s (best; CPU time on CPU) | overhead measured | "
-          "predicted (profile prices) | predicted per kind, before |" + (" cuda peak |" if args.cuda else ""))
+          f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block")
+    print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
+          "(median; best of) | predicted (profile prices) | predicted at kind rates (before) |"
+          + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
     for label, ch in runs:
         apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
         _, kept[label] = kept_activation_bytes(block, *bargs, **bkw)
         _step_seconds(model, batch, args.cuda)                       # warm-up
-    for _ in range(args.repeat):   # round robin, best of: a busy shared machine slows some steps, never speeds one
+    for _ in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
         for label, ch in runs:
             apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
+            # a job's step follows a step of the same policy: one untimed step first leaves the heap as the policy's
+            # own steps leave it (timed right after another policy's, a step paid that policy's heap: two plans
+            # keeping 8.5 and 8.8 MiB measured +298 and +443 ms in one run)
+            _step_seconds(model, batch, args.cuda)
             t, peaks[label] = _step_seconds(model, batch, args.cuda)
             steps[label].append(t)
-    base = min(steps["none"])
+    # the median of the rounds: a step's page faults (a third of its CPU time here, decided by the heap's state)
+    # scatter one policy's rounds by +-15 %; the best of them is the luckiest heap, not what a step costs
+    base, best_base = statistics.median(steps["none"]), min(steps["none"])
     for label, ch in runs:
-        step = min(steps[label])
-        measured = step - base
+        step = statistics.median(steps[label])
+        measured, best = step - base, min(steps[label]) - best_base
         predicted = ch.recompute_s * spec["layers"]
-        old = (choice.price(before, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
+        old = (choice.price(kinds, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
 
         def err(x):
             return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
 
-        print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} | "
-              f"{measured * 1e3:+.0f} ms | {predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
+        print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} "
+              f"({min(steps[label]):.3f}–{max(steps[label]):.3f}) | {measured * 1e3:+.0f} ms ({best * 1e3:+.0f}) | "
+              f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
               + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
     apply_recompute(model, None)
 

@@ -138,9 +138,11 @@ def test_profiled_replay_costs_reach_the_pass(tmp_path):
     """A profile's recompute probes (fresh outputs, the checkpoint's costs) reach the recompute pass through its
     ``profile`` option (``--profile`` on compile/explain): the decision's seconds are the traced ops' replay plus
     exactly those measured costs, and they are what the pass's trace priced with that profile says."""
-    from rlhfc.cost.profile import Profile
+    from rlhfc.cost.hardware import device_spec
+    from rlhfc.cost.profile import Profile, model_key
     from rlhfc.passes import recompute_choice as choice
     from rlhfc.passes.recompute import RecomputePass, replay_spec, stage_trace
+    from rlhfc.passes.recompute_prices import measured_ops
 
     host = {"matmul_flops_1": 50e9, "copy_bw": 8e9, "kind_bw": {"softmax": 2e9},
             "recompute": {"fresh_s_per_byte": [[1 << 20, 0.0]], "ckpt_region_s": 0.5, "ckpt_op_s": 0.01}}
@@ -156,5 +158,19 @@ def test_profiled_replay_costs_reach_the_pass(tmp_path):
     cut = max(i for i, n in enumerate(trace.nodes) if n.saves)
     assert got[path].seconds > 0.5 + 0.01 * (len(trace.nodes) + cut + 1) > got[""].seconds
     assert replay_spec(_module(), "") is None
+    # its block's forward ops, measured on it at its training shape (`rlhfc profile` with the program): at that
+    # shape an op costs what it measured; at another, its price moves with its work (measured / priced there)
+    actor = model_key(module.models["actor"])
+    stage = module.graph.stage("actor_train")
+    mm = next(n for n in trace.nodes if n.kind == "matmul")
+    for rows, factor in ((trace.rows, 3.0), (2 * trace.rows, 1.5)):
+        models = {actor: {"recompute": {"rows": rows, "seq": trace.seq, "op_s": {mm.key: 3 * mm.seconds}}}}
+        spec = device_spec("cpu", Profile("cpu", "test", 1, host, models, {}))
+        assert measured_ops(spec, "other") is None and measured_ops(spec, actor)[:2] == (rows, trace.seq)
+        again = stage_trace(module, stage, rates=spec)[0]
+        got = {n.key: n.seconds for n in again.nodes}
+        assert got[mm.key] == pytest.approx(factor * mm.seconds, rel=0.02)
+        assert all(got[n.key] == n.seconds for n in trace.nodes if n.key != mm.key)
+        assert (again.ckpt_op_s, again.ckpt_region_s) == (0.01, 0.5)
     with pytest.raises(CompileError, match="recompute: "):
         replay_spec(_module(), str(tmp_path / "missing.json"))

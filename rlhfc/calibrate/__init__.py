@@ -327,12 +327,16 @@ def detect_device() -> tuple[str, str]:
 
 def run_profile(module, *, threads: int | None = None, quick: bool = False, log=None,
                 max_params: float | None = None, reps: int = 5, pause: float = JOB_PAUSE_S,
-                vllm: bool = True) -> Profile:
+                vllm: bool = True, train_shapes: dict | None = None) -> Profile:
     """Measure the host and every model shape of ``module`` that is small enough to build here
     (``max_params``: 5e8 on CPU, 3e9 on a GPU; bigger models keep the analytical model; ``pause``: idle
     seconds before each timed model call, 0 for what calls back to back in one process). With ``vllm`` and
     vLLM installed, the vLLM engine of every generating model's shape too (:func:`.vllm_engine.measure_vllm`; the
-    profile's host section names the vLLM version, or ``None`` when it was not measured)."""
+    profile's host section names the vLLM version, or ``None`` when it was not measured). ``train_shapes``
+    (``{model key: (rows, seq)}``, :func:`rlhfc.cost.profile.model_key`; on a CPU): the micro-batch each trained
+    model's block trains at; each op of that block's forward is timed there (the model's ``recompute`` entry,
+    :func:`.recompute.measure_block_ops`), which the recompute pass prices a replay with rather than the host's
+    kind rates."""
     _set_passive_waits()
     import torch
 
@@ -378,6 +382,14 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
                                          reps=min(reps, 3) if quick else reps,   # each after a JOB_PAUSE_S wait
                                          extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
                                          pause=pause)
+        shape = (train_shapes or {}).get(key)
+        if shape and device == "cpu":   # what a replay of its block costs: each op, on that block at its shape
+            from rlhfc.calibrate.recompute import measure_block_ops
+
+            rows, seq = int(shape[0]), int(shape[1])
+            ops = measure_block_ops(spec, rows, seq, 3 if quick else 5)
+            prof.models[key]["recompute"] = dict(rows=rows, seq=seq, op_s=ops)
+            log(f"  its block's forward at {rows} x {seq} tokens: {len(ops)} ops, {sum(ops.values()) * 1e3:.2f} ms")
         if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
             prof.models[key]["vllm"] = measure_vllm(spec, count, device=device, quick=quick, reps=3 if quick else reps,
                                                     copy_bw=float(prof.host.get("copy_bw", 0.0)), log=log)

@@ -88,34 +88,37 @@ def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3, resident: int = 256 <<
     return out
 
 
-def measure_checkpoint(reps: int = 5) -> dict[str, float]:
-    """CPU seconds a checkpointed block pays beyond its recomputed ops, on a tiny llama block (eager attention,
-    one thread; the runtime's own checkpoint, :mod:`rlhfc.runtime.recompute`):
+#: the block :func:`measure_checkpoint` times when it is given none: a tiny llama block (eager attention)
+TINY_BLOCK = dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager")
+
+
+def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, seq: int = 64) -> dict[str, float]:
+    """CPU seconds a checkpointed block pays beyond its recomputed ops, on one block of ``spec`` (a runtime
+    model spec; default :data:`TINY_BLOCK`, what ``rlhfc profile`` measures) at a micro-batch of ``rows x seq``
+    tokens, one thread, the runtime's own checkpoint (:mod:`rlhfc.runtime.recompute`):
 
     - ``ckpt_op_s``: per aten call seen by a selective checkpoint's policy (Python dispatch on every op of the
-      forward and of the replay): a block that keeps every op's output (nothing recomputed) trains slower
-      than plain autograd by this times the calls it dispatches (its forward's and the replay's, until the
-      last op that saves);
+      forward and of the replay, and the outputs it caches): a block that keeps every op's output (nothing
+      recomputed) trains slower than plain autograd by this times the calls it dispatches (its forward's and
+      the replay's, until the last op that saves);
     - ``ckpt_region_s``: per checkpointed block, what a full checkpoint costs beyond replaying its forward
-      (saving its input, the backward's recompute hook); a selective one pays it too, ``ckpt_op_s`` on top.
+      (saving its input, the backward's recompute hook, the replay's allocations); a selective one pays it too,
+      ``ckpt_op_s`` on top.
 
-    Each is the fastest of ``reps`` forward+backward runs (after a warm-up) minus the baseline's."""
+    Each run is a forward+backward after a warm-up; each configuration's time is the median of ``reps`` runs
+    and the differences are taken between medians. The profile takes them on the tiny block, where they are
+    repeatable: on a big block (a 256-wide llama block at 1024 tokens on the 2-core VM of docs/benchmarks.md)
+    the same differences are small against the step's page faults, which depend on the heap's state, and
+    came out 0-15 ms a block and 0-94 us an op in three runs, while inside a 6-block model a full checkpoint
+    cost its ops' forward time plus 1-2 ms a block, as on the tiny block.
+    """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlhfc.runtime.models import build_model
-    from rlhfc.runtime.recompute import apply_recompute, blocks, op_key
+    from rlhfc.runtime.recompute import apply_recompute, op_key
 
-    model = build_model(dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="eager"), seed=0)
-    model.train()
-    ids = torch.randint(3, 30, (1, 64), generator=torch.Generator().manual_seed(0))
-    block = blocks(model)[0]
-    seen, keys = {}, []
-    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
-    with torch.no_grad():
-        model(ids, torch.ones_like(ids))
-    hook.remove()
-    args = (seen["a"][0].detach().requires_grad_(True), *seen["a"][1:])
+    model, block, args, kwargs = _block_at(spec, rows, seq)
+    seen, keys = {"k": kwargs}, []
 
     class Calls(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), kw=None):
@@ -134,13 +137,129 @@ def measure_checkpoint(reps: int = 5) -> dict[str, float]:
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plain, fwd = _cpu_time(step, reps), _cpu_time(forward, reps)
+        plain, fwd = _cpu_median(step, reps), _cpu_median(forward, reps)
         apply_recompute(model, {"policy": "ops", "save": keys})
-        kept_all = _cpu_time(step, reps)
+        kept_all = _cpu_median(step, reps)
         apply_recompute(model, {"policy": "full"})
-        full = _cpu_time(step, reps)
+        full = _cpu_median(step, reps)
     finally:
         apply_recompute(model, None)
         torch.set_num_threads(old)
     region = max(0.0, full - plain - fwd)
     return {"ckpt_op_s": max(0.0, kept_all - plain - region) / (2 * len(keys)), "ckpt_region_s": region}
+
+
+def _block_at(spec: dict | None, rows: int, seq: int):
+    """(model, its first block, the block's positional args and keywords) of a one-block model of ``spec``
+    (default :data:`TINY_BLOCK`) fed a left-padded micro-batch of ``rows x seq`` tokens, as the runtime feeds
+    it; the hidden-state input requires grad (a block inside a trained model)."""
+    import torch
+
+    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.recompute import blocks
+
+    spec = dict(spec or TINY_BLOCK, layers=1)
+    spec["max_seq"] = max(int(spec.get("max_seq") or 0), seq)
+    model = build_model(spec, seed=0)
+    model.train()
+    vocab = int(model.spec["vocab"])
+    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
+    block = blocks(model)[0]
+    seen = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        model(ids, mask)
+    hook.remove()
+    return model, block, (seen["a"][0].detach().requires_grad_(True), *seen["a"][1:]), seen["k"]
+
+
+def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 5) -> dict[str, float]:
+    """CPU seconds of each aten call of a block of ``spec`` (the program's model, all its blocks) as a
+    checkpoint's replay runs it, at ``rows x seq`` tokens, one thread, by op key
+    (:func:`rlhfc.runtime.recompute.op_key`): the model trains ``reps`` steps after a warm-up (forward, a
+    loss, backward) with every block under a full checkpoint (non-reentrant, as the runtime's), and each op of
+    every block's replay in backward is timed; an op's time is the median over blocks and steps (ops after
+    the replay's early stop: their forward's). These are the replay's prices on the program's block at its
+    shape — its matrix products at their own shapes (a 1024 x 32 attention product runs at half the square
+    probe's FLOP/s), its large outputs' page faults, and not the faults a forward pays for small outputs while
+    the step's heap grows to hold its activations (a replay reuses what backward frees) — which the host
+    probes' kind rates miss by 10-30 % on a CPU."""
+    import statistics
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.recompute import blocks, op_key
+
+    spec = dict(spec or TINY_BLOCK)
+    spec["max_seq"] = max(int(spec.get("max_seq") or 0), seq)
+    model = build_model(spec, seed=0)
+    model.train()
+    vocab = int(model.spec["vocab"])
+    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
+    times: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}   # forward / replay
+    phase: list = [None]
+    counts: dict = {}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            if phase[0] is None:
+                return func(*a, **(kw or {}))
+            key = op_key(func, counts.get(func, 0))
+            counts[func] = counts.get(func, 0) + 1
+            t = time.process_time()
+            out = func(*a, **(kw or {}))
+            times[phase[0]].setdefault(key, []).append(time.process_time() - t)
+            return out
+
+    def checkpointed(forward):
+        def run(*a, **k):
+            calls = [0]
+
+            def timed(*a, **k):
+                phase[0], calls[0] = calls[0] > 0, calls[0] + 1
+                counts.clear()
+                try:
+                    return forward(*a, **k)
+                finally:
+                    phase[0] = None
+
+            return checkpoint(timed, *a, use_reentrant=False, **k)
+        return run
+
+    for blk in blocks(model):
+        blk.forward = checkpointed(blk.forward)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(max(1, reps) + 1):
+            model.zero_grad(set_to_none=True)
+            with Timer():
+                model(ids, mask).float().pow(2).mean().backward()
+            if i == 0:
+                times[False].clear()                      # the warm-up
+                times[True].clear()
+    finally:
+        torch.set_num_threads(old)
+        for blk in blocks(model):
+            blk.__dict__.pop("forward", None)
+    return {k: statistics.median(times[True].get(k) or v) for k, v in times[False].items()}
+
+
+def _cpu_median(fn, reps: int) -> float:
+    """The median CPU time of ``reps`` calls after a warm-up (see :func:`_cpu_time`)."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(max(1, reps)):
+        t = time.process_time()
+        fn()
+        times.append(time.process_time() - t)
+    return statistics.median(times)

@@ -125,6 +125,22 @@ def _compare(file, opt, passes, plugin, placement, steps, pricing, out, fmt) -> 
     _emit(text, out)
 
 
+def _train_shapes(module) -> dict:
+    """Each trained model's micro-batch shape under the program's compiled plan (its placement decides the
+    rows), for the profile's checkpoint probe; the unplaced module's where compiling fails."""
+    import copy
+    import warnings
+
+    from rlhfc.passes.recompute import train_shapes
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return train_shapes(optimise(copy.deepcopy(module), None, None, memory_check=False).module)
+    except Exception:
+        return train_shapes(module)
+
+
 @app.command(name="profile")
 def profile_cmd(
     file: Optional[str] = typer.Argument(None, help="program whose models to measure (default: the host only)"),
@@ -142,7 +158,8 @@ def profile_cmd(
     from rlhfc.cost import default_profile_path
 
     module = load(file, plugin)[0] if file else None
-    prof = run_profile(module, threads=threads, quick=quick, log=lambda msg: typer.echo(msg, err=True), vllm=vllm)
+    prof = run_profile(module, threads=threads, quick=quick, log=lambda msg: typer.echo(msg, err=True), vllm=vllm,
+                       train_shapes=_train_shapes(module) if module is not None else None)
     path = out or default_profile_path(prof.device_kind, prof.device_name if prof.device_kind == "cpu"
                                        else prof.device_kind)
     prof.save(path)

@@ -72,6 +72,10 @@ class DeviceSpec:
     fresh_s_per_byte: tuple = field(default=())
     ckpt_region_s: float = 0.0
     ckpt_op_s: float = 0.0
+    #: the forward op times a profile measured on a program's own blocks at their training shapes,
+    #: ``((model key, rows, seq, ((op key, CPU s), ...)), ...)``: what the recompute pass prices that model's
+    #: replay with (rlhfc.passes.recompute_prices.measured_ops)
+    block_ops: tuple = field(default=())
 
     @property
     def is_cpu(self) -> bool:
@@ -113,6 +117,11 @@ CATALOG: dict[str, DeviceSpec] = {
 }
 
 
+def own_block(key: str, rc: dict) -> tuple:
+    """A :attr:`DeviceSpec.block_ops` entry from a profile model's ``recompute`` section."""
+    return (key, int(rc["rows"]), int(rc["seq"]), tuple(sorted((str(k), float(v)) for k, v in rc["op_s"].items())))
+
+
 def device_spec(kind: str, profile=None) -> DeviceSpec:
     """The spec of device ``kind``, with measured rates from ``profile`` when it was taken on that kind.
 
@@ -135,6 +144,8 @@ def device_spec(kind: str, profile=None) -> DeviceSpec:
                        fresh_s_per_byte=tuple(tuple(map(float, p)) for p in rc.get("fresh_s_per_byte", ()))
                        or spec.fresh_s_per_byte, ckpt_region_s=float(rc.get("ckpt_region_s", spec.ckpt_region_s)),
                        ckpt_op_s=float(rc.get("ckpt_op_s", spec.ckpt_op_s)),
+                       block_ops=tuple(own_block(key, m["recompute"]) for key, m in sorted(profile.models.items())
+                                       if (m.get("recompute") or {}).get("op_s")),
                        kind_eff=tuple(sorted((k, float(v) / bw) for k, v in kinds.items())) or spec.kind_eff,
                        thread_speedup=tuple(float(x) for x in host.get("thread_speedup", (1.0,))),
                        source=f"profile {profile.path or ''}".strip())

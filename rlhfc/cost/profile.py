@@ -27,8 +27,8 @@ non-negative least squares on relative error (every point counts the same whatev
 probe at 1..threads threads (the CPU's FLOP/s and thread scaling), a memory-copy bandwidth, which price
 models the profile did not measure, ``kind_bw``: the bytes/s of a softmax, an elementwise op and a copy on a
 tensor the size of a block's attention scores (what the recompute pass prices op kinds at), and
-``recompute``: what a replay pays beyond its ops (seconds per byte of a fresh output by size, a checkpoint's
-cost per block and per dispatched op; rlhfc.passes.recompute_prices).
+``recompute``: what a replay pays beyond its ops (s/byte of a fresh output by size, a checkpoint's cost per block
+and per dispatched op); a trained model's ``recompute``: its block's ops timed in a replay (``rows, seq, op_s``).
 
 A model on more than one thread is also timed at 1 thread (and, without ``--quick``, the powers of two in
 between), each point right after the main one: ``at_threads``. Their ratios are the model's own thread
@@ -483,6 +483,8 @@ def merge_profiles(a: Profile, b: Profile) -> Profile:
         vllm = eb.get("vllm") if (eb.get("vllm") or {}).get("fit") else ea.get("vllm") or eb.get("vllm")
         if vllm:   # the vLLM engine's measurements (rlhfc.cost.engine): the later pass's when it has a fit
             out.models[key]["vllm"] = json.loads(json.dumps(vllm))
+        if eb.get("recompute") or ea.get("recompute"):   # the later pass's block replay times, if it took them
+            out.models[key]["recompute"] = json.loads(json.dumps(eb.get("recompute") or ea["recompute"]))
     for op in list(a.compute) + [o for o in b.compute if o not in a.compute]:
         ca, cb = a.compute.get(op), b.compute.get(op)
         if ca is None or cb is None:

@@ -117,8 +117,9 @@ def stage_trace(module: Module, stage, cm=None, rates=None):
     ``rates``: the device spec to price ops at (:func:`replay_spec`; None: the cost model's)."""
     from rlhfc.cost import CostModel
     from rlhfc.cost.model import hw_numbers
+    from rlhfc.cost.profile import model_key
 
-    from .recompute_prices import spec_costs, with_replay_costs
+    from .recompute_prices import measured_ops, spec_costs, with_measured_ops, with_replay_costs
     from .recompute_trace import trace_block
 
     cm = cm or CostModel(module)
@@ -132,11 +133,38 @@ def stage_trace(module: Module, stage, cm=None, rates=None):
     hw = hw_numbers(spec)
     scale = float(lay["f_scale"][0])
     bw = hw["BW"] * min(scale, 4.0)
-    trace = trace_block(model.arch, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab, rows, seq,
-                        dtype="float32" if cm.spec.is_cpu else "bfloat16", flops_per_s=hw["F_train"] * scale,
-                        bytes_per_s=bw, kind_bw=tuple((k, bw * eff) for k, eff in spec.kind_eff))
+    dims = (model.arch, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab)
+    prices = dict(dtype="float32" if cm.spec.is_cpu else "bfloat16", flops_per_s=hw["F_train"] * scale,
+                  bytes_per_s=bw, kind_bw=tuple((k, bw * eff) for k, eff in spec.kind_eff))
     # what the replay pays beyond the ops' work (fresh outputs, the checkpoint itself): measured by a profile
-    return with_replay_costs(trace, **spec_costs(spec)), cm, inp
+    key = model_key(model)
+    costs = spec_costs(spec)
+    trace = with_replay_costs(trace_block(*dims, rows, seq, **prices), **costs)
+    own = measured_ops(spec, key)
+    if own is not None:   # the ops as measured on this block at its training shape (`rlhfc profile` with the program)
+        one = dict(prices, flops_per_s=hw["F_train"], bytes_per_s=hw["BW"],   # measured at one thread
+                   kind_bw=tuple((k, hw["BW"] * eff) for k, eff in spec.kind_eff))
+        trace = with_measured_ops(trace, with_replay_costs(trace_block(*dims, own[0], own[1], **one), **costs), own[2])
+    return trace, cm, inp
+
+
+def train_shapes(module: Module) -> dict[str, tuple[int, int]]:
+    """``{model key: (rows, seq)}``: the micro-batch each trained, traceable model's block trains at under
+    ``module``'s plan (what ``rlhfc profile`` measures the checkpoint's costs at; the first stage's where a model
+    trains in several)."""
+    from rlhfc.cost.profile import model_key
+
+    out: dict[str, tuple[int, int]] = {}
+    for s in module.graph.stages:
+        model = module.models.get(s.target)
+        if s.op != "train" or model is None or traceable(model) is not None:
+            continue
+        try:
+            trace = stage_trace(module, s)[0]
+        except Exception:   # an untraceable block: nothing to measure (the pass warns when it compiles)
+            continue
+        out.setdefault(model_key(model), (trace.rows, trace.seq))
+    return out
 
 
 def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> float:

@@ -65,3 +65,32 @@ def spec_costs(spec) -> dict:
     """The replay costs a :class:`rlhfc.cost.hardware.DeviceSpec` carries, as :func:`with_replay_costs`
     keywords."""
     return {"fresh": tuple(spec.fresh_s_per_byte), "ckpt_op_s": spec.ckpt_op_s, "ckpt_region_s": spec.ckpt_region_s}
+
+
+def measured_ops(spec, model: str | None):
+    """``(rows, seq, ((op key, CPU s), ...))``: the forward op times a profile measured on ``model``'s own block
+    at its training shape (``spec.block_ops``, by profile key), or None."""
+    for key, rows, seq, ops in getattr(spec, "block_ops", ()):
+        if key == model and ops:
+            return rows, seq, ops
+    return None
+
+
+_MEASURED: dict[tuple, tuple] = {}
+
+
+def with_measured_ops(trace: BlockTrace, at: BlockTrace, ops) -> BlockTrace:
+    """``trace`` with each op's price scaled by what the same op measured against its price on ``at`` (the
+    same block priced alike at the shape the profile measured, ``ops``: ``((op key, CPU s), ...)``): at that
+    shape each op costs exactly its measured forward time (a replay costs what a forward does); at another,
+    its price moves with its work. Ops not measured, or priced free (views), keep their price; the same object
+    for the same inputs."""
+    key = (id(trace), id(at), id(ops))
+    if key not in _MEASURED:
+        if len(_MEASURED) > 1024:
+            _MEASURED.clear()
+        measured, base = dict(ops), {n.key: n.seconds for n in at.nodes}
+        nodes = tuple(replace(n, seconds=n.seconds * measured[n.key] / base[n.key])
+                      if n.key in measured and base.get(n.key, 0.0) > 0 else n for n in trace.nodes)
+        _MEASURED[key] = (trace, at, ops, replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes)))
+    return _MEASURED[key][3]

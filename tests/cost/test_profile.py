@@ -61,9 +61,10 @@ def test_profile_round_trip_merge_and_errors(tmp_path):
     slow["points"]["forward"] = [[b, s, t * 1.5] for b, s, t in slow["points"]["forward"]]
     a = Profile("cpu", "cpu x", 2, {"matmul_flops_1": 1e10}, {"k": entry})
     b = Profile("cpu", "cpu x", 2, {"matmul_flops_1": 2e10}, {"k": refit(slow)})
+    a.models["k"]["recompute"] = {"rows": 1, "seq": 64, "op_s": {"mm.default#0": 1e-4}}   # its block's replay times
     merged = merge_profiles(b, a)
     assert [p[2] for p in merged.models["k"]["points"]["forward"]] == [0.010, 0.030, 0.02]
-    assert merged.host["matmul_flops_1"] == 2e10
+    assert merged.host["matmul_flops_1"] == 2e10 and merged.models["k"]["recompute"] == a.models["k"]["recompute"]
     path = str(tmp_path / "p.json")
     merged.save(path)
     again = load_profile(path)
@@ -104,6 +105,11 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
     rc = prof.host["recompute"]              # what a recompute pays beyond its ops: measured, not assumed
     assert [int(n) for n, _ in rc["fresh_s_per_byte"]] == [2 ** 25]
     assert rc["ckpt_op_s"] > 0 and rc["ckpt_region_s"] >= 0 and all(r >= 0 for _, r in rc["fresh_s_per_byte"])
+    # each trained model's own block, timed op by op at the micro-batch its stage trains at
+    for v in prof.models.values():
+        own = v["recompute"]
+        assert own["rows"] >= 1 and 2 <= own["seq"] <= 48 and len(own["op_s"]) > 10
+        assert any(k.startswith("mm.default#") for k in own["op_s"]) and all(t >= 0 for t in own["op_s"].values())
     code = main(["explain", str(src), "-O1", "--profile", str(out), "--format", "json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
