@@ -152,16 +152,17 @@ def thread_counts(threads: int, quick: bool = False) -> list[int]:
 
 def _generate_extras(worker, B: int, P: int, T: int, reps: int, pause: float, sync) -> list:
     """What a job's generate pays beyond the profiled call, at one point on 1 thread (``[B, P, T, chunks,
-    plain s, with log-probs s, streamed s]``, medians): the sampled tokens' log-probs kept (the
-    ``reuse_logprobs`` pass) and a streamed generate's chunks, each built as its own rollout and pickled
-    (what Ray does with each chunk a streaming generator yields, inside the stage's span). Timed in turn,
-    each after ``pause``, so each repetition's three calls see the same machine."""
+    plain s, with log-probs s, streamed s]``): the sampled tokens' log-probs kept (the ``reuse_logprobs``
+    pass) and a streamed generate's chunks (8), each built as its own rollout and pickled (what Ray does with
+    each chunk a streaming generator yields, inside the stage's span). Timed in turn, each after ``pause``,
+    so each repetition's three calls see the same machine: the log-probs' ratio and the chunks' difference
+    are medians over the repetitions of each one's own (drifts of the machine's speed cancel)."""
     import pickle
 
     import torch
 
     torch.set_num_threads(1)
-    prompts, chunk = profile_prompts(B, P), max(1, B // 4)
+    prompts, chunk = profile_prompts(B, P), max(1, B // 8)
     kw = dict(max_new_tokens=T, temperature=1.0, top_p=1.0)
 
     def streamed():
@@ -180,7 +181,9 @@ def _generate_extras(worker, B: int, P: int, T: int, reps: int, pause: float, sy
             call()
             sync()
             times[i].append(time.perf_counter() - t0)
-    return [B, P, T, -(-B // chunk)] + [float(statistics.median(t)) for t in times]
+    plain = float(statistics.median(times[0]))
+    lp = plain * float(statistics.median(b / a for a, b in zip(times[0], times[1])))
+    return [B, P, T, -(-B // chunk), plain, lp, lp + float(statistics.median(c - b for b, c in zip(*times[1:])))]
 
 
 def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,

@@ -18,7 +18,7 @@ primitive                 what is timed                                         
 ``train_call``            ``train`` with the same rows in 2 minibatches          ``a`` paid once per call
                           (a few points): :func:`train_call`
 ``generate_logprobs``,    one point, 1 thread: ``generate`` keeping log-probs,  fraction of the call;
-``generate_chunk``        ``generate_chunks`` (4 chunks, each pickled)           seconds per chunk
+``generate_chunk``        ``generate_chunks`` (8 chunks, each pickled)           seconds per chunk
 ``compute.<op>``          the driver-side op of ``rlhfc.runtime.compute``       a + b*B*R
 ========================  ====================================================  =============================
 
