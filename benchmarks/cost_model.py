@@ -411,7 +411,10 @@ def in_job(args) -> dict:
         print(f"  {key}: T(1 thread) / T({prof.model_threads(key)}), median over the grid: "
               + ", ".join(f"{p} {t[-1]:.2f}" for p, t in sp.items() if t)
               + (f"; train: {call * 1e3:.1f} ms of the {prof.models[key]['fit']['train'][0] * 1e3:.1f} ms intercept "
-                 "paid once per call" if call is not None else ""))
+                 "paid once per call" if call is not None else "")
+              + (f"; generate: kept log-probs +{prof.models[key]['fit']['generate_logprobs'] * 100:.1f} %, "
+                 f"{prof.models[key]['fit']['generate_chunk'] * 1e3:.2f} ms per streamed chunk"
+                 if "generate_chunk" in prof.models[key]["fit"] else ""))
     rows, per_stage, fastest = [], {"O2": [], "O0": []}, {"O2": [], "O0": []}
     for label, name, batch, max_new, level, hidden in IN_JOB:
         with open(os.path.join(ROOT, "examples", f"{name}.rlhf"), encoding="utf-8") as fh:

@@ -150,6 +150,42 @@ def thread_counts(threads: int, quick: bool = False) -> list[int]:
     return [1] if quick else [t for t in (1, 2, 4, 8, 16, 32, 64) if t < threads]
 
 
+def _generate_extras(worker, B: int, P: int, T: int, reps: int, pause: float, sync) -> list:
+    """What a job's generate pays beyond the profiled call, at one point on 1 thread (``[B, P, T, chunks,
+    plain s, with log-probs s, streamed s]``): the sampled tokens' log-probs kept (the ``reuse_logprobs``
+    pass) and a streamed generate's chunks (8), each built as its own rollout and pickled (what Ray does with
+    each chunk a streaming generator yields, inside the stage's span). Timed in turn, each after ``pause``,
+    so each repetition's three calls see the same machine: the log-probs' ratio and the chunks' difference
+    are medians over the repetitions of each one's own (drifts of the machine's speed cancel)."""
+    import pickle
+
+    import torch
+
+    torch.set_num_threads(1)
+    prompts, chunk = profile_prompts(B, P), max(1, B // 8)
+    kw = dict(max_new_tokens=T, temperature=1.0, top_p=1.0)
+
+    def streamed():
+        for part in worker.generate_chunks(prompts, chunk=chunk, logprobs=True, **kw):
+            pickle.dumps(part, protocol=5)
+
+    calls = [lambda: worker.generate(prompts, **kw), lambda: worker.generate(prompts, logprobs=True, **kw), streamed]
+    times: list[list[float]] = [[], [], []]
+    for call in calls:
+        call()   # warm-up
+    for _ in range(reps):
+        for i, call in enumerate(calls):
+            if pause > 0:
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            call()
+            sync()
+            times[i].append(time.perf_counter() - t0)
+    plain = float(statistics.median(times[0]))
+    lp = plain * float(statistics.median(b / a for a, b in zip(times[0], times[1])))
+    return [B, P, T, -(-B // chunk), plain, lp, lp + float(statistics.median(c - b for b, c in zip(*times[1:])))]
+
+
 def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,
                   log=None, extra_threads: tuple = (), pause: float = JOB_PAUSE_S) -> dict:
     """Time the primitives of one model shape through the runtime's own worker (the calls a job makes:
@@ -208,6 +244,9 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                             return [med]
 
                         timed("generate", [B, P], run, taken)
+            points["generate_extras"] = [_generate_extras(worker, batches[len(batches) // 2], gen_p[-1], gen_t[-1],
+                                                          max(reps, 5), pause, sync)]
+            torch.set_num_threads(max(1, threads))
             if log:
                 log(f"  generate: {len(points['generate'])} points")
         call = {"lm": lambda r: worker.logprobs(r, temperature=1.0), "value": worker.values,

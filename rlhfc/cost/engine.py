@@ -22,6 +22,13 @@ into its kernels' layout, so besides moving the bytes it costs a fixed time per 
 :func:`rlhfc.cost.sync.refit_time`). ``per_layer`` is measured
 by ``rlhfc profile`` (the refit time less the byte term, over the layers), else :data:`VLLM_REFIT_LAYER_S`
 (this repository's CPU benchmark: a 4-layer llama refits in 0.08-0.31 s; on GPUs a guess).
+
+**The torch engine inside a job** (:func:`torch_extras`). The profile's generate points time a plain
+``ModelWorker.generate``; a job's generate may also keep the sampled tokens' log-probs (``logprobs = true``,
+the ``reuse_logprobs`` pass) and, streamed, build each chunk as its own rollout that Ray serializes as the
+worker yields it (inside the stage). ``rlhfc profile`` times both at one point (``generate_logprobs``: the
+fraction the log-probs add; ``generate_chunk``: seconds per chunk), and a stage pays them where its plan
+says so; a profile without them prices neither.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from rlhfc.ir import plan
 
 from .profile import Profile, fit_relative, model_key, parse_key, transfer_fit
 from .sync import refit_time
@@ -321,3 +330,14 @@ def reusable_forwards(module, gens: list) -> list:
                     not any(x.op == "train" and x.target == s.target for x in between):
                 out.append(s)
     return out
+
+
+def torch_extras(cm, stage, model, work: dict) -> dict:
+    """A torch-engine generate's ``lp`` (fraction its kept log-probs add) and ``chunk_s`` (seconds its
+    streamed chunks add), from the profile (see the module docstring); {} without a profile or on vLLM."""
+    if cm.profile is None or cm.engine(stage) == "vllm":
+        return {}
+    key, chunk = model_key(model), plan.stream_chunk(stage)
+    lp = cm.profile.fit(key, "generate_logprobs") if plan.flag(stage, "logprobs") else None
+    per = cm.profile.fit(key, "generate_chunk") if chunk else None
+    return {"lp": float(lp or 0.0), "chunk_s": float(per or 0.0) * (math.ceil(work["batch"] / chunk) if chunk else 0)}

@@ -187,10 +187,12 @@ def generate_time(xp, hw, arch, work, lay, fit=None):
         work_terms = k * (c_pf * mine * P + steps * (c_step_b * rows + c_step_ctx * rows * mean_ctx))
         fixed = a + steps * c_step
         m = lay["mb"]   # waves of `rows` prompts, one after another
-        total = m * (fixed + work_terms)
+        lp = 1.0 + work.get("lp", 0.0)   # kept log-probs, streamed chunks: rlhfc.cost.engine.torch_extras
+        compute, overhead = m * work_terms * lp, m * fixed * lp + work.get("chunk_s", 0.0)
+        total = compute + overhead
         prefill = m * (k * c_pf * mine * P + a)
-        return {"total": total, "compute": m * work_terms, "memory": 0.0 * total, "comm": 0.0 * total,
-                "overhead": m * fixed, "prefill": prefill, "decode": total - prefill}
+        return {"total": total, "compute": compute, "memory": 0.0 * total, "comm": 0.0 * total,
+                "overhead": overhead, "prefill": prefill, "decode": total - prefill}
     b_rep = B / dp
     pf_flops = 2.0 * arch["mm"] * b_rep * P + 2.0 * arch["L"] * arch["h"] * b_rep * P * P
     f_inf = hw["F_inf"] * lay["f_scale"]

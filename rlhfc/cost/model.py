@@ -417,6 +417,7 @@ class CostModel:
                 E.vllm_inputs(self, stage, model, lay)   # continuous batching, waves of what vLLM runs at once
             if rows is not None:
                 work["rows"] = float(rows)
+            work.update(E.torch_extras(self, stage, model, work))
         else:
             work = self.sequence_work(stage, rows)
             if family == "train":

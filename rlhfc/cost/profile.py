@@ -17,6 +17,8 @@ primitive                 what is timed                                         
 ``optimizer``             ``clip_grad_norm_`` + ``AdamW.step`` alone            constant
 ``train_call``            ``train`` with the same rows in 2 minibatches          ``a`` paid once per call
                           (a few points): :func:`train_call`
+``generate_logprobs``,    one point, 1 thread: ``generate`` keeping log-probs,  fraction of the call;
+``generate_chunk``        ``generate_chunks`` (8 chunks, each pickled)           seconds per chunk
 ``compute.<op>``          the driver-side op of ``rlhfc.runtime.compute``       a + b*B*R
 ========================  ====================================================  =============================
 
@@ -47,8 +49,7 @@ their fits; or ``unsupported`` with the reason vLLM cannot run the shape). :mod:
 a profile without it (older ones included) loads as before and vLLM is priced by the catalog assumption.
 
 The profile is JSON (``Profile.save``/``load_profile``); the default location is
-``~/.cache/rlhfc/profile-<device>.json`` (``RLHFC_CACHE_DIR`` overrides the
-folder).
+``~/.cache/rlhfc/profile-<device>.json`` (``RLHFC_CACHE_DIR`` overrides the folder).
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ def transfer_fit(primitive: str, fit, donor: str, key: str, host: dict, threads:
     r_lh = k["L"] * k["h"] / (d["L"] * d["h"])
     if primitive == "optimizer":
         return float(fit) * (matmul_params(k) / matmul_params(d)) ** 0.5 * r_l ** 0.5
-    if primitive == "train_call":   # moving a batch and its metrics: per call, not per layer or weight
+    if primitive in ("train_call", "generate_logprobs", "generate_chunk"):   # per call / chunk, or a fraction
         return float(fit)
     speed = host.get("thread_speedup") or [1.0]
     rate = float(host.get("matmul_flops_1", 0.0)) * float(speed[min(max(threads, 1), len(speed)) - 1])
@@ -436,6 +437,8 @@ def refit(entry: dict) -> dict:
     call = train_call(pts, fits)
     if call is not None:
         fits["train_call"] = call
+    for n, plain, lp, streamed in [p[3:] for p in pts.get("generate_extras", [])[:1]]:   # [B, P, T, n, s...]
+        fits.update(generate_logprobs=max(0.0, lp / plain - 1.0), generate_chunk=max(0.0, (streamed - lp) / n))
     entry["fit"] = fits
     return entry
 
@@ -453,7 +456,7 @@ def _fastest(pa: dict, pb: dict) -> dict:
             if k not in best or p[-1] < best[k][-1]:
                 best[k] = p
         points[prim] = list(best.values())
-    return points
+    return points | {"generate_extras": pa.get("generate_extras") or pb.get("generate_extras") or []}
 
 
 def merge_profiles(a: Profile, b: Profile) -> Profile:
@@ -471,9 +474,8 @@ def merge_profiles(a: Profile, b: Profile) -> Profile:
             out.models[key] = json.loads(json.dumps(ea or eb))
             continue
         points = _fastest(ea["points"], eb["points"])
-        points["optimizer"] = [min(ea["points"].get("optimizer", []) + eb["points"].get("optimizer", []),
-                                   default=None)] if (ea["points"].get("optimizer") or
-                                                      eb["points"].get("optimizer")) else []
+        opt = ea["points"].get("optimizer", []) + eb["points"].get("optimizer", [])
+        points["optimizer"] = [min(opt)] if opt else []
         out.models[key] = refit({"spec": ea["spec"], "threads": ea["threads"], "points": points})
         ta, tb = ea.get("at_threads") or {}, eb.get("at_threads") or {}
         if ta or tb:

@@ -176,13 +176,17 @@ class Job(WeightTransfers):
         t_start = time.perf_counter()
         try:
             for ref in launch(prompts, carry):
+                if overcommit is None:   # every item is a chunk: hand it on before fetching it here (the
+                    for name, start in consumers.items():   # driver's fetch would delay the consumers' start)
+                        parts[name].append(start(ref))
                 item = ray.get(ref)
                 if isinstance(item, CarryOver):
                     carry = item.samples
                     continue
                 chunks.append(item)
-                for name, start in consumers.items():
-                    parts[name].append(start(ref))
+                if overcommit is not None:
+                    for name, start in consumers.items():
+                        parts[name].append(start(ref))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
         self._timed(stage, t_start, ref=ref)

@@ -14,9 +14,12 @@ The file opens in Perfetto (ui.perfetto.dev) or ``chrome://tracing``. Its layout
 
 Every span is a complete event (``"ph": "X"``, ``ts``/``dur`` in microseconds from the start of the
 first step); its ``name`` is the stage, ``cat`` the op family and ``args`` hold ``stage``, ``op``,
-``step``, ``rows``, ``tokens`` (prompt + response tokens of the rows) and, for worker calls, ``method``
-and ``threads``. A step's span also holds ``load1``, the machine's 1-minute load average as it ended
-(other processes competing for the cores make every stage slower than the profile measured).
+``step``, ``rows``, ``tokens`` (prompt + response tokens of the rows) and, for worker calls, ``method``,
+``threads``, ``cpu_ms`` (the CPU time of the thread that ran the call), ``runq_ms`` (the time that thread
+waited for a core, Linux only: a span's wall time is about ``cpu_ms + runq_ms``, plus ``yield_ms``, the
+time a streamed call was suspended at its chunks' hand-over to Ray). A step's span also holds ``load1``,
+the machine's 1-minute load average as it ended (other processes competing for the cores make every stage
+slower than the profile measured).
 ``otherData`` holds ``module``, ``kind`` (``measured``), ``job`` (the job folder) and ``cores`` (the
 driver machine's).
 
@@ -88,10 +91,28 @@ class TracedWorker:
         return spans
 
 
-def _span(method: str, t0: float, t1: float, threads, work: dict, task: str | None, chunks=None) -> dict:
+def _usage() -> tuple[float, float | None]:
+    """(this thread's CPU seconds, the seconds it waited runnable for a core: Linux's schedstat, else None)."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as fh:
+            waited = int(fh.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        waited = None
+    return time.thread_time(), waited
+
+
+def _span(method: str, t0: float, t1: float, threads, work: dict, task: str | None, chunks=None,
+          u0=None, yielded: float = 0.0) -> dict:
     out = {"method": method, "t0": t0, "t1": t1, "threads": threads, "task": task, **work}
     if chunks:
         out["chunks"] = chunks
+    if u0 is not None:
+        u1 = _usage()
+        out["cpu_ms"] = round((u1[0] - u0[0]) * 1e3, 3)
+        if u0[1] is not None and u1[1] is not None:
+            out["runq_ms"] = round((u1[1] - u0[1]) * 1e3, 3)
+    if yielded:
+        out["yield_ms"] = round(yielded * 1e3, 3)
     return out
 
 
@@ -104,26 +125,28 @@ def recorded(fn, method: str, generator: bool):
                 yield from fn(self, *args, threads=threads, **kwargs)
                 return
             self._trace_depth = getattr(self, "_trace_depth", 0) + 1
-            t0, task, rows, tokens, chunks = time.time(), _task_id(), 0, 0, []
+            t0, task, rows, tokens, chunks, u0, yielded = time.time(), _task_id(), 0, 0, [], _usage(), 0.0
             try:
                 for item in fn(self, *args, threads=threads, **kwargs):
                     w = work_of(item)
                     rows, tokens = rows + w.get("rows", 0), tokens + w.get("tokens", 0)
                     if w:
                         chunks.append([time.time(), w.get("rows", 0)])
+                    y0 = time.perf_counter()
                     yield item
+                    yielded += time.perf_counter() - y0
             finally:
                 self._trace_depth -= 1
             if self._trace is not None:
                 self._trace.append(_span(method, t0, time.time(), threads or getattr(self, "threads", None),
-                                         {"rows": rows, "tokens": tokens}, task, chunks))
+                                         {"rows": rows, "tokens": tokens}, task, chunks, u0, yielded))
         return wrapper
 
     def wrapper(self, *args, threads=None, **kwargs):
         if getattr(self, "_trace", None) is None or getattr(self, "_trace_depth", 0):
             return fn(self, *args, threads=threads, **kwargs)
         self._trace_depth = getattr(self, "_trace_depth", 0) + 1
-        t0 = time.time()
+        t0, u0 = time.time(), _usage()
         try:
             out = fn(self, *args, threads=threads, **kwargs)
         finally:
@@ -131,7 +154,8 @@ def recorded(fn, method: str, generator: bool):
         t1 = time.time()
         work = work_of(out) if method.startswith("generate") else work_of(args[0] if args else None)
         if self._trace is not None:
-            self._trace.append(_span(method, t0, t1, threads or getattr(self, "threads", None), work, _task_id()))
+            self._trace.append(_span(method, t0, t1, threads or getattr(self, "threads", None), work, _task_id(),
+                                     u0=u0))
         return out
     return wrapper
 
@@ -226,7 +250,8 @@ class Timeline:
                     stage = self.tasks.get(sp.get("task") or "") or self._guess(model, sp["method"])
                     args = {"stage": stage, "op": self.ops.get(stage, METHOD_OPS.get(sp["method"], "")),
                             "method": sp["method"], "threads": sp.get("threads"),
-                            **{k: sp[k] for k in ("rows", "tokens") if k in sp}}
+                            **{k: sp[k] for k in ("rows", "tokens", "cpu_ms", "runq_ms", "yield_ms")
+                               if k in sp}}
                     if sp.get("chunks"):
                         args["chunks"] = [[round((t - sp["t0"]) * 1e3, 3), n] for t, n in sp["chunks"]]
                     self.span(self.pid.get(name, WORKER_PID0), r, stage, args["op"].split(".", 1)[0] or "call",

@@ -95,7 +95,9 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
     keys = set(prof.models)
     assert {k.rsplit("-", 1)[1] for k in keys} == {"lm", "value"}
     lm = next(v for k, v in prof.models.items() if k.endswith("-lm"))
-    assert set(lm["fit"]) == {"generate", "forward", "train", "optimizer", "forward_grid", "train_grid", "train_call"}
+    assert set(lm["fit"]) == {"generate", "forward", "train", "optimizer", "forward_grid", "train_grid", "train_call",
+                              "generate_logprobs", "generate_chunk"}
+    assert 0.0 <= lm["fit"]["generate_logprobs"] < 0.5 and 0.0 <= lm["fit"]["generate_chunk"] < 0.05
     assert 0.0 <= lm["fit"]["train_call"] <= lm["fit"]["train"][0] and "at_threads" not in lm   # 1 thread only
     grid = lm["fit"]["forward_grid"]
     assert len(grid["ratio"]) == len(grid["B"]) and all(len(r) == len(grid["S"]) for r in grid["ratio"])

@@ -4,6 +4,7 @@ and the trace.json it writes (the e2e run with --trace: tests/e2e/test_job.py)."
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import torch
@@ -42,12 +43,18 @@ def test_worker_records_its_calls_only_while_tracing_with_rows_and_tokens():
     assert w.trace_spans() == []            # not tracing: nothing kept
     assert w.trace_start()["pid"] > 0
     w.logprobs(roll, threads=1)
-    list(w.generate_chunks(["a", "b", "c"], chunk=2))
+    gen = w.generate_chunks(["a", "b", "c"], chunk=2)
+    next(gen)
+    time.sleep(0.02)                         # the consumer holds the first chunk: time the worker was not working
+    list(gen)
     spans = w.trace_spans()
     assert [s["method"] for s in spans] == ["logprobs", "generate_chunks"]
     assert spans[0]["rows"] == 2 and spans[0]["tokens"] == 13 and spans[0]["threads"] == 1
     assert spans[1]["rows"] == 3 and spans[1]["tokens"] == 15 and [n for _, n in spans[1]["chunks"]] == [2, 1]
     assert all(s["t1"] >= s["t0"] for s in spans)
+    # what the span's wall time was: the call's own CPU time, and a streamed call's time suspended at its yields
+    assert all(0 <= s["cpu_ms"] <= (s["t1"] - s["t0"]) * 1e3 + 1.0 for s in spans)
+    assert spans[1]["yield_ms"] >= 19.0 and "yield_ms" not in spans[0]
     assert w.trace_spans() == []            # drained
 
 
