@@ -250,6 +250,12 @@ def test_worker_dying_in_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pa
 
         def remote(self, path):
             self.group.kill()
+            for _ in range(600):   # ray.kill is asynchronous: on a loaded machine a save sent at once could
+                try:               # still reach the process and succeed; send it once the process is gone
+                    ray.get(self.group.ranks[0].ready.remote(), timeout=30)
+                    time.sleep(0.05)
+                except ray.exceptions.RayActorError:
+                    break
             return self.save.remote(path)
 
     def step(job_, w):
