@@ -333,3 +333,19 @@ def test_jax_compiles_once_per_stage_for_any_batch_size():
         for k in fast:
             np.testing.assert_allclose(fast[k], slow[k], rtol=1e-12)
     assert batched.JAX_COMPILES[0] - before == (1 if len(cands) <= 64 else 2)
+
+
+def test_taking_reuse_logprobs_back_gives_the_program_as_written():
+    """A plan with ``OLD_LOGPROBS`` taken back (``reuse_logprobs.take_back``, regrouped by ``parallelize``) is the
+    module the pipeline without ``reuse_logprobs`` gives: the actor's forward restored, same overlap groups."""
+    from rlhfc.cli.load import load
+    from rlhfc.passes.parallelize import Parallelize
+    from rlhfc.passes.reuse_logprobs import reuses, take_back
+
+    reused, _ = load("examples/grpo_tiny.rlhf", [])
+    reused = run_passes(reused, "dce,reuse_logprobs,parallelize")
+    plain, _ = load("examples/grpo_tiny.rlhf", [])
+    plain = run_passes(plain, "dce,parallelize")
+    assert reuses(reused) and not reuses(plain)
+    back = Parallelize().run(take_back(reused))
+    assert print_module(back) == print_module(plain)
