@@ -245,6 +245,9 @@ def test_a_pinned_layout_is_kept_and_the_others_fit_around_it():
 #: (nodes, GPUs per node, GPU) of the never-worse table: one and two A100 nodes (the baselines benchmark's
 #: HybridFlow GPU at small scale); ppo_70b runs on its own 16 x 8 H100 cluster (it fits on nothing smaller here)
 NEVER_WORSE_CLUSTERS = [(1, 8, "A100-80GB"), (2, 8, "A100-80GB")]
+#: the CPU clusters of the table, for the examples that compile there (the tiny ones; ppo_7b and ppo_70b fit no
+#: CPU): their own 2 cores, one core (placement flattens), four
+CPU_CLUSTERS = [(1, 2, "cpu"), (1, 1, "cpu"), (1, 4, "cpu")]
 EXAMPLE_NAMES = ["arith_tiny", "dapo_tiny", "grpo_tiny", "ppo_tiny", "ppo_7b", "ppo_70b"]
 
 
@@ -253,7 +256,9 @@ def test_searched_plan_is_never_worse_than_any_strategy_or_baseline(example):
     """Over every example and a table of clusters: the searched plan's predicted step time (as ``explain
     --compare`` prices it) is at most each strategy's (flatten, interleave, separate, compiled at the same
     level) and each baseline system's plan (``baseline:NAME``, as that system runs it, with its own terms);
-    the same numbers twice (deterministic)."""
+    the same numbers twice (deterministic). On CPU clusters too, where a baseline (which neither streams nor
+    takes log-probs from sampling) can be faster than -O2's earlier decisions: the search prices them taken
+    back."""
     from pathlib import Path
 
     from rlhfc.cli.load import load
@@ -264,6 +269,8 @@ def test_searched_plan_is_never_worse_than_any_strategy_or_baseline(example):
     assert sorted(p.stem for p in Path("examples").glob("*.rlhf")) == sorted(EXAMPLE_NAMES)
     o2 = "dce,unpad,reuse_logprobs,parallelize,stream,placement{%s},recompute,realloc"
     clusters = [(16, 8, "H100-80GB")] if example == "ppo_70b" else NEVER_WORSE_CLUSTERS
+    if example.endswith("_tiny"):
+        clusters = CPU_CLUSTERS + clusters
 
     def price(cluster, passes, placement=None):
         module, _ = load(f"examples/{example}.rlhf", [])
@@ -326,3 +333,19 @@ def test_jax_compiles_once_per_stage_for_any_batch_size():
         for k in fast:
             np.testing.assert_allclose(fast[k], slow[k], rtol=1e-12)
     assert batched.JAX_COMPILES[0] - before == (1 if len(cands) <= 64 else 2)
+
+
+def test_taking_reuse_logprobs_back_gives_the_program_as_written():
+    """A plan with ``OLD_LOGPROBS`` taken back (``reuse_logprobs.take_back``, regrouped by ``parallelize``) is the
+    module the pipeline without ``reuse_logprobs`` gives: the actor's forward restored, same overlap groups."""
+    from rlhfc.cli.load import load
+    from rlhfc.passes.parallelize import Parallelize
+    from rlhfc.passes.reuse_logprobs import reuses, take_back
+
+    reused, _ = load("examples/grpo_tiny.rlhf", [])
+    reused = run_passes(reused, "dce,reuse_logprobs,parallelize")
+    plain, _ = load("examples/grpo_tiny.rlhf", [])
+    plain = run_passes(plain, "dce,parallelize")
+    assert reuses(reused) and not reuses(plain)
+    back = Parallelize().run(take_back(reused))
+    assert print_module(back) == print_module(plain)

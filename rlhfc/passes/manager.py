@@ -33,6 +33,13 @@ class PassFailure(CompileError):
     """
 
 
+def _upstream(p, before: list) -> dict:
+    """``{"upstream": before}`` if ``p.run_in_pipeline`` takes the passes that ran before it, else ``{}``."""
+    import inspect
+
+    return {"upstream": list(before)} if "upstream" in inspect.signature(p.run_in_pipeline).parameters else {}
+
+
 def _print_to_stderr(spec: str, text: str) -> None:
     sys.stderr.write(f"// ----- IR after {spec} -----\n{text}")
 
@@ -47,7 +54,8 @@ class PassManager:
     names are an error). ``printer`` defaults to writing to stderr.
     ``records``: one :class:`PassRecord` per pass that ran. A pass with a ``run_in_pipeline(module,
     downstream)`` method is called that way instead, with the passes that follow it (the placement search
-    prices each candidate plan as those passes will leave it).
+    prices each candidate plan as those passes will leave it), and with ``upstream=`` the passes before it
+    when the method takes that argument.
     """
 
     passes: list[Pass]
@@ -75,7 +83,7 @@ class PassManager:
         for i, p in enumerate(self.passes):
             try:
                 if hasattr(p, "run_in_pipeline"):   # a pass that plans for the passes after it (placement)
-                    result = p.run_in_pipeline(module, self.passes[i + 1:])
+                    result = p.run_in_pipeline(module, self.passes[i + 1:], **_upstream(p, self.passes[:i]))
                 else:
                     result = p.run(module)
                 module = result if result is not None else module

@@ -58,6 +58,11 @@ SPLIT_GENERATION = True
 #: chunked generation (its ``stream``/``stream_from`` annotations taken back): the baseline systems' plans do
 #: not stream, and on some meshes streaming costs more than it overlaps, so the search prices both
 STREAMS = "(streams)"
+#: a plan's key whose value ``False`` says the plan recomputes the policy's old log-probs with a forward, as the
+#: program wrote it (``reuse_logprobs``' decision taken back: :func:`rlhfc.passes.reuse_logprobs.take_back`,
+#: the stages regrouped by the pipeline's ``parallelize``): the baseline systems recompute them, and on some
+#: clusters (2 CPU cores) the forward beside the others costs less than keeping them during generation
+OLD_LOGPROBS = "(sampled logprobs)"
 
 
 @register_pass
@@ -92,9 +97,10 @@ class Placement(Pass):
     def run(self, module: Module) -> Module:
         return self.run_in_pipeline(module, [])
 
-    def run_in_pipeline(self, module: Module, downstream: list) -> Module:
+    def run_in_pipeline(self, module: Module, downstream: list, upstream: list = ()) -> Module:
         """Place ``module``; ``downstream``: the passes the pipeline runs after this one (the search prices
-        every candidate plan as they will leave it: :mod:`rlhfc.passes.search`)."""
+        every candidate plan as they will leave it: :mod:`rlhfc.passes.search`); ``upstream``: those that ran
+        before it (a plan that takes ``reuse_logprobs``' decision back is regrouped by their ``parallelize``)."""
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
         if strategy.startswith("baseline:"):   # another system's plan, as it would run (passes/baselines.py)
             from .baselines import build
@@ -114,12 +120,13 @@ class Placement(Pass):
                 prof = load_profile(self.profile) if self.profile else None
             except ProfileError as exc:
                 raise error(f"placement: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
+            regroup = next((p for p in upstream if p.name == "parallelize"), None)
             assign, report = search(module, self.candidates, self.seed, downstream,
-                                    CostConfig(profile=prof, response_lengths=self.response_lengths))
+                                    CostConfig(profile=prof, response_lengths=self.response_lengths), upstream)
             module.search_report = report   # not IR: what explain reports about the search
         from rlhfc.cost import check_memory, memory_issues
 
-        place(module, assign, strategy)
+        place(module, assign, strategy, regroup if assign_fn is None else None)
         if memory_issues(module) and not memory_issues(with_full_recompute(module)):
             return module   # it fits once the trained models recompute their activations: the recompute pass decides
         sink = DiagnosticSink()
@@ -128,12 +135,20 @@ class Placement(Pass):
         return module
 
 
-def place(module: Module, assign: dict, strategy: str) -> None:
-    """Annotate ``module`` with the plan ``assign`` (meshes, or pinned layouts, per stage; :data:`STREAMS`) as
-    the pass emits it: each stage's layout (:func:`apply`), each stage's memory budget tightened until the
-    devices' totals fit, the strategy."""
+def place(module: Module, assign: dict, strategy: str, regroup=None) -> None:
+    """Annotate ``module`` with the plan ``assign`` (meshes, or pinned layouts, per stage; :data:`STREAMS`,
+    :data:`OLD_LOGPROBS`) as the pass emits it: each stage's layout (:func:`apply`), each stage's memory budget
+    tightened until the devices' totals fit, the strategy. ``regroup``: the pipeline's ``parallelize`` pass
+    (None if it has none), run again when the plan takes ``reuse_logprobs``' decision back."""
     from rlhfc.cost import fits
 
+    if assign.get(OLD_LOGPROBS) is False:
+        from .reuse_logprobs import take_back
+
+        take_back(module)
+        if regroup is not None:
+            regroup.run(module)
+        assign = {**assign, **_restored_meshes(module, assign)}
     if assign.get(STREAMS) is False:
         for s in module.graph.stages:
             plan.unset(s, "stream", "stream_from")
@@ -142,6 +157,21 @@ def place(module: Module, assign: dict, strategy: str) -> None:
         if module.cluster.device == "cpu" or fits(module):
             break
     plan.set_strategy(module, strategy)
+
+
+def _restored_meshes(module: Module, assign: dict) -> dict:
+    """A mesh for each model stage ``assign`` does not place (a forward :data:`OLD_LOGPROBS` restored): its
+    model's mesh for stages other than generation (as the search places a model's stages together)."""
+    out = {}
+    stages = [s for group in _model_stages(module).values() for s in group]
+    for s in stages:
+        if s.name not in assign:
+            siblings = [mesh_of(assign[o.name]) for o in stages if o.target == s.target and o.name in assign]
+            others = [mesh_of(assign[o.name]) for o in stages if o.target == s.target and o.name in assign
+                      and o.op != "generate"]
+            if others or siblings:
+                out[s.name] = (others or siblings)[0]
+    return out
 
 
 def with_full_recompute(module: Module) -> Module:

@@ -71,3 +71,30 @@ class ReuseLogprobs(Pass):
         if changed:
             module.refresh_versions()
         return module
+
+
+def reuses(module: Module) -> bool:
+    """Whether the pass turned a forward of ``module`` into a :func:`take_back`-able ``compute.sample_logprobs``."""
+    return any(s.op == "compute.sample_logprobs" for s in module.graph.stages)
+
+
+def take_back(module: Module) -> Module:
+    """The pass's decision taken back: each ``compute.sample_logprobs`` becomes the generating model's
+    ``forward.logprobs`` over the rollout again (as the program wrote it) and the generate stage no longer
+    keeps its sampled log-probs. The placement search prices a plan this way too (:data:`rlhfc.passes.placement.
+    OLD_LOGPROBS`): the baseline systems recompute them, and where a forward beside the others costs less
+    than the log-probs' bookkeeping during generation (on 2 CPU cores) the forward is faster."""
+    g = module.graph
+    changed = False
+    for s in g.stages:
+        if s.op != "compute.sample_logprobs":
+            continue
+        gen = g.producer(s.inputs[0])
+        s.op, s.target = "forward.logprobs", gen.target
+        s.attrs = {"temperature": float(s.attrs.get("temperature", 1.0))}
+        s.annotations = {}
+        plan.unset(gen, "logprobs")
+        changed = True
+    if changed:
+        module.refresh_versions()
+    return module

@@ -86,8 +86,9 @@ class PlanPricer:
     """Prices candidate plans of ``module`` (the IR before placement) as the pipeline will emit them: placed,
     then ``downstream`` run, then simulated over ``steps`` steps with ``config``."""
 
-    def __init__(self, module: Module, downstream: list, config, steps: int = 3):
+    def __init__(self, module: Module, downstream: list, config, steps: int = 3, regroup=None):
         self.base = module
+        self.regroup = regroup
         self.downstream = list(downstream)
         self.config = config
         self.steps = steps
@@ -110,7 +111,7 @@ class PlanPricer:
         # changes them (placement, recompute and realloc annotate and add stages), and copying 70B programs'
         # declarations for every candidate is most of a candidate's price otherwise
         trial = copy.deepcopy(self.base, dict(self._shared))
-        place(trial, assign, "search")
+        place(trial, assign, "search", self.regroup)
         return trial
 
     def _downstream(self, trial: Module) -> Module:
@@ -159,8 +160,11 @@ def _resident_fits(module: Module, cm) -> bool:
     return all(sum(h.values()) <= cm.spec.memory for h in held)
 
 
-def search(module: Module, candidates: int, seed: int, downstream: list, config) -> tuple[dict, SearchReport]:
-    """The fastest plan that fits (else the best penalised one), and what the search did."""
+def search(module: Module, candidates: int, seed: int, downstream: list, config,
+           upstream: list = ()) -> tuple[dict, SearchReport]:
+    """The fastest plan that fits (else the best penalised one), and what the search did. ``upstream``: the
+    passes that ran before placement (their ``parallelize`` regroups a plan that takes ``reuse_logprobs``'
+    decision back; a ``stream`` given its ``chunk`` keeps its streaming)."""
     from rlhfc.cost import shared_prices
 
     from . import placement as P
@@ -168,9 +172,11 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
     start = time.perf_counter()
     # built outside shared_prices(): a baseline-marked module is priced with that system's costs, which
     # must not enter the shared stage prices
-    baselines = _baseline_meshes(module, P._model_stages(module))
+    takeback = takeback_keys(module, upstream)
+    baselines = _baseline_meshes(module, P._model_stages(module), takeback)
     with shared_prices():
-        pricer = PlanPricer(module, downstream, config)
+        pricer = PlanPricer(module, downstream, config,
+                            regroup=next((p for p in upstream if p.name == "parallelize"), None))
         by_model = P._model_stages(module)
         seeds = {"flatten": P.flatten(module), "interleave": P.interleave(module)}
         if P.SPLIT_GENERATION and module.cluster.num_devices > 1:
@@ -190,7 +196,7 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
         for name, a in seeds.items():
             walk.offer(a)
             report.seeds[name] = pricer.price(a)[0]
-        polish = candidates // POLISH_SHARE if module.cluster.device != "cpu" else 0
+        polish = candidates // POLISH_SHARE
         keys = [(m, False) for m in models]
         if P.SPLIT_GENERATION:
             keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
@@ -202,7 +208,7 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
         else:
             _metropolis(walk, by_model, keys, meshes_of, candidates - polish, seed)
         if polish:
-            _polish_layouts(walk, module, by_model, candidates)
+            _polish_layouts(walk, module, by_model, candidates, takeback)
             if space > EXHAUSTIVE and len(pricer.prices) < candidates:   # the layout search settled early
                 _metropolis(walk, by_model, keys, meshes_of, candidates, seed + 1)
         best = walk.result()
@@ -212,7 +218,7 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config)
     return best, report
 
 
-def _baseline_meshes(module: Module, by_model: dict) -> dict[str, dict]:
+def _baseline_meshes(module: Module, by_model: dict, keys: list) -> dict[str, dict]:
     """Two seeds per baseline system (GPU clusters), both priced under rlhfc's runtime terms (the module stays
     rlhfc's: none of the system's own slowness terms, which only add cost) and compiled by the rest of the
     pipeline: ``baseline:NAME``, the system's whole plan (each model stage pinned to the mesh *and* layout the
@@ -227,9 +233,8 @@ def _baseline_meshes(module: Module, by_model: dict) -> dict[str, dict]:
     from .baselines import build
     from .layouts import runnable
 
-    if module.cluster.device == "cpu":
-        return {}
     out = {}
+    undone = {k: False for k in keys}
     stages = [s for group in by_model.values() for s in group]
     for name in BASELINES:
         trial = build(module.clone(), name)
@@ -240,8 +245,34 @@ def _baseline_meshes(module: Module, by_model: dict) -> dict[str, dict]:
             if s.op.split(".")[0] in ("generate", "forward", "train") and \
                     runnable(module, module.models[s.target], lay):
                 whole[s.name] = lay
-        out[f"baseline:{name}"] = {**whole, P.STREAMS: False} if _streams(module) else whole
+        streams = {P.STREAMS: False} if P.STREAMS in keys else {}
+        if undone.get(P.OLD_LOGPROBS) is False:   # also with rlhfc's sampled log-probs (the system's plan else)
+            out[f"baseline:{name}:sampled"] = {**whole, **streams}
+        out[f"baseline:{name}"] = {**whole, **undone}
         out[f"baseline:{name}:meshes"] = meshes
+    return out
+
+
+def takeback_keys(module: Module, upstream: list = ()) -> list[str]:
+    """The earlier passes' decisions a plan may take back: ``stream``'s chunking
+    (:data:`~rlhfc.passes.placement.STREAMS`; not when the pipeline's ``stream`` was given its ``chunk``, the
+    user's choice) and ``reuse_logprobs``' sampled log-probs (:data:`~rlhfc.passes.placement.OLD_LOGPROBS`)."""
+    from . import placement as P
+    from .reuse_logprobs import reuses
+
+    chosen = any(p.name == "stream" and getattr(p, "chunk", 0) for p in upstream)
+    return ([P.STREAMS] if _streams(module) and not chosen else []) + ([P.OLD_LOGPROBS] if reuses(module) else [])
+
+
+def _decisions(cur: dict, keys: list) -> list[dict]:
+    """``cur`` with the decisions ``keys`` (:func:`takeback_keys`) taken back or restored, in every other
+    combination."""
+    out = []
+    for values in itertools.product((True, False), repeat=len(keys)):
+        prop = {k: v for k, v in cur.items() if k not in keys}
+        prop.update({k: False for k, v in zip(keys, values) if not v})
+        if prop != cur:
+            out.append(prop)
     return out
 
 
@@ -276,12 +307,12 @@ class _Walk:
         return self.best_fit if self.best_fit is not None else self.best
 
 
-def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int) -> None:
+def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int, keys: list) -> None:
     """The layout search (beyond each stage's greedy choice): from the best plan, pin one model stage to
     another layout on its mesh (the fastest of each distinct split and micro-batch count it may take, up to
     :data:`POLISH_ALTERNATIVES`) and let the stages not pinned be chosen around it (so a stage that gives up
-    memory lets the stages beside it take faster layouts); on a streamed program, also try the plan without
-    streaming. First improvement is kept; sweeps repeat until one improves nothing or ``limit`` plans are
+    memory lets the stages beside it take faster layouts); also the plan with the earlier passes' decisions
+    ``keys`` taken back (without streaming; then with the old log-probs recomputed). First improvement is kept; sweeps repeat until one improves nothing or ``limit`` plans are
     priced. Only improvements are kept, so the result is never slower than the walk's."""
     from rlhfc.cost import CostModel
     from rlhfc.ir import plan
@@ -302,10 +333,9 @@ def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int) -> 
         cur, cur_t = dict(walk.best_fit), walk.best_fit_t
         placed = pricer._placed(cur)
         cm = CostModel(placed, pricer.config)
-        moves = []
-        if _streams(module):
-            toggled = {k: v for k, v in cur.items() if k != P.STREAMS}
-            moves.append(toggled if P.STREAMS in cur else {**cur, P.STREAMS: False})
+        moves = _decisions(cur, keys)
+        later = [m for m in moves if m.get(P.OLD_LOGPROBS) != cur.get(P.OLD_LOGPROBS)]
+        moves = [m for m in moves if m not in later]
         for s in stages:
             first, count = mesh_of(cur[s.name])
             now = plan.stage_layout(placed, placed.graph.stage(s.name))
@@ -329,7 +359,7 @@ def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int) -> 
                                 mesh_of(prop[o.name]) == (first, count):
                             prop[o.name] = (first, count)
                 moves.append(prop)
-        for prop in moves:
+        for prop in moves + later:   # the log-probs' alternatives last: rarely faster, off the walk's budget
             if len(pricer.prices) >= limit:
                 return
             walk.offer(prop)

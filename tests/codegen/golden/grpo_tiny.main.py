@@ -20,18 +20,13 @@ from rlhfc.runtime.job import main
 def step(job, w):
     """One step of pipeline 'grpo' (batch = 8)."""
     prompts = job.next_prompts('prompts', 8)
-    # stream: finished samples flow in chunks of 16 to ref_logp while generation goes on
-    roll, ref_logp = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=16, take=None, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4, unpad=True, logprobs=True, threads=1),
-        prompts=prompts,
-        consumers={
-            'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0, threads=1),
-        },
-    )
-    logp = job.compute('logp', compute.sample_logprobs, roll, temperature=1.0)
-    # ref_logp: computed chunk by chunk inside the stream of %roll above
+    roll = job.get('roll', w.actor.generate.remote(prompts, max_new_tokens=16, temperature=1.0, top_p=1.0, n=4, unpad=True))
+    # overlap group 1: launched together, awaited where the driver needs them
+    logp = w.actor.logprobs.remote(roll, temperature=1.0, threads=1)
+    ref_logp = w.ref.logprobs.remote(roll, temperature=1.0, threads=1)
     scores = job.compute('scores', compute.rule, roll, fn='rlhfc.runtime.rewards:vowel_count')
     adv = job.compute('adv', compute.group_advantages, roll, scores, method='grpo', normalize_std=True, group=4)
+    logp, ref_logp = job.wait({'logp': logp, 'ref_logp': ref_logp})
     ppo_clip = job.compute('ppo_clip', compute.ppo_clip, roll, logp, adv, ref_logp, clip=0.2, entropy_coef=0.0, kl_coef=0.02, estimator='k3', temperature=1.0)
     actor_train = job.get('actor_train', w.actor.train.remote(ppo_clip, lr=0.001, epochs=1, minibatches=2, max_grad_norm=1.0, weight_decay=0.0, unpad=True))
     return {'roll': roll, 'logp': logp, 'ref_logp': ref_logp, 'scores': scores, 'adv': adv, 'ppo_clip': ppo_clip, 'actor_train': actor_train}

@@ -20,21 +20,13 @@ from rlhfc.runtime.job import main
 def step(job, w):
     """One step of pipeline 'ppo' (batch = 16)."""
     prompts = job.next_prompts('prompts', 16)
-    # stream: finished samples flow in chunks of 8 to ref_logp, values, scores while generation goes on
-    roll, ref_logp, values, scores = job.stream(
-        'roll', lambda prompts, carry: w.actor.generate_chunks.remote(prompts, carry=carry, chunk=8, take=None, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1, unpad=True, logprobs=True, threads=1),
-        prompts=prompts,
-        consumers={
-            'ref_logp': lambda chunk: w.ref.logprobs.remote(chunk, temperature=1.0, threads=1),
-            'values': lambda chunk: w.critic.values.remote(chunk, threads=1),
-            'scores': lambda chunk: w.reward.score.remote(chunk, threads=1),
-        },
-    )
+    roll = job.get('roll', w.actor.generate.remote(prompts, max_new_tokens=24, temperature=1.0, top_p=1.0, n=1, unpad=True, logprobs=True))
     logp = job.compute('logp', compute.sample_logprobs, roll, temperature=1.0)
     # overlap group 1: launched together, awaited where the driver needs them
-    # ref_logp: computed chunk by chunk inside the stream of %roll above
-    # values: computed chunk by chunk inside the stream of %roll above
-    # scores: computed chunk by chunk inside the stream of %roll above
+    ref_logp = w.ref.logprobs.remote(roll, temperature=1.0, threads=1)
+    values = w.critic.values.remote(roll, threads=1)
+    scores = w.reward.score.remote(roll, threads=1)
+    scores, values, ref_logp = job.wait({'scores': scores, 'values': values, 'ref_logp': ref_logp})
     adv, ret = job.compute('adv', compute.gae, scores, values, logp, ref_logp, gamma=1.0, lam=0.95, kl_coef=0.05, estimator='k1', whiten=True)
     ppo_clip = job.compute('ppo_clip', compute.ppo_clip, roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator='k3', temperature=1.0)
     value_loss = job.compute('value_loss', compute.value_loss, roll, values, ret, clip=0.2)
