@@ -84,16 +84,18 @@ def within(trace: BlockTrace, budget: float) -> Choice:
     items = [n for i, n in enumerate(trace.nodes) if i <= cut and n.bytes and n.bytes <= budget]
     if budget <= 0 or not items:
         return full(trace)
+    import numpy as np
+
     unit = budget / UNITS
-    best = [0.0] * (UNITS + 1)            # best[w]: most seconds saved with weight <= w units
-    keep: list[list[bool]] = []
+    best = np.zeros(UNITS + 1)            # best[w]: most seconds saved with weight <= w units
+    keep = []
     for n in items:
         w = int(-(-n.bytes // unit)) if unit > 0 else UNITS + 1
-        row = [False] * (UNITS + 1)
-        for cap in range(UNITS, w - 1, -1):
-            gain = best[cap - w] + n.seconds
-            if gain > best[cap]:
-                best[cap], row[cap] = gain, True
+        row = np.zeros(UNITS + 1, dtype=bool)
+        if w <= UNITS:   # every capacity at once: each reads the row before this item (a 0/1 knapsack)
+            gain = best[:UNITS + 1 - w] + n.seconds
+            row[w:] = gain > best[w:]
+            best[w:] = np.where(row[w:], gain, best[w:])
         keep.append(row)
     save, cap = set(), UNITS
     for n, row in zip(reversed(items), reversed(keep)):
