@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from rlhfc.ir import Stage, plan
 from rlhfc.ir.schedule import stage_threads
@@ -104,7 +105,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
             ready, why = max(deps, default=(0.0, ""))
             mem = members[s.name]
             res = sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER])
-            dev_free = max((free.get(d, 0.0) for d in res), default=0.0)
+            dev_free = max(map(free.get, res, repeat(0.0)), default=0.0)
             cost = costs[s.name]
             duration = cost.time_s + extra.get(s.name, 0.0) + sync_time.get(s.name, 0.0)
             src = stream_source(s)
@@ -143,8 +144,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                 end = start + duration
                 busy = duration
                 transient = cost.transient_bytes
-            for d in res:
-                free[d] = end
+            free.update(dict.fromkeys(res, end))
             task = Task(s.name, k, s.op, s.target if mem else None, start, end, mem, busy, transient, chunks,
                         extra.get(s.name, 0.0), why, res if res != [DRIVER] else [])
             done[(s.name, k)] = task

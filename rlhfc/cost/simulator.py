@@ -259,7 +259,7 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
     out = []
     runs = [(t, a, b) for t in tasks for a, b in _runs(t.resources, n)]   # contiguous device ranges per task
     cuts = sorted({0, n} | {x for _, a, b in runs for x in (a, b)})
-    per_dev_tasks: list[list[Task]] = [[] for _ in range(n)]
+    per_dev_tasks: list[list[Task]] = [None] * n   # every device lies between two cuts: all set below
     for x, y in zip(cuts, cuts[1:]):   # devices between two cuts run the same tasks, in task order
         if x < y:
             shared = [t for t, a, b in runs if a <= x and y <= b]
@@ -297,6 +297,9 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
 
 def _runs(devices, n: int) -> list[tuple[int, int]]:
     """``devices`` (sorted indices) as [a, b) ranges of consecutive ones, within 0..n-1."""
+    if devices and 0 <= devices[0] and devices[-1] < n \
+            and list(devices) == list(range(devices[0], devices[-1] + 1)):   # one range (a stage's mesh)
+        return [(devices[0], devices[-1] + 1)]
     out: list = []
     for d in devices:
         if not 0 <= d < n:

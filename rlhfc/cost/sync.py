@@ -63,15 +63,23 @@ def _sync_time(weight_bytes: float, src: Layout, dst: Layout, intra: float, inte
     cells: dict[tuple, list[int]] = {}
     for sh in shards(src):
         cells.setdefault((sh.layers, sh.cols), []).append(sh.device)
+    # the source pieces each destination piece overlaps, found once per piece (the devices of a data-parallel
+    # layout share a piece): (fraction, holders, the holders' nodes) in ``cells``' order, so the sums below add
+    # the same terms in the same order as a pass over every cell would
+    parts: dict[tuple, list] = {}
     worst = 0.0
     for want in shards(dst):
+        over = parts.get((want.layers, want.cols))
+        if over is None:
+            over = parts[(want.layers, want.cols)] = [
+                (part, set(holders), {h // per_node for h in holders}) for (layers, cols), holders in cells.items()
+                if (part := _overlap(want.layers, layers) * _overlap(want.cols, cols)) > 0]
         seconds = 0.0
-        for (layers, cols), holders in cells.items():
-            part = _overlap(want.layers, layers) * _overlap(want.cols, cols)
-            if part <= 0 or want.device in holders:
+        node = want.device // per_node
+        for part, holders, nodes in over:
+            if want.device in holders:
                 continue
-            same_node = any(h // per_node == want.device // per_node for h in holders)
-            seconds += weight_bytes * part / (intra if same_node else inter)
+            seconds += weight_bytes * part / (intra if node in nodes else inter)
         worst = max(worst, seconds)
     return RESHARD_SETUP_S + worst
 

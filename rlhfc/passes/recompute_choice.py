@@ -84,25 +84,34 @@ def within(trace: BlockTrace, budget: float) -> Choice:
     items = [n for i, n in enumerate(trace.nodes) if i <= cut and n.bytes and n.bytes <= budget]
     if budget <= 0 or not items:
         return full(trace)
+    save = _knapsack(items, budget)
+    # the knapsack rounds weights up; the fixed policies and the greedy ranking are exact: take the best that fits
+    options = [price(trace, save), selective(trace), greedy(trace, budget), full(trace)]
+    return min((c for c in options if c.saved_bytes <= budget), key=lambda c: (c.recompute_s, c.saved_bytes))
+
+
+def _knapsack(items: list, budget: float) -> set[str]:
+    """The keys of ``items`` (ops, each ``budget`` or smaller) whose seconds sum highest with their bytes, each
+    rounded up to a unit of ``budget / UNITS``, within ``budget``: a 0/1 knapsack, one NumPy row per item."""
+    import numpy as np
+
     unit = budget / UNITS
-    best = [0.0] * (UNITS + 1)            # best[w]: most seconds saved with weight <= w units
-    keep: list[list[bool]] = []
+    best = np.zeros(UNITS + 1)            # best[w]: most seconds saved with weight <= w units
+    keep = []
     for n in items:
         w = int(-(-n.bytes // unit)) if unit > 0 else UNITS + 1
-        row = [False] * (UNITS + 1)
-        for cap in range(UNITS, w - 1, -1):
-            gain = best[cap - w] + n.seconds
-            if gain > best[cap]:
-                best[cap], row[cap] = gain, True
+        row = np.zeros(UNITS + 1, dtype=bool)
+        if w <= UNITS:   # every capacity at once: each reads the row before this item
+            gain = best[:UNITS + 1 - w] + n.seconds
+            row[w:] = gain > best[w:]
+            best[w:] = np.where(row[w:], gain, best[w:])
         keep.append(row)
     save, cap = set(), UNITS
     for n, row in zip(reversed(items), reversed(keep)):
         if row[cap]:
             save.add(n.key)
             cap -= int(-(-n.bytes // unit))
-    # the knapsack rounds weights up; the fixed policies and the greedy ranking are exact: take the best that fits
-    options = [price(trace, save), selective(trace), greedy(trace, budget), full(trace)]
-    return min((c for c in options if c.saved_bytes <= budget), key=lambda c: (c.recompute_s, c.saved_bytes))
+    return save
 
 
 def greedy(trace: BlockTrace, budget: float) -> Choice:

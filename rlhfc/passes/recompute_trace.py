@@ -77,12 +77,15 @@ class BlockTrace:
 
 
 def _hf_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, attn: str):
-    from transformers import GPT2Config, LlamaConfig
-
+    # the configuration modules themselves, not ``transformers``' lazy top level (which loads every name asked of it)
     if arch == "llama":
+        from transformers.models.llama.configuration_llama import LlamaConfig
+
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1,
                           num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
     else:
+        from transformers.models.gpt2.configuration_gpt2 import GPT2Config
+
         cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_inner=ffn, n_layer=1, n_head=heads,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = attn
@@ -94,14 +97,21 @@ def _block_inputs(arch: str, attn: str):
     """(args, kwargs) the model passes its first block, captured from a tiny real model on a left-padded batch
     of ``_PROXY`` shape (as the runtime feeds it: position ids counting real tokens only)."""
     import torch
-    from transformers import AutoModel
 
     p = _PROXY
     hidden = p["heads"] * p["head_dim"]
     cfg = _hf_block(arch, hidden, p["heads"], p["heads"], 16, 11, attn)
     torch.manual_seed(0)
-    model = AutoModel.from_config(cfg)
-    block = model.layers[0] if arch == "llama" else model.h[0]
+    if arch == "llama":   # the model class itself: AutoModel's mapping would import more of transformers
+        from transformers.models.llama.modeling_llama import LlamaModel
+
+        model = LlamaModel(cfg)
+        block = model.layers[0]
+    else:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Model
+
+        model = GPT2Model(cfg)
+        block = model.h[0]
     seen = {}
     hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
     ids = torch.ones(p["rows"], p["seq"], dtype=torch.long)
