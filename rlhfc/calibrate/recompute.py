@@ -149,23 +149,32 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     return {"ckpt_op_s": max(0.0, kept_all - plain - region) / (2 * len(keys)), "ckpt_region_s": region}
 
 
+def _model_and_batch(spec: dict, rows: int, seq: int):
+    """(a seeded model of ``spec`` in training mode, token ids, attention mask): a micro-batch of ``rows x seq``
+    tokens whose first row is left-padded, as generation leaves them."""
+    import torch
+
+    from rlhfc.runtime.models import build_model
+
+    spec = dict(spec, max_seq=max(int(spec.get("max_seq") or 0), seq))
+    model = build_model(spec, seed=0)
+    model.train()
+    vocab = int(model.spec["vocab"])
+    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, : min(8, seq // 8)] = 0
+    return model, ids, mask
+
+
 def _block_at(spec: dict | None, rows: int, seq: int):
     """(model, its first block, the block's positional args and keywords) of a one-block model of ``spec``
     (default :data:`TINY_BLOCK`) fed a left-padded micro-batch of ``rows x seq`` tokens, as the runtime feeds
     it; the hidden-state input requires grad (a block inside a trained model)."""
     import torch
 
-    from rlhfc.runtime.models import build_model
     from rlhfc.runtime.recompute import blocks
 
-    spec = dict(spec or TINY_BLOCK, layers=1)
-    spec["max_seq"] = max(int(spec.get("max_seq") or 0), seq)
-    model = build_model(spec, seed=0)
-    model.train()
-    vocab = int(model.spec["vocab"])
-    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
+    model, ids, mask = _model_and_batch(dict(spec or TINY_BLOCK, layers=1), rows, seq)
     block = blocks(model)[0]
     seen = {}
     hook = block.register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
@@ -192,17 +201,9 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from rlhfc.runtime.models import build_model
     from rlhfc.runtime.recompute import blocks, op_key
 
-    spec = dict(spec or TINY_BLOCK)
-    spec["max_seq"] = max(int(spec.get("max_seq") or 0), seq)
-    model = build_model(spec, seed=0)
-    model.train()
-    vocab = int(model.spec["vocab"])
-    ids = torch.randint(min(3, vocab - 1), vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[0, : min(8, seq // 8)] = 0                     # a left-padded row, as generation leaves them
+    model, ids, mask = _model_and_batch(dict(spec or TINY_BLOCK), rows, seq)
     times: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}   # forward / replay
     phase: list = [None]
     counts: dict = {}

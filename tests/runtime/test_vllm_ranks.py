@@ -74,19 +74,24 @@ def _spawned(key, fn, args, queue):
         queue.put((key, traceback.format_exc()))
 
 
-def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp_path):
+def _two_ranks(body, tmp_path) -> list[dict]:
+    """Run ``body(rank, world, store, folder)`` in two spawned processes; their results, by rank."""
     store = open_store()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, _rank, (r, 2, store, str(tmp_path)), queue)) for r in range(2)]
+    procs = [ctx.Process(target=_spawned, args=(r, body, (r, 2, store, str(tmp_path)), queue)) for r in range(2)]
     for p in procs:
         p.start()
     res = dict(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
     for k, r in res.items():
-        assert isinstance(r, bytes), f"{k} failed:\n{r}"
-    ranks = [pickle.loads(res[0]), pickle.loads(res[1])]
+        assert isinstance(r, bytes), f"rank {k} failed:\n{r}"
+    return [pickle.loads(res[0]), pickle.loads(res[1])]
+
+
+def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp_path):
+    ranks = _two_ranks(_rank, tmp_path)
 
     # greedy: each rank decodes its share on its own engine; row for row what one engine decodes alone
     greedy = ranks[0]["greedy"]
@@ -142,19 +147,7 @@ def _megatron_rank(rank: int, world: int, store, folder: str) -> dict:
 @pytest.mark.slow
 def test_megatron_tp2_ranks_each_generate_on_an_engine_of_the_whole_model(tmp_path):
     pytest.importorskip("megatron.core")
-    store = open_store()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, _megatron_rank, (r, 2, store, str(tmp_path)), queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    res = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for k, r in res.items():
-        assert isinstance(r, bytes), f"rank {k} failed:\n{r}"
-    ranks = [pickle.loads(res[0]), pickle.loads(res[1])]
+    ranks = _two_ranks(_megatron_rank, tmp_path)
     after = ranks[0]["after"]
     trainer = join([r["trainer"] for r in ranks if r["trainer"] is not None]).values
     assert float((after.logprobs - trainer).abs()[after.mask.bool()].max()) < 1e-3
