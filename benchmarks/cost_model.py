@@ -441,7 +441,8 @@ def in_job(args) -> dict:
         result = compare(simulate(module, config, steps=3), module, measured, CostModel(module, config).dispatch)
         stages = [r for r in result["stages"] if r["op"].split(".")[0] in WORKER_FAMILIES and r["error"] is not None]
         per_stage[level] += [r["error"] for r in stages]
-        # the profile's convention: the fastest of a stage's measured steps (the least-disturbed one)
+        # beside the medians: each stage's fastest measured step (the least-disturbed one; the profile's points
+        # were the fastest of their repetitions until session 10, the median since)
         used = {str(k) for k in result["steps_used"]}
         fastest[level] += [r["predicted_s"] / min(v for k, v in r["per_step"].items() if k in used) - 1
                            for r in stages]
@@ -461,7 +462,7 @@ def in_job(args) -> dict:
             signed = statistics.median(errs)
             print(f"-{level}: per-stage error over {len(errs)} stages in jobs: median |error| "
                   f"{statistics.median(abs(e) for e in errs) * 100:.1f} %, median signed {signed * 100:+.1f} %; "
-                  f"against each stage's fastest step (as the profile keeps the fastest timing): "
+                  f"against each stage's fastest step: "
                   f"{statistics.median(abs(e) for e in fastest[level]) * 100:.1f} % "
                   f"({statistics.median(fastest[level]) * 100:+.1f} %)")
     steps = [abs(r["step_error"]) for r in rows]

@@ -8,9 +8,9 @@ measured with as many torch threads as its workers will run (:func:`rlhfc.ir.pla
 core of a worker's share of its cores, so 1 when several models share a node's cores); the host probes
 use every core of a node.
 
-Each point is the fastest of a few repetitions (after a warm-up): on a shared machine the
-least-disturbed run is the most repeatable estimate of what the code costs. Each repetition of a model
-call follows a short idle pause (:data:`JOB_PAUSE_S`), as a job's worker calls follow a wait: a tight loop
+Each model-call point is the median of a few repetitions (after a warm-up): a job reports a stage as the
+median of its steps, so the profile measures the same statistic (the host probes keep the fastest: peak
+rates). Each repetition of a model call follows a short idle pause (:data:`JOB_PAUSE_S`), as a job's worker calls follow a wait: a tight loop
 of calls runs faster than a job's calls do. Torch and the runtime are
 imported only when measuring, so importing this module is cheap. It sits above :mod:`rlhfc.cost`, which
 imports neither torch nor the runtime.
@@ -36,7 +36,8 @@ from rlhfc.ir.plan import workers
 JOB_PAUSE_S = 0.05
 
 
-def _timeit(fn, reps: int = 5, pause: float = 0.0) -> float:
+def _timeit(fn, reps: int = 5, pause: float = 0.0, stat=min) -> float:
+    """``stat`` (the fastest, or the median) of ``reps`` timed calls of ``fn`` after one untimed call."""
     fn()  # warm-up (allocator, lazy init)
     times = []
     for _ in range(reps):
@@ -45,7 +46,7 @@ def _timeit(fn, reps: int = 5, pause: float = 0.0) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(min(times))
+    return float(stat(times))
 
 
 def _set_passive_waits() -> None:
@@ -217,7 +218,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             """The point ``key + [seconds]`` at the main count, then at each extra count (back to back)."""
             for t, dest in [(threads, points)] + list(at.items()):
                 torch.set_num_threads(max(1, t))
-                sec = _timeit(fn, reps, pause)
+                sec = _timeit(fn, reps, pause, statistics.median)
                 dest.setdefault(prim, []).append(key + (extra() if extra else []) + [sec])
             torch.set_num_threads(max(1, threads))
 
@@ -287,7 +288,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                 opt.step()
                 sync()
 
-            points["optimizer"] = [_timeit(run_opt, 7)]
+            points["optimizer"] = [_timeit(run_opt, 7, stat=statistics.median)]
             opt.zero_grad(set_to_none=True)
             if log:
                 log(f"  train: {len(points['train'])} points")
