@@ -432,7 +432,7 @@ def in_job(args) -> dict:
         t0 = time.time()
         if not args.reprice:
             subprocess.run(cli + ["run", prog, f"-{level}", "--steps", str(args.job_steps), "--out", out, "--trace",
-                                  "--no-progress"], env=env, check=True, capture_output=True)
+                                  "--no-progress", "--profile", path], env=env, check=True, capture_output=True)
         with open(os.path.join(out, "job", "plan.json"), encoding="utf-8") as fh:
             module = parse_ir(json.load(fh)["ir"])
         with open(os.path.join(out, "trace.json"), encoding="utf-8") as fh:

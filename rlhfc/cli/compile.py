@@ -113,6 +113,8 @@ def run(
     trace: bool = typer.Option(False, "--trace", help="write the measured timeline, RUNDIR/trace.json "
                                "(Chrome/Perfetto trace events; compare it with `rlhfc compare RUNDIR`)"),
     rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
+    profile: Optional[str] = typer.Option(None, "--profile", help="measured profile the passes price with "
+                                          "(default: catalog rates; as compile --profile)"),
 ):
     """Compile (if needed) and train: locally on Ray by default, or on a cluster with --ray-address.
 
@@ -129,6 +131,7 @@ def run(
         cmd += ["--passes", passes] if passes is not None else []
         cmd += ["--placement", placement] if placement is not None else []
         cmd += ["--rollout", rollout] if rollout is not None else []
+        cmd += ["--profile", profile] if profile is not None else []
         for p in plugin:
             cmd += ["--plugin", p]
         cmd += ["--steps", str(steps)] if steps is not None else []
@@ -147,7 +150,7 @@ def run(
             if out is not None and not resume:   # before compiling: never write over an earlier run
                 ckpt.check_fresh_run_folder(out, None, shlex.join(resume_command(out)))
             module, _ = load(target, plugin)
-            done = optimise(module, opt, passes, placement=placement, rollout=rollout)
+            done = optimise(module, opt, passes, placement=placement, rollout=rollout, profile=profile)
             out = out or default_run_dir(done.module.name, resume)
             job_dir = os.path.join(out, "job")
             if resume:

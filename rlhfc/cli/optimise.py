@@ -122,7 +122,7 @@ def optimise(module: Module, level: str | None, passes: str | None, *, verify_ea
                   if p.name == "placement" and getattr(p, "response_lengths", None) == "auto" else p
                   for p in chosen]
     if profile:
-        chosen = [dataclasses.replace(p, profile=profile) if p.name in ("placement", "engine", "recompute")
+        chosen = [dataclasses.replace(p, profile=profile) if p.name in ("placement", "engine", "recompute", "threads")
                   and getattr(p, "profile", None) == "" else p for p in chosen]
 
     def show(spec: str, text: str) -> None:

@@ -200,7 +200,8 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     A stage gets its worker's threads (one per core of its mesh) divided among the workers that may run on
     some of the same cores at the same time: those of the stages neither side of the schedule has awaited
     before launching the other (an overlap group's members, a stream's generate and its consumers, a
-    future still in flight). A stage the driver runs alone — every stage at -O0 — gets all its cores.
+    future still in flight). A stage the driver runs alone — every stage at -O0 — gets all its cores,
+    unless the ``threads`` pass marked it ``threads = N`` (fewer measured faster): then at most N.
     Multi-rank groups keep one thread per rank. The runtime applies it per call (``threads=`` on the
     call, when fewer than the worker's own) and the simulator prices the same numbers. Empty on GPUs."""
     if module.cluster.device != "cpu":
@@ -215,6 +216,9 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
         beside = {v.name for f, v in on if v.name != w.name and mine & set(v.devices)
                   and f.name not in e.after and e.name not in f.after}
         out[e.name] = w.threads if w.ranks > 1 else max(1, w.threads // (1 + len(beside)))
+        cap = e.stage.annotations.get("threads")   # the threads pass: fewer measured faster
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 and w.ranks == 1:
+            out[e.name] = min(out[e.name], cap)
     return out
 
 

@@ -52,7 +52,8 @@ def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
 def test_O2_without_unpad_trains_bitwise_identically_to_O0(tmp_path):
     assert all(get_pass(n).exact for n in PIPELINES["O2"])
     bitwise = [n for n in PIPELINES["O2"] if not get_pass(n).rounding or n == "stream"]
-    assert bitwise == [n for n in PIPELINES["O2"] if n not in ("unpad", "reuse_logprobs")]
+    # threads: a call on fewer torch threads may sum in another order (and without a profile it does nothing)
+    assert bitwise == [n for n in PIPELINES["O2"] if n not in ("unpad", "reuse_logprobs", "threads")]
     # recompute would keep everything on this tiny program (it fits): force Megatron's selective policy so the
     # trainers really recompute (a selective checkpoint of each block) and show it changes nothing; the chunk
     # given, so the placement search keeps the streaming (it prices it as slower on this tiny batch)

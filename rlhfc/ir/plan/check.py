@@ -232,6 +232,9 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
             sink.error(f"{label}: gpu_memory = {describe(share)} is not a generate stage's share of a GPU", at,
                        "gpu_memory marks the fraction of a GPU a vLLM engine starts with: a number in (0, 1] "
                        "on a generate stage, e.g. gpu_memory = 0.3")
+    if "threads" in ann and (not _is_int(ann["threads"]) or ann["threads"] < 1):   # rlhfc.passes.threads
+        sink.error(f"{label}: threads must be a positive integer, got {describe(ann['threads'])}", at,
+                   "threads = N caps the torch threads a CPU stage runs with, e.g. threads = 1")
     if "overlap" in ann and not _is_int(ann["overlap"]):
         sink.error(f"{label}: overlap must be an integer group id, got {describe(ann['overlap'])}", at,
                    "stages with the same overlap = K are launched together, e.g. overlap = 1")
