@@ -37,6 +37,7 @@ the same ops in a forward, by kind, and counts a block step's page faults.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import replace as dc_replace
@@ -51,6 +52,7 @@ from rlhfc.passes import recompute_choice as choice
 from rlhfc.passes.recompute_prices import measured_ops, spec_costs, with_measured_ops, with_replay_costs
 from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, trace_block
 from rlhfc.runtime.models import build_model
+from rlhfc.runtime.allocator import retain_freed_memory
 from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
 
 SPEC = dict(arch="llama", layers=6, hidden=256, heads=8, vocab=96, max_seq=4096)
@@ -169,7 +171,7 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
             + f"; minor page faults a block step: {faults(ch)} vs {base} without recompute")
 
 
-def _probes(spec: dict, seq: int):
+def _probes(spec: dict, seq: int, retain: bool):
     """(``rlhfc profile``'s host probes at one thread, this block's forward op times at 1 x ``seq``), taken in a
     separate process as the profile is: run in the measuring process, the probes' large allocations leave its
     heap holding free memory that its steps then reuse without page faults (a run measured full recomputation
@@ -177,10 +179,12 @@ def _probes(spec: dict, seq: int):
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_probe_child, (spec, seq))
+        return pool.apply(_probe_child, (spec, seq, retain))
 
 
-def _probe_child(spec: dict, seq: int):
+def _probe_child(spec: dict, seq: int, retain: bool):
+    if not retain:
+        os.environ["RLHFC_RETAIN_MEMORY"] = "0"
     torch.set_num_threads(1)
     return measure_host(1), measure_block_ops(spec, 1, seq, 5)
 
@@ -210,7 +214,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
+    ap.add_argument("--allocator", default="retain", choices=("retain", "default"),
+                    help="a CPU worker's allocator settings (rlhfc.runtime.allocator, the default) or glibc's own")
     args = ap.parse_args()
+    if args.allocator == "retain" and not retain_freed_memory():
+        raise SystemExit("--allocator retain: not a glibc malloc here (or RLHFC_RETAIN_MEMORY=0)")
     torch.set_num_threads(args.threads)
     device = "cuda" if args.cuda else "cpu"
     spec = dict(SPEC, attn=args.attn)
@@ -223,7 +231,7 @@ def main() -> None:
                         spec["vocab"], 1, args.seq, attn=args.attn)
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
     before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
-    host, own_ops = _probes(spec, args.seq) if not args.cuda else (None, None)
+    host, own_ops = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None, None)
     dev = device_spec("cpu", Profile("cpu", "here", 1, host)) if not args.cuda else None
     kinds = before
     if dev is not None:

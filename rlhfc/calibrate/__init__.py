@@ -59,13 +59,18 @@ def _set_passive_waits() -> None:
 
 def measure_host(threads: int, device: str = "cpu", quick: bool = False) -> dict:
     """FLOP/s of a float32 (cpu) / bf16 (cuda) matmul at 1..threads threads, and memory-copy bandwidth; on a
-    cpu also what a recompute pays beyond its ops (``recompute``: fresh outputs, the checkpoint itself)."""
+    cpu also what a recompute pays beyond its ops (``recompute``: fresh outputs, the checkpoint itself). On a
+    cpu the measuring process first takes a CPU worker's allocator settings
+    (:func:`rlhfc.runtime.allocator.retain_freed_memory`), so what it measures is what a worker pays
+    (``allocator``: ``"retain"``, or ``"default"`` where they are off)."""
     import torch
 
     from rlhfc.calibrate.recompute import FRESH_SIZES, measure_checkpoint, measure_fresh_bytes, measure_kinds
+    from rlhfc.runtime.allocator import retain_freed_memory
 
     out: dict = {}
     if device == "cpu":
+        out["allocator"] = "retain" if retain_freed_memory() else "default"
         n = 384
         a, b = torch.randn(n, n), torch.randn(n, n)
         speeds = []

@@ -111,9 +111,10 @@ CATALOG: dict[str, DeviceSpec] = {
                       step_overhead=1e-3, bytes_per_param=4, flash=False, source="uncalibrated",
                       # softmax's exponentials: ~0.3 of the copy bandwidth on a 2-core EPYC VM (a profile measures it)
                       kind_eff=(("softmax", 0.3),),
-                      # a recompute's extra costs, as `rlhfc profile` measures them there: outputs of 32 MiB and
-                      # more (glibc's largest mmap threshold) fault every page afresh; the checkpoint's dispatch
-                      fresh_s_per_byte=((2 ** 25, 3e-10),), ckpt_region_s=1e-3, ckpt_op_s=3e-5),
+                      # a recompute's extra costs, as `rlhfc profile` measures them there: the checkpoint's
+                      # dispatch; no fresh-output page faults (a CPU worker keeps freed memory for reuse:
+                      # rlhfc.runtime.allocator; with RLHFC_RETAIN_MEMORY=0 a profile measures them)
+                      ckpt_region_s=1e-3, ckpt_op_s=3e-5),
 }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .allocator import retain_freed_memory, retaining
 from . import ppo
 from .generation import (FinishedSample, PartialSample, collate, decode_responses, encode_prompts,
                          generate_stream, response_logprobs, response_values, sequence_scores)
@@ -62,6 +63,8 @@ class ModelWorker(CollectiveSync, TracedWorker):
         if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        if device == "cpu":
+            retain_freed_memory()   # freed activations stay for the next step: no page faults every step
         torch.set_num_threads(max(1, int(threads)))
         self.threads = max(1, int(threads))   # a call may ask for fewer (threads=N): cores follow the work
         torch.manual_seed(derive_seed(seed, name, "global"))
@@ -98,7 +101,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
 
         return {"name": self.name, "params": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
                 "threads": torch.get_num_threads(), "device": self.device, "cores": self.cores,
-                "precision": self.precision,
+                "precision": self.precision, "allocator": "retain" if retaining() else "default",
                 "node": ray.get_runtime_context().get_node_id()}
 
     def get_version(self) -> int:
