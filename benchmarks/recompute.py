@@ -7,9 +7,9 @@ them) — the benchmark measures:
 
 - the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
   :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
-- the forward+backward time of the whole model (CPU time, the median of ``--repeat`` rounds run round-robin
-  over the policies, each timed step right after an untimed one of the same policy; the best and worst are
-  shown too), and its overhead over ``none``, against the predicted
+- the forward+backward time of the whole model (CPU time; ``--repeat`` rounds run round-robin over the
+  policies, each policy's step paired with a step of ``none`` right beside it, which goes first alternating),
+  and its overhead over ``none`` — the median of the paired differences — against the predicted
   overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
   recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in this
   process at one thread: each op of this block's forward timed on it at its shape,
@@ -20,9 +20,11 @@ them) — the benchmark measures:
   replayed op that allocates 32 MiB or more, :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, and the
   same checkpoint costs). rlhfc's choices are made on the profile prices.
 
-The median, not the best: a step's page faults are a third of its CPU time here, and how many a round takes
-depends on the heap's state (glibc returns freed memory to the OS and faults it back in), so one policy's
-rounds scatter by up to +-15 %; the best round is the luckiest heap, not what a step costs.
+The median, not the best, of paired differences: a shared VM's speed drifts by ±15 % over minutes, and a
+step's time scatters as much (with glibc's default allocator, ``--allocator default``, also by the page faults
+its heap's history decides, a third of a step's CPU time); the best is the luckiest step, not what a step
+costs. By default the benchmark runs with a CPU worker's allocator settings (:mod:`rlhfc.runtime.allocator`:
+freed memory kept, no page faults after the first steps), as jobs and ``rlhfc profile`` do.
 
 With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
 ``sdpa`` (what the runtime trains with) never stores them. With ``--cuda`` the same runs on a GPU and bytes are
@@ -31,7 +33,7 @@ also read from ``torch.cuda.max_memory_allocated``.
 ``--replay`` (CPU) first times the ops full and Megatron-selective replay inside the checkpointed backward against
 the same ops in a forward, by kind, and counts a block step's page faults.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 5] [--replay] [--cuda]
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 5] [--allocator retain|default] [--replay] [--cuda]
 """
 
 from __future__ import annotations
@@ -268,37 +270,45 @@ def main() -> None:
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block")
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
-          "(median; best of) | predicted (profile prices) | predicted at kind rates (before) |"
+          "(median of paired differences; quartiles) | predicted (profile prices) | predicted at kind rates (before) |"
           + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
-    kept, steps, peaks = {}, {label: [] for label, _ in runs}, {}
+    kept, steps, peaks, ch_of = {}, {label: [] for label, _ in runs}, {}, dict(runs)
     for label, ch in runs:
         apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
         _, kept[label] = kept_activation_bytes(block, *bargs, **bkw)
         _step_seconds(model, batch, args.cuda)                       # warm-up
-    for _ in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
-        for label, ch in runs:
-            apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
-            # a job's step follows a step of the same policy: one untimed step first leaves the heap as the policy's
-            # own steps leave it (timed right after another policy's, a step paid that policy's heap: two plans
-            # keeping 8.5 and 8.8 MiB measured +298 and +443 ms in one run)
-            _step_seconds(model, batch, args.cuda)
-            t, peaks[label] = _step_seconds(model, batch, args.cuda)
-            steps[label].append(t)
-    # the median of the rounds: a step's page faults (a third of its CPU time here, decided by the heap's state)
-    # scatter one policy's rounds by +-15 %; the best of them is the luckiest heap, not what a step costs
-    base, best_base = statistics.median(steps["none"]), min(steps["none"])
-    for label, ch in runs:
+    plain = {"policy": "none"}
+    diffs = {label: [] for label, _ in runs}
+    for r in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
+        for label, ch in runs[1:]:
+            # each policy's step right beside a step of `none`, in turn: the overhead is the median of these paired
+            # differences, so a machine whose speed drifts over minutes (other tenants' load) shifts both sides of a
+            # pair alike (medians of separate rounds moved the overhead by the drift of `none`'s own median)
+            pair = {}
+            order = [(label, {"policy": ch.policy, "save": list(ch.save)}), ("none", plain)]
+            for name, d in order[::-1] if r % 2 else order:                    # which goes first alternates
+                apply_recompute(model, d)
+                if args.allocator == "default":
+                    # glibc's default gives freed blocks back: a step pays the heap the step before it left, so a
+                    # job's step (after a step of its own policy) is timed after an untimed one of the same policy
+                    _step_seconds(model, batch, args.cuda)
+                pair[name], peaks[name] = _step_seconds(model, batch, args.cuda)
+                steps[name].append(pair[name])
+            diffs[label].append(pair[label] - pair["none"])
+    for label, _ in runs:
         step = statistics.median(steps[label])
-        measured, best = step - base, min(steps[label]) - best_base
-        predicted = ch.recompute_s * spec["layers"]
+        measured = statistics.median(diffs[label]) if diffs[label] else 0.0
+        q = statistics.quantiles(diffs[label], n=4) if len(diffs[label]) >= 2 else [measured, measured, measured]
+        predicted = ch_of[label].recompute_s * spec["layers"]
+        ch = ch_of[label]
         old = (choice.price(kinds, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
 
         def err(x):
             return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
 
         print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} "
-              f"({min(steps[label]):.3f}–{max(steps[label]):.3f}) | {measured * 1e3:+.0f} ms ({best * 1e3:+.0f}) | "
+              f"({min(steps[label]):.3f}–{max(steps[label]):.3f}) | {measured * 1e3:+.0f} ms ({q[0] * 1e3:+.0f} to {q[2] * 1e3:+.0f}) | "
               f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
               + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
     apply_recompute(model, None)

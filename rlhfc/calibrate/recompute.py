@@ -105,8 +105,10 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
       (saving its input, the backward's recompute hook, the replay's allocations); a selective one pays it too,
       ``ckpt_op_s`` on top.
 
-    Each run is a forward+backward after a warm-up; each configuration's time is the median of ``reps`` runs
-    and the differences are taken between medians. The profile takes them on the tiny block, where they are
+    Each run is a forward+backward after a warm-up; ``2 x reps`` rounds run the configurations in turn and each
+    cost is the median over rounds of the differences within a round (a shared machine's speed drifts by
+    ±15 % over seconds; taken between configurations timed one after another, the differences moved 2-5x
+    between profiles). The profile takes them on the tiny block, where they are
     repeatable: on a big block (a 256-wide llama block at 1024 tokens on the 2-core VM of docs/benchmarks.md)
     the same differences are small against the step's page faults, which depend on the heap's state, and
     came out 0-15 ms a block and 0-94 us an op in three runs, while inside a 6-block model a full checkpoint
@@ -134,19 +136,32 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     def forward():
         block(*args, **seen["k"])
 
+    import statistics
+
+    configs = (("plain", None, step), ("forward", None, forward),
+               ("kept_all", {"policy": "ops", "save": keys}, step), ("full", {"policy": "full"}, step))
+    rounds = max(3, 2 * reps)
     old = torch.get_num_threads()
     torch.set_num_threads(1)
+    region, per_op = [], []
     try:
-        plain, fwd = _cpu_median(step, reps), _cpu_median(forward, reps)
-        apply_recompute(model, {"policy": "ops", "save": keys})
-        kept_all = _cpu_median(step, reps)
-        apply_recompute(model, {"policy": "full"})
-        full = _cpu_median(step, reps)
+        for name, decision, fn in configs:               # a warm-up of each
+            apply_recompute(model, decision)
+            fn()
+        for _ in range(rounds):
+            t = {}
+            for name, decision, fn in configs:
+                apply_recompute(model, decision)
+                start = time.process_time()
+                fn()
+                t[name] = time.process_time() - start
+            r = t["full"] - t["plain"] - t["forward"]
+            region.append(r)
+            per_op.append((t["kept_all"] - t["plain"] - max(0.0, r)) / (2 * len(keys)))
     finally:
         apply_recompute(model, None)
         torch.set_num_threads(old)
-    region = max(0.0, full - plain - fwd)
-    return {"ckpt_op_s": max(0.0, kept_all - plain - region) / (2 * len(keys)), "ckpt_region_s": region}
+    return {"ckpt_op_s": max(0.0, statistics.median(per_op)), "ckpt_region_s": max(0.0, statistics.median(region))}
 
 
 def _model_and_batch(spec: dict, rows: int, seq: int):
@@ -251,16 +266,3 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
         for blk in blocks(model):
             blk.__dict__.pop("forward", None)
     return {k: statistics.median(times[True].get(k) or v) for k, v in times[False].items()}
-
-
-def _cpu_median(fn, reps: int) -> float:
-    """The median CPU time of ``reps`` calls after a warm-up (see :func:`_cpu_time`)."""
-    import statistics
-
-    fn()
-    times = []
-    for _ in range(max(1, reps)):
-        t = time.process_time()
-        fn()
-        times.append(time.process_time() - t)
-    return statistics.median(times)
