@@ -175,8 +175,9 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
 
 def _probes(spec: dict, seq: int, retain: bool):
     """(``rlhfc profile``'s host probes at one thread, this block's forward op times at 1 x ``seq``), taken in a
-    separate process as the profile is: run in the measuring process, the probes' large allocations leave its
-    heap holding free memory that its steps then reuse without page faults (a run measured full recomputation
+    separate process as the profile is (with ``retain`` False, under glibc's default allocator settings): with
+    those settings, run in the measuring process, the probes' large allocations leave its heap holding free
+    memory that its steps then reuse without page faults (a run measured full recomputation
     at +190 ms instead of +460-500)."""
     import multiprocessing
 
@@ -300,8 +301,8 @@ def main() -> None:
         step = statistics.median(steps[label])
         measured = statistics.median(diffs[label]) if diffs[label] else 0.0
         q = statistics.quantiles(diffs[label], n=4) if len(diffs[label]) >= 2 else [measured, measured, measured]
-        predicted = ch_of[label].recompute_s * spec["layers"]
         ch = ch_of[label]
+        predicted = ch.recompute_s * spec["layers"]
         old = (choice.price(kinds, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
 
         def err(x):

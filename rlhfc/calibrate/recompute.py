@@ -4,6 +4,7 @@ of :mod:`rlhfc.calibrate`, which calls them from ``measure_host``; torch is impo
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from rlhfc.calibrate import _timeit
@@ -136,8 +137,6 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     def forward():
         block(*args, **seen["k"])
 
-    import statistics
-
     configs = (("plain", None, step), ("forward", None, forward),
                ("kept_all", {"policy": "ops", "save": keys}, step), ("full", {"policy": "full"}, step))
     rounds = max(3, 2 * reps)
@@ -210,8 +209,6 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
     probe's FLOP/s), its large outputs' page faults, and not the faults a forward pays for small outputs while
     the step's heap grows to hold its activations (a replay reuses what backward frees) — which the host
     probes' kind rates miss by 10-30 % on a CPU."""
-    import statistics
-
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
