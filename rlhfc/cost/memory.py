@@ -69,10 +69,14 @@ def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None,
 
 def fits(module: Module, config: CostConfig | None = None, *, sim=None, cost_model: CostModel | None = None) -> bool:
     """Whether every device's simulated peak is within its capacity: ``not memory_issues(...)`` without
-    building the issues' hints (what a placement search asks of every candidate)."""
-    from .simulator import simulate
+    building the issues' hints (what a placement search asks of every candidate). On devices that run one
+    task at a time the peaks need no timeline (:func:`rlhfc.cost.simulator.exclusive_peaks`)."""
+    from .simulator import exclusive_peaks, simulate
 
-    result = sim or simulate(module, steps=1, cost_model=cost_model or CostModel(module, config))
+    cm = cost_model or CostModel(module, config)
+    if sim is None and not cm.spec.is_cpu:
+        return all(peak <= cm.spec.memory for peak in exclusive_peaks(module, cm))
+    result = sim or simulate(module, steps=1, cost_model=cm)
     return not any(d.peak_memory_bytes > d.capacity_bytes for d in result.devices)
 
 

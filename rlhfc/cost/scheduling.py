@@ -81,6 +81,35 @@ def _dependencies(ctx: _Context, s: Stage, k: int) -> list[tuple[str, int]]:
     return keys
 
 
+def _resources(ctx: _Context, s: Stage) -> list[int]:
+    """Every device ``s`` occupies (a sync: its senders and receivers), or ``[DRIVER]``."""
+    mem = ctx.members[s.name]
+    return ctx.sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER])
+
+
+def _stream_batch(gen_cost) -> int:
+    """Rows a streamed generate hands over (in chunks)."""
+    return len(gen_cost.finish_offsets) or int(gen_cost.work.get("batch", 1))
+
+
+def footprints(ctx: _Context) -> list[tuple[list[int], float]]:
+    """Each stage's devices (:func:`_resources`) and the activations it holds there while it runs, as
+    :func:`_schedule_exclusive` schedules it (a streamed consumer: one chunk's), for the stages that take
+    time (one taking none holds nothing: see ``simulator._events``)."""
+    out = []
+    for s in ctx.stages:
+        cost = ctx.costs[s.name]
+        src = ctx.stream_source(s)
+        if src is not None:
+            chunk, batch = ctx.streams[src.name], _stream_batch(ctx.costs[src.name])
+            sizes = {min(chunk, batch - j * chunk) for j in range(max(1, math.ceil(batch / chunk)))}
+            if any(ctx.cm.stage_cost(s, rows=float(r)).time_s > 0 for r in sizes):
+                out.append((_resources(ctx, s), ctx.cm.stage_cost(s, rows=float(min(chunk, batch))).transient_bytes))
+        elif cost.time_s + ctx.extra.get(s.name, 0.0) + ctx.sync_time.get(s.name, 0.0) > 0:
+            out.append((_resources(ctx, s), cost.transient_bytes))
+    return out
+
+
 def _schedule_exclusive(ctx: "_Context") -> list[Task]:
     """List scheduling with exclusive devices: a device runs one task at a time, in submission order."""
     cm, stages, costs, extra, sync_time = ctx.cm, ctx.stages, ctx.costs, ctx.extra, ctx.sync_time
@@ -104,7 +133,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                 deps.append((step_end[k - 1], "barrier"))
             ready, why = max(deps, default=(0.0, ""))
             mem = members[s.name]
-            res = sync_devices.get(s.name) or (list(range(mem[0], mem[0] + mem[1])) if mem else [DRIVER])
+            res = _resources(ctx, s)
             dev_free = max(map(free.get, res, repeat(0.0)), default=0.0)
             cost = costs[s.name]
             duration = cost.time_s + extra.get(s.name, 0.0) + sync_time.get(s.name, 0.0)
@@ -114,7 +143,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                 gen_task = done[(src.name, k)]
                 gen_cost = costs[src.name]
                 chunk = streams[src.name]
-                batch = len(gen_cost.finish_offsets) or int(gen_cost.work.get("batch", 1))
+                batch = _stream_batch(gen_cost)
                 t_prev = max(ready, 0.0)
                 first_start = None
                 busy = 0.0

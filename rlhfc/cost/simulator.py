@@ -58,7 +58,7 @@ from rlhfc.ir.plan import Layout
 from rlhfc.ir.schedule import build_schedule
 
 from .model import CostConfig, CostModel, StageCost
-from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared
+from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared, footprints
 from .sync import host_copy_time, reshard_time, sync_time
 
 
@@ -198,7 +198,11 @@ def _shared_active() -> bool:
     return shared_cache() is not None
 
 
-def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> SimResult:
+def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
+             timeline: bool = True) -> tuple[_Context, list]:
+    """What the schedulers need to simulate ``steps`` steps of ``module`` (priced stages, dependencies,
+    syncs, streams), and the reallocation notes; without ``timeline``, no dependencies (what
+    :func:`footprints` needs)."""
     g = module.graph
     schedule = build_schedule(module)
     stages = [e.stage for e in schedule.launch_order()]   # tasks are submitted as the driver launches them
@@ -216,6 +220,9 @@ def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> 
         src = schedule[s.name].source
         return by_name[src] if src is not None else None
 
+    if not timeline:
+        return _Context(cm, stages, costs, extra, sync_time, sync_devices, members, streams, stream_source,
+                        {}, {}, {}, steps, step_barrier), notes
     # static dependencies (within a step): data, and the driver's launch order (the schedule)
     data_deps = {s.name: sorted({producers[id(v)].name for v in s.inputs if id(v) in producers
                                  and producers[id(v)] is not stream_source(s)}, key=index.get)
@@ -226,8 +233,13 @@ def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> 
     for e in g.versions:
         readers.setdefault(e.writer, []).append(e)
 
-    ctx = _Context(cm, stages, costs, extra, sync_time, sync_devices, members, streams, stream_source,
-                   data_deps, order_deps, readers, steps, step_barrier)
+    return _Context(cm, stages, costs, extra, sync_time, sync_devices, members, streams, stream_source,
+                    data_deps, order_deps, readers, steps, step_barrier), notes
+
+
+def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> SimResult:
+    ctx, notes = _context(module, cm, steps, step_barrier)
+    costs, extra, sync_time = ctx.costs, ctx.extra, ctx.sync_time
     if cm.spec.is_cpu:
         tasks, core_busy = _schedule_shared(ctx)
     else:
@@ -247,6 +259,35 @@ def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> 
                        {**extra, **sync_time})
     result.critical_path = critical_path(result)
     return result
+
+
+def exclusive_peaks(module: Module, cm: CostModel) -> list[float]:
+    """Each device's peak memory over a step on a cluster whose devices run one task at a time (GPUs; not a
+    CPU's processor sharing), without the timeline: the tasks touching a device never overlap there, so its
+    peak is what stays resident plus the largest activations of one task that takes time on it — what
+    :func:`_device_stats` finds by sweeping the events. What a placement search's memory check asks of every
+    candidate (:func:`rlhfc.cost.memory.fits`)."""
+    c = module.cluster
+    n = c.nodes * c.per_node
+    ctx, _ = _context(module, cm, 1, True, timeline=False)
+    top = [0.0] * n
+    for res, transient in footprints(ctx):
+        if transient:
+            for a, b in _runs(res, n):
+                for d in range(a, b):
+                    if transient > top[d]:
+                        top[d] = transient
+    static = resident_bytes(module, ctx.costs, n, cm)
+    bases: dict[int, float] = {}
+    for held in static:
+        if id(held) not in bases:
+            bases[id(held)] = sum(held.values())
+    return [bases[id(held)] + extra for held, extra in zip(static, top)]
+
+
+def _intervals(t: Task) -> list[tuple[float, float]]:
+    """The intervals ``t`` runs in: its chunks', else its own."""
+    return [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
 
 
 def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict, window,
@@ -279,8 +320,7 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
             busy = 0.0
             if core_busy is None:
                 for t in mine:
-                    intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
-                    for a, b in intervals:
+                    for a, b in _intervals(t):
                         busy += max(0.0, min(b, hi) - max(a, lo))
             seen[sig] = (busy, _peak_overlap(mine, every))
         busy, (peak_extra, at_peak) = seen[sig]
@@ -350,11 +390,13 @@ def resident_bytes(module: Module, costs: dict, n: int, cm: CostModel | None = N
 
 
 def _events(tasks: list[Task]) -> list[tuple]:
-    """Every task's (start, 1, task) and (end, 0, task) per interval it runs, in time order (ends first)."""
+    """Every task's (start, 1, task) and (end, 0, task) per interval it runs, in time order (ends first). An
+    interval that takes no time holds nothing (its end would sort before its start)."""
     events = []
     for t in tasks:
-        intervals = [(a, b) for a, b, _ in t.chunks] if t.chunks else [(t.start, t.end)]
-        for a, b in intervals:
+        for a, b in _intervals(t):
+            if b <= a:
+                continue
             events.append((a, 1, t))
             events.append((b, 0, t))
     events.sort(key=lambda e: (e[0], e[1]))

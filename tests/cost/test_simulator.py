@@ -114,12 +114,10 @@ def test_cost_model_reuse_gives_identical_results():
     assert simulate(m, steps=2, cost_model=cm).step_time_s == simulate(m, CFG, steps=2).step_time_s
 
 
-def test_sync_stages_keep_per_mesh_copies():
-    """With sync stages (the realloc pass's), each mesh keeps a copy: the sync carries the transfer."""
-    from rlhfc.ir import Stage, Value, ValueType, get_op
+def _with_sync():
+    """The actor generating on devices 0-3 and training on 4-7, a sync stage refreshing the generating copy."""
+    from rlhfc.ir import Stage, Value, ValueType
 
-    if get_op("sync") is None:
-        pytest.skip("no sync op registered")
     m = annotate(gpu_ppo(), {"roll": mesh(0, 4, tp=4), "logp": mesh(4, 4, tp=4), "actor_train": mesh(4, 4, tp=4)})
     g = m.graph
     train = g.stage("actor_train")
@@ -128,12 +126,63 @@ def test_sync_stages_keep_per_mesh_copies():
                                               {"bucket_mb": 64, "to_first": 0, "to_count": 4},
                                               {"mesh": {"first": 4, "count": 4}}))
     m.refresh_versions()
-    r = simulate(m, CFG, steps=2)
+    return m
+
+
+def test_sync_stages_keep_per_mesh_copies():
+    """With sync stages (the realloc pass's), each mesh keeps a copy: the sync carries the transfer."""
+    from rlhfc.ir import get_op
+
+    if get_op("sync") is None:
+        pytest.skip("no sync op registered")
+    r = simulate(_with_sync(), CFG, steps=2)
     assert set(r.sync_s) == {"actor_sync"} and r.sync_s["actor_sync"] > 0.03 and not r.notes
     sync = _task(r, "actor_sync")
     assert sync.resources == list(range(8)) and sync.duration == pytest.approx(r.sync_s["actor_sync"], rel=1e-9)
     # both meshes hold the actor's weights
     assert "@actor weights" in r.devices[0].static and "@actor weights" in r.devices[5].static
+
+
+def _o2(name: str):
+    from rlhfc.frontend import load_file
+    from rlhfc.passes import PassManager, parse_pipeline
+    from rlhfc.passes.pipelines import PIPELINES
+
+    module, _, _ = load_file(str(EXAMPLES / f"{name}.rlhf"))
+    pipeline = ",".join(PIPELINES["O2"]).replace("placement", "placement{candidates=40}", 1)
+    return PassManager(parse_pipeline(pipeline)).run(module)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: gpu_ppo(),
+    lambda: annotate(gpu_ppo(), {"scores": mesh(4, 4), "values": mesh(0, 2, overlap=1),
+                                 "ref_logp": mesh(2, 2, overlap=1)}),
+    lambda: annotate(gpu_ppo(batch=256, new=512), {"roll": mesh(0, 4, stream={"chunk": 48}),
+                                                   "logp": mesh(4, 4, stream_from="roll")}),
+    lambda: annotate(gpu_ppo(), {"roll": mesh(0, 8, tp=8), "actor_train": mesh(0, 8, tp=2, pp=4)}),
+    lambda: _with_sync(),
+    lambda: _o2("ppo_70b"),     # placed (a searched plan) and recomputed
+], ids=["flat", "overlap", "stream", "relayout", "sync", "ppo_70b-O2"])
+def test_exclusive_peaks_are_the_simulated_peaks(build):
+    """What a search's memory check computes without a timeline equals the simulated peak of every device."""
+    from rlhfc.cost import fits
+    from rlhfc.cost.simulator import exclusive_peaks
+
+    m = build()
+    cm = CostModel(m, CFG)
+    sim = simulate(m, steps=1, cost_model=cm)
+    assert exclusive_peaks(m, cm) == [d.peak_memory_bytes for d in sim.devices]
+    assert fits(m, cost_model=cm) == fits(m, sim=sim, cost_model=cm)
+
+
+def test_a_task_that_takes_no_time_holds_no_memory_after_it():
+    """An interval of no length holds nothing: before, its end sorted before its start and it stayed counted."""
+    from rlhfc.cost.scheduling import Task
+    from rlhfc.cost.simulator import _peak_overlap
+
+    instant = Task("a", 0, "compute", None, 1.0, 1.0, (0, 1), 0.0, 5e9)
+    later = Task("b", 0, "compute", None, 2.0, 3.0, (0, 1), 1.0, 1e9)
+    assert _peak_overlap([instant, later]) == (1e9, ["%b@0"])
 
 
 # -- CPU clusters: workers are processes that share cores ----------------------------------------------------
