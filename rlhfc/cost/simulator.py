@@ -201,14 +201,19 @@ def _shared_active() -> bool:
 def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
              timeline: bool = True) -> tuple[_Context, list]:
     """What the schedulers need to simulate ``steps`` steps of ``module`` (priced stages, dependencies,
-    syncs, streams), and the reallocation notes; without ``timeline``, no dependencies (what
-    :func:`footprints` needs)."""
+    syncs, streams), and the reallocation notes. Without ``timeline``, what :func:`footprints` needs: no
+    dependencies, the stages in graph order, and the weight moves' times only where they decide whether a
+    stage takes any time."""
     g = module.graph
     schedule = build_schedule(module)
-    stages = [e.stage for e in schedule.launch_order()]   # tasks are submitted as the driver launches them
+    # tasks are submitted as the driver launches them
+    stages = [e.stage for e in schedule.launch_order()] if timeline else list(g.stages)
     index = {s.name: i for i, s in enumerate(stages)}
     costs: dict[str, StageCost] = {s.name: cm.stage_cost(s) for s in stages}
-    extra, sync_time, notes, sync_devices = _reallocations(cm)
+    if timeline or any(c.time_s <= 0 for c in costs.values()) or any(s.op.split(".")[0] == "sync" for s in stages):
+        extra, sync_time, notes, sync_devices = _reallocations(cm)
+    else:   # no sync stage (whose devices these are) and every stage takes time already
+        extra, sync_time, notes, sync_devices = {}, {}, [], {}
     members = {s.name: _members(cm, s) for s in stages}
     producers = {id(v): s for s in stages for v in s.outputs}
     by_name = {s.name: s for s in stages}

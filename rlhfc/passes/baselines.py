@@ -26,7 +26,7 @@ from __future__ import annotations
 from rlhfc.ir import Module, plan
 from rlhfc.ir.plan import Layout
 
-from .layouts import apply, set_meshes
+from .layouts import apply, apply_fitting, set_meshes
 
 #: annotations of passes the baseline systems do not have
 UNDONE = ("stream", "stream_from", "unpad", "logprobs")
@@ -183,10 +183,7 @@ def _apply_fitting(module: Module, assign: dict) -> None:
     """:func:`apply`, its budgets tightened (as the placement pass does) until the plan fits, if it can."""
     from rlhfc.cost import memory_issues
 
-    for squeeze in (1, 2, 4, 8):
-        apply(module, assign, squeeze=squeeze)
-        if not memory_issues(module):
-            return
+    apply_fitting(module, assign, lambda m: not memory_issues(m))
 
 
 def _verl(module: Module) -> None:

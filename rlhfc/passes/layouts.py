@@ -58,16 +58,55 @@ def set_meshes(module: Module, assign: dict) -> None:
             plan.set_layout(s, Layout(first, count, dp=count))
 
 
-def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) -> None:
+#: placement's retries when stages running at the same time overflow a device: each stage's headroom divided by
+SQUEEZES = (1, 2, 4, 8)
+
+
+def apply_fitting(module: Module, assign: dict, fits) -> None:
+    """:func:`apply`, the stages' headroom squeezed (:data:`SQUEEZES`) until ``fits(module)``. A squeeze that
+    would choose the layouts of the one before is skipped (that plan did not fit), and the last is not
+    checked (it is kept either way): a search places a thousand plans this way."""
+    picks = None
+    for squeeze in SQUEEZES:
+        if picks is not None and picks.same_at(squeeze):
+            continue
+        picks = apply(module, assign, squeeze=squeeze)
+        if squeeze == SQUEEZES[-1] or fits(module):
+            return
+
+
+class Picks:
+    """What :func:`apply` chose for each stage it chose among candidates, and what decided it: the candidates
+    in order of time, each one's peak and the devices' base (``need``, ``base``), so that another squeeze's
+    choice can be told without choosing again. The same picks leave the same state for the stages after, so
+    the same picks everywhere are the same plan."""
+
+    def __init__(self, memory: float):
+        self.memory = memory
+        self.stages: list[tuple] = []   # (candidates by time, their peaks, base, all candidates, the pick)
+
+    def same_at(self, squeeze: int) -> bool:
+        for order, need, base, idx, pick in self.stages:
+            room = (self.memory - base) / squeeze   # as apply computes it
+            again = next((i for i in order if need[i] - base <= room), None)
+            if again is None:
+                again = sorted(idx, key=lambda i: need[i])[0]
+            if again != pick:
+                return False
+        return True
+
+
+def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) -> Picks:
     """Annotate every model stage with its mesh and the fastest parallel split that fits (a fixed-layout
     model's stages: its layout, on a mesh of its size; a pinned stage: its layout, chosen first so the
-    others fit around it)."""
+    others fit around it); what it chose (:class:`Picks`)."""
     set_meshes(module, assign)
     if not layouts or module.cluster.device == "cpu":
-        return
+        return Picks(0.0)
     from rlhfc.cost import CostModel
 
     cm = CostModel(module)
+    picks = Picks(cm.spec.memory)
     # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
     # the split its train stage (else its first stage there) gets
     one_split = module.run.trainer != "torch"
@@ -99,11 +138,14 @@ def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) 
         r = res[s.name]
         base, need = held.need(s, r, idx)
         room = (cm.spec.memory - base) / squeeze
-        fits = [i for i in sorted(idx, key=lambda i: r["total"][i]) if need[i] - base <= room]
+        order = sorted(idx, key=lambda i: r["total"][i])
+        fits = [i for i in order if need[i] - base <= room]
         pick = (fits or sorted(idx, key=lambda i: need[i]))[0]
+        picks.stages.append((order, need, base, idx, pick))
         plan.set_layout(s, c[pick])
         held.choose(s, *(float(r[k][pick]) for k in ("weights_bytes", "state_bytes", "transient_bytes")))
         chosen.setdefault(key, (c[pick].dp, c[pick].tp, c[pick].pp))
+    return picks
 
 
 def layout_table(module: Module, cm, stage, first: int, count: int) -> tuple[list, dict | None]:
@@ -175,12 +217,13 @@ class _Resident:
         wd = self.weights[own][sl] if own in self.weights else zero
         sd = self.state[own][sl] if own in self.state else zero
         # the devices' distinct situations (a mesh's devices mostly hold the same)
-        profiles = np.unique(np.stack([others, wd, sd, self.transient[sl], self._held(own, sl)], axis=1), axis=0)
-        base = float(max(o + held + t for o, _, _, t, held in profiles.tolist()))
+        profiles = list(dict.fromkeys(zip(others.tolist(), wd.tolist(), sd.tolist(), self.transient[sl].tolist(),
+                                          self._held(own, sl).tolist())))
+        base = float(max(o + held + t for o, _, _, t, held in profiles))
         ix = np.asarray(idx, dtype=int)
         w, st, tr = (np.asarray(r[k], dtype=float)[ix] for k in ("weights_bytes", "state_bytes", "transient_bytes"))
         peak = None
-        for o, wdp, sdp, t, _ in profiles.tolist():
+        for o, wdp, sdp, t, _ in profiles:
             p = o + np.maximum(wdp, w) + np.maximum(sdp, st) + np.maximum(t, tr)
             peak = p if peak is None else np.maximum(peak, p)
         return base, dict(zip(idx, peak.tolist()))

@@ -50,7 +50,7 @@ from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import STRATEGIES
 
 from .base import Pass, register_pass
-from .layouts import apply, mesh_of
+from .layouts import apply, apply_fitting, mesh_of
 
 #: whether search may put a model's generation on other devices than its training (needs realloc)
 SPLIT_GENERATION = True
@@ -152,10 +152,8 @@ def place(module: Module, assign: dict, strategy: str, regroup=None) -> None:
     if assign.get(STREAMS) is False:
         for s in module.graph.stages:
             plan.unset(s, "stream", "stream_from")
-    for squeeze in (1, 2, 4, 8):   # tighten each stage's memory budget until the devices' totals fit
-        apply(module, assign, squeeze=squeeze)
-        if module.cluster.device == "cpu" or fits(module):
-            break
+    # each stage's memory budget tightened until the devices' totals fit
+    apply_fitting(module, assign, lambda m: m.cluster.device == "cpu" or fits(m))
     plan.set_strategy(module, strategy)
 
 
