@@ -70,8 +70,9 @@ def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None,
 def fits(module: Module, config: CostConfig | None = None, *, sim=None, cost_model: CostModel | None = None) -> bool:
     """Whether every device's simulated peak is within its capacity: ``not memory_issues(...)`` without
     building the issues' hints (what a placement search asks of every candidate). On devices that run one
-    task at a time the peaks need no timeline (:func:`rlhfc.cost.simulator.exclusive_peaks`)."""
-    from .simulator import exclusive_peaks, simulate
+    task at a time the peaks need no timeline (:func:`rlhfc.cost.quick.exclusive_peaks`)."""
+    from .quick import exclusive_peaks
+    from .simulator import simulate
 
     cm = cost_model or CostModel(module, config)
     if sim is None and not cm.spec.is_cpu:

@@ -95,7 +95,7 @@ def _stream_batch(gen_cost) -> int:
 def footprints(ctx: _Context) -> list[tuple[list[int], float]]:
     """Each stage's devices (:func:`_resources`) and the activations it holds there while it runs, as
     :func:`_schedule_exclusive` schedules it (a streamed consumer: one chunk's), for the stages that take
-    time (one taking none holds nothing: see ``simulator._events``)."""
+    time (one taking none holds nothing: see ``simulator._events``). Steps repeat these."""
     out = []
     for s in ctx.stages:
         cost = ctx.costs[s.name]

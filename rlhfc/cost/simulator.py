@@ -58,7 +58,7 @@ from rlhfc.ir.plan import Layout
 from rlhfc.ir.schedule import build_schedule
 
 from .model import CostConfig, CostModel, StageCost
-from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared, footprints
+from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared
 from .sync import host_copy_time, reshard_time, sync_time
 
 
@@ -201,11 +201,13 @@ def _shared_active() -> bool:
 def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
              timeline: bool = True) -> tuple[_Context, list]:
     """What the schedulers need to simulate ``steps`` steps of ``module`` (priced stages, dependencies,
-    syncs, streams), and the reallocation notes. Without ``timeline``, what :func:`footprints` needs: no
+    syncs, streams), and the reallocation notes. Without ``timeline``, what
+    :func:`rlhfc.cost.scheduling.footprints` needs: no
     dependencies, the stages in graph order, and the weight moves' times only where they decide whether a
     stage takes any time."""
     g = module.graph
-    schedule = build_schedule(module)
+    # a footprint needs the schedule only for what streams (whose consumers hold a chunk's activations)
+    schedule = build_schedule(module) if timeline or any(plan.streams(s) for s in g.stages) else None
     # tasks are submitted as the driver launches them
     stages = [e.stage for e in schedule.launch_order()] if timeline else list(g.stages)
     index = {s.name: i for i, s in enumerate(stages)}
@@ -219,10 +221,10 @@ def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
     by_name = {s.name: s for s in stages}
     # chunk size of each streamed generate (an overcommitted one without chunks hands over one chunk)
     streams = {e.name: plan.stream_chunk(e.stage) or (e.stage.outputs[0].type.batch or 1)
-               for e in schedule.entries if e.kind == "stream"}
+               for e in (schedule.entries if schedule else ()) if e.kind == "stream"}
 
     def stream_source(s: Stage) -> Stage | None:
-        src = schedule[s.name].source
+        src = schedule[s.name].source if schedule else None
         return by_name[src] if src is not None else None
 
     if not timeline:
@@ -249,15 +251,7 @@ def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> 
         tasks, core_busy = _schedule_shared(ctx)
     else:
         tasks, core_busy = _schedule_exclusive(ctx), None
-    spans = []
-    for k in range(steps):
-        ts = [t for t in tasks if t.step == k]
-        spans.append((min(t.start for t in ts), max(t.end for t in ts)))
-    makespan = max(t.end for t in tasks) if tasks else 0.0
-    if steps > 1:
-        step_time = (spans[-1][1] - spans[0][1]) / (steps - 1)
-    else:
-        step_time = makespan
+    spans, makespan, step_time = step_spans(tasks, steps)
     window = (spans[0][1], spans[-1][1]) if steps > 1 else (0.0, makespan)
     devices = _device_stats(cm, module, tasks, costs, window, core_busy)
     result = SimResult(step_time, steps, makespan, spans, tasks, devices, costs, [], notes,
@@ -266,28 +260,16 @@ def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> 
     return result
 
 
-def exclusive_peaks(module: Module, cm: CostModel) -> list[float]:
-    """Each device's peak memory over a step on a cluster whose devices run one task at a time (GPUs; not a
-    CPU's processor sharing), without the timeline: the tasks touching a device never overlap there, so its
-    peak is what stays resident plus the largest activations of one task that takes time on it — what
-    :func:`_device_stats` finds by sweeping the events. What a placement search's memory check asks of every
-    candidate (:func:`rlhfc.cost.memory.fits`)."""
-    c = module.cluster
-    n = c.nodes * c.per_node
-    ctx, _ = _context(module, cm, 1, True, timeline=False)
-    top = [0.0] * n
-    for res, transient in footprints(ctx):
-        if transient:
-            for a, b in _runs(res, n):
-                for d in range(a, b):
-                    if transient > top[d]:
-                        top[d] = transient
-    static = resident_bytes(module, ctx.costs, n, cm)
-    bases: dict[int, float] = {}
-    for held in static:
-        if id(held) not in bases:
-            bases[id(held)] = sum(held.values())
-    return [bases[id(held)] + extra for held, extra in zip(static, top)]
+def step_spans(tasks: list[Task], steps: int) -> tuple[list, float, float]:
+    """Each step's (first start, last end), the makespan, and the steady-state seconds per step (between the
+    ends of the first and last steps; one step: the makespan)."""
+    spans = []
+    for k in range(steps):
+        ts = [t for t in tasks if t.step == k]
+        spans.append((min(t.start for t in ts), max(t.end for t in ts)))
+    makespan = max(t.end for t in tasks) if tasks else 0.0
+    step_time = (spans[-1][1] - spans[0][1]) / (steps - 1) if steps > 1 else makespan
+    return spans, makespan, step_time
 
 
 def _intervals(t: Task) -> list[tuple[float, float]]:

@@ -126,7 +126,8 @@ class PlanPricer:
         """(seconds per step, whether it fits in memory) of ``assign`` as compiled; cached per plan."""
         key = tuple(sorted(assign.items()))
         if key not in self.prices:
-            from rlhfc.cost import CostModel, fits, simulate
+            from rlhfc.cost import CostModel
+            from rlhfc.cost.quick import search_price   # simulate's step time and memory check, no more
 
             trial = self._placed(assign)
             cm = CostModel(trial, self.config)
@@ -134,16 +135,14 @@ class PlanPricer:
                 # weights and optimizer state alone overflow a device: no pass after placement changes them
                 # (they only add syncs and trade activations for time), so no pipeline can emit this plan;
                 # the walk scores it by its placed price (penalised) without running those passes
-                self.prices[key] = (simulate(trial, steps=self.steps, cost_model=cm).step_time_s, False)
+                self.prices[key] = (search_price(trial, cm, self.steps)[0], False)
                 return self.prices[key]
             try:
                 trial = self._downstream(trial)
             except CompileError:   # a downstream pass rejects this plan: it cannot be emitted
                 self.prices[key] = (math.inf, False)
                 return self.prices[key]
-            cm = CostModel(trial, self.config)
-            sim = simulate(trial, steps=self.steps, cost_model=cm)
-            self.prices[key] = (sim.step_time_s, fits(trial, sim=sim, cost_model=cm))
+            self.prices[key] = search_price(trial, CostModel(trial, self.config), self.steps)
         return self.prices[key]
 
     def score(self, assign: dict) -> float:

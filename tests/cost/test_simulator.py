@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rlhfc.cost import CostConfig, CostModel, simulate
@@ -164,15 +166,23 @@ def _o2(name: str):
     lambda: _o2("ppo_70b"),     # placed (a searched plan) and recomputed
 ], ids=["flat", "overlap", "stream", "relayout", "sync", "ppo_70b-O2"])
 def test_exclusive_peaks_are_the_simulated_peaks(build):
-    """What a search's memory check computes without a timeline equals the simulated peak of every device."""
+    """What a search asks of a candidate — its memory check without a timeline, its step time and fit
+    without the simulation's statistics — is the simulation's, exactly."""
     from rlhfc.cost import fits
-    from rlhfc.cost.simulator import exclusive_peaks
+    from rlhfc.cost.quick import exclusive_peaks, search_price
 
     m = build()
     cm = CostModel(m, CFG)
     sim = simulate(m, steps=1, cost_model=cm)
     assert exclusive_peaks(m, cm) == [d.peak_memory_bytes for d in sim.devices]
     assert fits(m, cost_model=cm) == fits(m, sim=sim, cost_model=cm)
+    three = simulate(m, steps=3, cost_model=cm)
+    assert search_price(m, cm, 3) == (three.step_time_s, fits(m, sim=three, cost_model=cm))
+    # a device made too small: the same verdicts
+    small = CostModel(m, CFG)
+    small.spec = replace(small.spec, memory=max(exclusive_peaks(m, cm)) * 0.999)
+    assert fits(m, cost_model=small) is False and search_price(m, small, 3)[1] is False
+    assert fits(m, sim=simulate(m, steps=1, cost_model=small), cost_model=small) is False
 
 
 def test_a_task_that_takes_no_time_holds_no_memory_after_it():
