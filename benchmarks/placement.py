@@ -24,7 +24,10 @@ process: each trained model's block traced once, torch and transformers imported
 and warm (the same search again).
 
     .venv/bin/python benchmarks/placement.py [--measure] [--rounds 3] [--steps 12]
-    .venv/bin/python benchmarks/placement.py --search-rate [--candidates 1000]
+    .venv/bin/python benchmarks/placement.py --search-rate [--candidates 1000] [--rounds 5]
+
+With ``--rounds R`` (R > 1) the search-rate check runs in R fresh processes one after another and prints the
+medians and ranges of the cold and warm seconds.
 """
 
 from __future__ import annotations
@@ -115,8 +118,31 @@ def plan_of(module) -> tuple:
                  for s in module.graph.stages if "mesh" in s.annotations)
 
 
-def search_rate(candidates: int) -> int:
+def search_rates(candidates: int, rounds: int) -> int:
+    """:func:`search_rate` in ``rounds`` fresh processes, one after another; the medians and ranges of the
+    cold and warm seconds (a shared VM's speed drifts by tens of percent within minutes)."""
+    import json
+    import subprocess
+
+    seconds: dict[str, list[float]] = {"cold": [], "warm": []}
+    for k in range(rounds):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--search-rate", "--candidates",
+                              str(candidates), "--json"], capture_output=True, text=True, check=True).stdout
+        got = json.loads(out.strip().splitlines()[-1])
+        for label in seconds:
+            seconds[label].append(got[label])
+        print(f"round {k + 1}: cold {got['cold']:.1f} s, warm {got['warm']:.1f} s, best {got['best']:.2f} s/step",
+              flush=True)
+    for label, xs in seconds.items():
+        print(f"{label}: median {median(xs):.1f} s for {candidates} candidates ({candidates / median(xs):.0f}/s), "
+              f"range {min(xs):.1f}-{max(xs):.1f} s over {rounds} processes")
+    return 0
+
+
+def search_rate(candidates: int, as_json: bool = False) -> int:
     """Candidate plans per second of the placement search on ppo_70b at -O2 (cold, then warm)."""
+    import json
+
     from rlhfc.passes.pipelines import PIPELINES
 
     upstream = PIPELINES["O2"][:PIPELINES["O2"].index("placement")]
@@ -126,12 +152,14 @@ def search_rate(candidates: int) -> int:
     pipeline = ",".join([f"placement{{candidates={candidates}}}"] + downstream)
     print(f"placement search on examples/ppo_70b.rlhf at -O2 ({pipeline}); {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}")
+    walls = {}
     for label in ("cold", "warm"):
         torch_before = "torch" in sys.modules
         wall, cpu = time.perf_counter(), time.process_time()
         done = PassManager(parse_pipeline(pipeline)).run(module.clone())
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         r = done.search_report
+        walls[label] = wall
         if label == "cold":
             label += " (torch imported and blocks traced)" if not torch_before and "torch" in sys.modules else \
                 " (blocks from the trace cache; torch not imported)" if "torch" not in sys.modules else ""
@@ -139,6 +167,8 @@ def search_rate(candidates: int) -> int:
               f"{wall:.1f} s wall, {cpu:.1f} s CPU: {r.candidates / wall:.0f} candidates/s "
               f"({r.candidates / cpu:.0f} per CPU second); best {r.best_s:.2f} s/step, strategies "
               + ", ".join(f"{k} {v:.2f}" for k, v in r.seeds.items()))
+    if as_json:
+        print(json.dumps({**walls, "best": r.best_s}))
     return 0
 
 
@@ -149,9 +179,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--search-rate", action="store_true", help="only time the placement search on ppo_70b")
     ap.add_argument("--candidates", type=int, default=1000, help="the search's budget for --search-rate")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.search_rate:
-        return search_rate(args.candidates)
+        if args.rounds > 1 and not args.json:
+            return search_rates(args.candidates, args.rounds)
+        return search_rate(args.candidates, args.json)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for ex in ("examples/ppo_70b.rlhf", "examples/ppo_7b.rlhf", "examples/ppo_tiny.rlhf"):
         res = predict(os.path.join(ROOT, ex))

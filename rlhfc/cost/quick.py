@@ -46,9 +46,7 @@ def _peaks(module: Module, cm: CostModel, costs: dict, held) -> list[float]:
     for res, transient in held:
         if transient:
             for a, b in _runs(res, n):
-                for d in range(a, b):
-                    if transient > top[d]:
-                        top[d] = transient
+                top[a:b] = [transient if transient > x else x for x in top[a:b]]
     static = resident_bytes(module, costs, n, cm)
     bases: dict[int, float] = {}
     for stays in static:

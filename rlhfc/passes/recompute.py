@@ -175,7 +175,8 @@ def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> floa
     n = module.cluster.nodes * module.cluster.per_node
     resident = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n, cm)
     layout = cm.layout(stage)
-    static = max((sum(resident[d].values()) for d in layout.devices if d < n), default=0.0)
+    held = {id(resident[d]): resident[d] for d in layout.devices if d < n}   # runs of devices share one dict
+    static = max((sum(h.values()) for h in held.values()), default=0.0)
     capacity = cm.spec.memory
     work = dict(inp.work, rc_kept=0.0, rc_autograd=float(trace.autograd_bytes), rc_seconds=1.0 if recompute else 0.0)
     base = float(F.traced_train_activation_bytes(__import__("numpy"), inp.hw, inp.arch, work, inp.lay)[0])

@@ -359,8 +359,10 @@ class Layout:
         return Mesh(self.first, self.count)
 
     def nodes(self, per_node: int) -> list[int]:
-        """The nodes the mesh touches."""
-        return sorted({d // per_node for d in self.devices})
+        """The nodes the mesh touches (its devices are consecutive)."""
+        if self.count <= 0:
+            return []
+        return list(range(self.first // per_node, (self.first + self.count - 1) // per_node + 1))
 
     def tp_inter_node(self, per_node: int) -> bool:
         """Whether one tensor-parallel group crosses a node boundary (groups are consecutive devices)."""
