@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from itertools import repeat
 
 from rlhfc.ir import Stage, plan
 from rlhfc.ir.schedule import stage_threads
@@ -110,13 +109,40 @@ def footprints(ctx: _Context) -> list[tuple[list[int], float]]:
     return out
 
 
+def _slot_runs(devices: list[int], driver: int) -> list[tuple[int, int]]:
+    """``devices`` (:data:`DRIVER` as slot ``driver``) as [a, b) runs of consecutive slots."""
+    out: list[list[int]] = []
+    for d in sorted({driver if d == DRIVER else d for d in devices}):
+        if out and out[-1][1] == d:
+            out[-1][1] = d + 1
+        else:
+            out.append([d, d + 1])
+    return [(a, b) for a, b in out]
+
+
+def _ready(done: dict, keys: list, barrier: float | None) -> tuple[float, str]:
+    """When the last of the tasks ``keys`` that are ``done`` (and the step ``barrier``, if any) ends, and which
+    one that is: ``"%stage@step"`` or ``"barrier"`` (ties: the greatest label; nothing: ``(0.0, "")``)."""
+    ends = [(done[key].end, key) for key in keys if key in done]
+    if barrier is not None:
+        ends.append((barrier, None))
+    if not ends:
+        return 0.0, ""
+    ready = max(e for e, _ in ends)
+    return ready, max("barrier" if key is None else f"%{key[0]}@{key[1]}" for e, key in ends if e == ready)
+
+
 def _schedule_exclusive(ctx: "_Context") -> list[Task]:
     """List scheduling with exclusive devices: a device runs one task at a time, in submission order."""
     cm, stages, costs, extra, sync_time = ctx.cm, ctx.stages, ctx.costs, ctx.extra, ctx.sync_time
     sync_devices, members, streams, stream_source = ctx.sync_devices, ctx.members, ctx.streams, ctx.stream_source
     steps, step_barrier = ctx.steps, ctx.step_barrier
     done: dict[tuple[str, int], Task] = {}
-    free: dict[int, float] = {}
+    resources = {s.name: _resources(ctx, s) for s in stages}
+    # when each device (the driver: the last slot) is free; a stage's devices as runs of consecutive slots
+    top = max((d for res in resources.values() for d in res), default=-1) + 1
+    runs = {name: _slot_runs(res, top) for name, res in resources.items()}
+    free = [0.0] * (top + 1)
     chunk_cost: dict[tuple[str, int], object] = {}   # a consumer's price per chunk size (asked every step)
 
     def priced(s: Stage, rows: int):
@@ -128,13 +154,10 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
     step_end = [0.0] * steps
     for k in range(steps):
         for s in stages:
-            deps = [(done[key].end, f"%{key[0]}@{key[1]}") for key in _dependencies(ctx, s, k) if key in done]
-            if step_barrier and k > 0:
-                deps.append((step_end[k - 1], "barrier"))
-            ready, why = max(deps, default=(0.0, ""))
+            ready, why = _ready(done, _dependencies(ctx, s, k), step_end[k - 1] if step_barrier and k > 0 else None)
             mem = members[s.name]
-            res = _resources(ctx, s)
-            dev_free = max(map(free.get, res, repeat(0.0)), default=0.0)
+            res, mine = resources[s.name], runs[s.name]
+            dev_free = max((max(free[a:b]) for a, b in mine), default=0.0)
             cost = costs[s.name]
             duration = cost.time_s + extra.get(s.name, 0.0) + sync_time.get(s.name, 0.0)
             src = stream_source(s)
@@ -148,12 +171,15 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                 first_start = None
                 busy = 0.0
                 n_chunks = max(1, math.ceil(batch / chunk))
+                seconds: dict[int, float] = {}   # a chunk's price by its rows (all chunks but the last are alike)
                 for j in range(n_chunks):
                     rows = min(chunk, batch - j * chunk)
                     last = min((j + 1) * chunk, batch) - 1
                     avail = gen_task.end if j == n_chunks - 1 else \
                         gen_task.start + gen_cost.finish_offsets[last] if gen_cost.finish_offsets else gen_task.end
-                    c_cost = priced(s, rows).time_s
+                    if rows not in seconds:
+                        seconds[rows] = priced(s, rows).time_s
+                    c_cost = seconds[rows]
                     start = max(avail, t_prev, dev_free if j == 0 else t_prev)
                     if j == 0:
                         first_start = start
@@ -173,7 +199,8 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                 end = start + duration
                 busy = duration
                 transient = cost.transient_bytes
-            free.update(dict.fromkeys(res, end))
+            for a, b in mine:
+                free[a:b] = [end] * (b - a)
             task = Task(s.name, k, s.op, s.target if mem else None, start, end, mem, busy, transient, chunks,
                         extra.get(s.name, 0.0), why, res if res != [DRIVER] else [])
             done[(s.name, k)] = task

@@ -138,7 +138,7 @@ def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) 
         r = res[s.name]
         base, need = held.need(s, r, idx)
         room = (cm.spec.memory - base) / squeeze
-        order = sorted(idx, key=lambda i: r["total"][i])
+        order = sorted(idx, key=r["total"].tolist().__getitem__)
         fits = [i for i in order if need[i] - base <= room]
         pick = (fits or sorted(idx, key=lambda i: need[i]))[0]
         picks.stages.append((order, need, base, idx, pick))
