@@ -7,6 +7,7 @@
 - :mod:`~rlhfc.cost.sync`: weight sync between two layouts (resharding included).
 - :mod:`~rlhfc.cost.simulator` (schedulers in :mod:`~rlhfc.cost.scheduling`): discrete-event simulation of several steps.
 - :mod:`~rlhfc.cost.memory`: memory per device; :func:`check_memory` for placement passes.
+- :mod:`~rlhfc.cost.quick`: what a placement search asks of each candidate (step time, memory verdict), fast.
 - :mod:`~rlhfc.cost.batched`: many candidate layouts at once (NumPy, or JAX when installed).
 - :mod:`~rlhfc.cost.profile`: the profile format, loading and fits (measuring is :mod:`rlhfc.calibrate`).
 

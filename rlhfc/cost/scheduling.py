@@ -135,7 +135,7 @@ def _ready(done: dict, keys: list, barrier: float | None) -> tuple[float, str]:
 def _schedule_exclusive(ctx: "_Context") -> list[Task]:
     """List scheduling with exclusive devices: a device runs one task at a time, in submission order."""
     cm, stages, costs, extra, sync_time = ctx.cm, ctx.stages, ctx.costs, ctx.extra, ctx.sync_time
-    sync_devices, members, streams, stream_source = ctx.sync_devices, ctx.members, ctx.streams, ctx.stream_source
+    members, streams, stream_source = ctx.members, ctx.streams, ctx.stream_source
     steps, step_barrier = ctx.steps, ctx.step_barrier
     done: dict[tuple[str, int], Task] = {}
     resources = {s.name: _resources(ctx, s) for s in stages}

@@ -200,11 +200,10 @@ def _shared_active() -> bool:
 
 def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
              timeline: bool = True) -> tuple[_Context, list]:
-    """What the schedulers need to simulate ``steps`` steps of ``module`` (priced stages, dependencies,
-    syncs, streams), and the reallocation notes. Without ``timeline``, what
-    :func:`rlhfc.cost.scheduling.footprints` needs: no
-    dependencies, the stages in graph order, and the weight moves' times only where they decide whether a
-    stage takes any time."""
+    """What the schedulers need to simulate ``steps`` steps of ``module`` (priced stages, dependencies, syncs,
+    streams), and the reallocation notes. Without ``timeline``, what :func:`rlhfc.cost.scheduling.footprints`
+    needs: no dependencies, the stages in graph order, the schedule only where something streams, and the
+    weight moves' times only where they decide whether a stage takes any time."""
     g = module.graph
     # a footprint needs the schedule only for what streams (whose consumers hold a chunk's activations)
     schedule = build_schedule(module) if timeline or any(plan.streams(s) for s in g.stages) else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 from rlhfc.ir import Module, plan
 from rlhfc.ir.plan import Layout
 
-from .layouts import apply, apply_fitting, set_meshes
+from .layouts import apply_fitting, set_meshes
 
 #: annotations of passes the baseline systems do not have
 UNDONE = ("stream", "stream_from", "unpad", "logprobs")
@@ -180,7 +180,8 @@ def _openrlhf(module: Module) -> None:
 
 
 def _apply_fitting(module: Module, assign: dict) -> None:
-    """:func:`apply`, its budgets tightened (as the placement pass does) until the plan fits, if it can."""
+    """:func:`~rlhfc.passes.layouts.apply`, its budgets tightened (as the placement pass does) until the plan fits, if
+    it can."""
     from rlhfc.cost import memory_issues
 
     apply_fitting(module, assign, lambda m: not memory_issues(m))
