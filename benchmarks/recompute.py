@@ -9,7 +9,10 @@ them) — the benchmark measures:
   :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
 - the forward+backward time of the whole model (CPU time; ``--repeat`` rounds run round-robin over the
   policies, each policy's step paired with a step of ``none`` right beside it, which goes first alternating),
-  and its overhead over ``none`` — the median of the paired differences — against the predicted
+  and its overhead over ``none`` — the median of the paired differences — and, measured directly, the CPU time
+  of the checkpointed blocks' forwards re-run inside backward (replays timed: the recomputation itself, not the
+  checkpoint's bookkeeping — a selective policy's call per op in the forward, its cache of kept outputs, the
+  saved-tensor hooks — which the difference of steps includes and the prediction prices), against the predicted
   overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
   recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in this
   process at one thread: each op of this block's forward timed on it at its shape,
@@ -192,6 +195,34 @@ def _probe_child(spec: dict, seq: int, retain: bool):
     return measure_host(1), measure_block_ops(spec, 1, seq, 5)
 
 
+#: seconds spent re-running checkpointed blocks' forwards during backward, by the step that timed them
+_REPLAY = {"backward": False, "seconds": 0.0}
+
+
+def _timed_replays(model, decision: dict) -> None:
+    """Apply ``decision`` as the runtime does, each block's checkpointed forward timed when it runs again inside
+    backward (the recomputation itself: replayed ops, the selective policy's calls, a kept output's lookup), into
+    :data:`_REPLAY` — the overhead measured directly instead of as the difference of two steps."""
+    from rlhfc.runtime.recompute import _checkpointed
+
+    apply_recompute(model, decision)
+    if decision["policy"] == "none":
+        return
+    for block in blocks(model):
+        inner = block._rlhfc_forward
+
+        def timed(*a, _inner=inner, **k):
+            if not _REPLAY["backward"]:
+                return _inner(*a, **k)
+            t = time.process_time()
+            try:
+                return _inner(*a, **k)
+            finally:   # also when the checkpoint stops a replay early, once it has what backward needs
+                _REPLAY["seconds"] += time.process_time() - t
+
+        block.forward = _checkpointed(timed, decision["policy"], frozenset(decision.get("save") or ()))
+
+
 def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
     """(seconds of one forward+backward, peak CUDA bytes or 0): on CPU the process's CPU time (one thread), which
     other processes on a shared machine disturb far less than wall time; on CUDA wall time."""
@@ -201,7 +232,12 @@ def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t = clock()
-    model(*batch).float().pow(2).mean().backward()
+    loss = model(*batch).float().pow(2).mean()
+    _REPLAY["backward"], _REPLAY["seconds"] = True, 0.0
+    try:
+        loss.backward()
+    finally:
+        _REPLAY["backward"] = False
     peak = 0
     if cuda:
         torch.cuda.synchronize()
@@ -271,9 +307,9 @@ def main() -> None:
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block")
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
-          "(median of paired differences; quartiles) | predicted (profile prices) | predicted at kind rates (before) |"
-          + (" cuda peak |" if args.cuda else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
+          "(median of paired differences; quartiles) | replays timed (median; quartiles) | predicted (profile "
+          "prices) | predicted at kind rates (before) |" + (" cuda peak |" if args.cuda else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks, ch_of = {}, {label: [] for label, _ in runs}, {}, dict(runs)
     for label, ch in runs:
         apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
@@ -281,6 +317,7 @@ def main() -> None:
         _step_seconds(model, batch, args.cuda)                       # warm-up
     plain = {"policy": "none"}
     diffs = {label: [] for label, _ in runs}
+    replays = {label: [] for label, _ in runs}
     for r in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
         for label, ch in runs[1:]:
             # each policy's step right beside a step of `none`, in turn: the overhead is the median of these paired
@@ -289,13 +326,15 @@ def main() -> None:
             pair = {}
             order = [(label, {"policy": ch.policy, "save": list(ch.save)}), ("none", plain)]
             for name, d in order[::-1] if r % 2 else order:                    # which goes first alternates
-                apply_recompute(model, d)
+                _timed_replays(model, d)
                 if args.allocator == "default":
                     # glibc's default gives freed blocks back: a step pays the heap the step before it left, so a
                     # job's step (after a step of its own policy) is timed after an untimed one of the same policy
                     _step_seconds(model, batch, args.cuda)
                 pair[name], peaks[name] = _step_seconds(model, batch, args.cuda)
                 steps[name].append(pair[name])
+                if name == label:
+                    replays[label].append(_REPLAY["seconds"])
             diffs[label].append(pair[label] - pair["none"])
     for label, _ in runs:
         step = statistics.median(steps[label])
@@ -305,11 +344,15 @@ def main() -> None:
         predicted = ch.recompute_s * spec["layers"]
         old = (choice.price(kinds, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
 
+        rep = statistics.median(replays[label]) if replays[label] else 0.0
+        rq = statistics.quantiles(replays[label], n=4) if len(replays[label]) >= 2 else [rep, rep, rep]
+
         def err(x):
             return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
 
         print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} "
               f"({min(steps[label]):.3f}–{max(steps[label]):.3f}) | {measured * 1e3:+.0f} ms ({q[0] * 1e3:+.0f} to {q[2] * 1e3:+.0f}) | "
+              f"{rep * 1e3:.0f} ms ({rq[0] * 1e3:.0f} to {rq[2] * 1e3:.0f}) | "
               f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
               + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
     apply_recompute(model, None)
