@@ -133,3 +133,68 @@ def test_block_inputs_are_those_automodel_builds(arch, attn):
             assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
         else:
             assert a == b
+
+
+# -- the traced blocks that ship with rlhfc ------------------------------------------------------------------
+
+def _bundle():
+    import json
+    import os
+
+    from rlhfc.passes.trace_cache import BUNDLED
+
+    return {tuple(d["key"]): d for d in (json.load(open(os.path.join(BUNDLED, f), encoding="utf-8"))
+                                          for f in sorted(os.listdir(BUNDLED)))}
+
+
+def _bundle_versions() -> tuple:
+    from rlhfc.passes.trace_cache import _versions
+
+    made = {tuple(d["versions"]) for d in _bundle().values()}
+    assert len(made) == 1, f"the shipped traces were made under several versions: {made}"
+    return made.pop(), _versions()
+
+
+def test_every_size_preset_ships_its_traced_block():
+    from rlhfc.passes.trace_cache import bundled_keys
+
+    assert set(_bundle()) == set(bundled_keys()) and len(bundled_keys()) == 16
+
+
+def test_shipped_traces_are_what_tracing_gives_now(tmp_path, monkeypatch):
+    """Read with an empty cache under the versions they were made with, they equal a fresh trace (so they are
+    current): python -m rlhfc.passes.trace_cache writes them anew."""
+    made, installed = _bundle_versions()
+    if made != installed:
+        pytest.skip(f"shipped traces are for torch/transformers {made}, installed {installed}: not used here")
+    from rlhfc.passes import trace_cache
+    from rlhfc.passes.recompute_trace import traced
+
+    monkeypatch.setenv("RLHFC_CACHE_DIR", str(tmp_path))
+    for key in (("gpt2", 768, 12, 12, 3072, 50257, "bfloat16", "sdpa"),
+                ("llama", 8192, 64, 8, 28672, 32000, "bfloat16", "eager")):
+        assert trace_cache.load(key) == traced(key)
+    assert not list(tmp_path.rglob("*.json"))     # read from the package, nothing written
+
+
+def test_first_compile_of_a_preset_imports_neither_torch_nor_transformers(tmp_path):
+    made, installed = _bundle_versions()
+    if made != installed:
+        pytest.skip(f"shipped traces are for torch/transformers {made}, installed {installed}: not used here")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys\nfrom rlhfc.frontend import load_file\nfrom rlhfc.passes import PassManager, parse_pipeline\n"
+            "from rlhfc.passes.pipelines import PIPELINES\n"
+            f"m, _, _ = load_file({str(root / 'examples' / 'ppo_70b.rlhf')!r})\n"
+            "p = ','.join(PIPELINES['O2']).replace('placement', 'placement{candidates=30}', 1)\n"
+            "m = PassManager(parse_pipeline(p)).run(m)\n"
+            "assert any(s.op == 'train' and 'recompute' in s.annotations for s in m.graph.stages)\n"
+            "print(sorted(x for x in ('torch', 'transformers') if x in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RLHFC_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

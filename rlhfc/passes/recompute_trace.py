@@ -257,10 +257,17 @@ def _scaled(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: 
     cached = load(key)
     if cached is not None:
         return cached
-    rows, seq = primes_above(max(hidden, heads, kv_heads, ffn, 64), 2)
-    ops, autograd = _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
+    ops, autograd = traced(key)
     save(key, ops, autograd)
     return ops, autograd
+
+
+def traced(key: tuple) -> tuple[list[RawOp], tuple]:
+    """The block of ``key`` (``(arch, hidden, heads, kv_heads, ffn, vocab, dtype, attn)``) traced afresh, at the
+    two primes :func:`_scaled` describes."""
+    arch, hidden, heads, kv_heads, ffn, vocab, dtype, attn = key
+    rows, seq = primes_above(max(hidden, heads, kv_heads, ffn, 64), 2)
+    return _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
 
 
 def _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn) -> tuple[list[RawOp], tuple]:

@@ -5,10 +5,17 @@ keeps each op's sizes as sums of monomials ``c · rows^a · seq^b`` (:class:`Raw
 evaluates them. They are kept on disk (``<cache>/traces/``, :func:`rlhfc.cost.profile.cache_dir`; keyed by the
 model's shape and the installed torch and transformers versions), so a compile in a new process neither imports
 them nor traces again; ``RLHFC_TRACE_CACHE=0`` turns that off.
+
+Traces of the built-in size presets (:data:`rlhfc.ir.arch.PRESETS`, in bfloat16 with sdpa and eager attention:
+what a GPU cluster's plan traces) ship with rlhfc in ``rlhfc/passes/traces/``, made by ``python -m
+rlhfc.passes.trace_cache`` under the torch and transformers versions ``constraints.txt`` pins. They are read
+when the cache has no trace of the key and the installed versions are those (so the first compile on a machine
+of a program using the presets imports neither torch nor transformers); under other versions they are not used.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 #: bump when what a cached trace holds changes (files of another format are ignored)
@@ -71,9 +78,10 @@ def monomials(values, rows: int, seq: int) -> tuple:
 def load(key: tuple):
     """The cached ``(ops, autograd)`` of the block ``key``, or None (no file, another format, unreadable)."""
     import json
-    import os
 
     path = _path(key)
+    if path is not None and not os.path.exists(path):   # not traced on this machine: shipped with rlhfc?
+        path = os.path.join(BUNDLED, os.path.basename(path))
     if path is None or not os.path.exists(path):
         return None
     try:
@@ -88,19 +96,21 @@ def load(key: tuple):
         return None   # unreadable: traced again and written anew
 
 
-def save(key: tuple, ops: list, autograd: tuple) -> None:
-    """Keep the trace of ``key`` on disk (written whole, then renamed: readers never see half a file)."""
+def save(key: tuple, ops: list, autograd: tuple, folder: str | None = None) -> None:
+    """Keep the trace of ``key`` on disk (written whole, then renamed: readers never see half a file); in
+    ``folder`` instead of the cache when given (:func:`bundle`)."""
     import json
-    import os
 
     path = _path(key)
     if path is None:
         return
+    if folder is not None:
+        path = os.path.join(folder, os.path.basename(path))
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"format": FORMAT, "key": list(key), "autograd": autograd,
+            json.dump({"format": FORMAT, "key": list(key), "versions": list(_versions()), "autograd": autograd,
                        "ops": [[o.name, o.target, o.fresh, o.needed, o.moved, o.flops, o.core_attention, o.saves]
                                for o in ops]}, fh)
         os.replace(tmp, path)
@@ -108,21 +118,58 @@ def save(key: tuple, ops: list, autograd: tuple) -> None:
         pass   # a read-only cache only costs the next process a trace
 
 
+#: the traces shipped with rlhfc (see the module docstring)
+BUNDLED = os.path.join(os.path.dirname(__file__), "traces")
+
+
+def bundled_keys() -> list[tuple]:
+    """The keys of the traces that ship with rlhfc: every size preset, bfloat16, sdpa and eager attention."""
+    from rlhfc.ir.arch import PRESETS
+
+    return [(arch, p["hidden"], p["heads"], p["kv_heads"], p["ffn"], p["vocab"], "bfloat16", attn)
+            for arch, sizes in PRESETS.items() for p in sizes.values() for attn in ("sdpa", "eager")]
+
+
+def bundle(folder: str = BUNDLED) -> list[str]:
+    """Trace every :func:`bundled_keys` block under the installed torch and transformers and write it to
+    ``folder`` (what ships; run with the versions ``constraints.txt`` pins); returns the files written."""
+    from .recompute_trace import traced
+
+    os.makedirs(folder, exist_ok=True)
+    out = []
+    for key in bundled_keys():
+        save(key, *traced(key), folder)
+        out.append(os.path.join(folder, os.path.basename(_path(key))))
+    return out
+
+
+def _versions() -> tuple[str, str] | None:
+    """The installed torch and transformers versions (None when either is missing)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch"), metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _path(key: tuple) -> str | None:
     """Where the trace of ``key`` is kept on disk (None when the cache is off or the versions are unknown)."""
     import hashlib
-    import os
-    from importlib import metadata
 
     if os.environ.get("RLHFC_TRACE_CACHE", "1") == "0":
         return None
     from rlhfc.cost.profile import cache_dir
 
-    try:
-        versions = (metadata.version("torch"), metadata.version("transformers"))
-    except metadata.PackageNotFoundError:
+    versions = _versions()
+    if versions is None:
         return None
     name = "-".join(map(str, (*key, *versions, FORMAT)))
     return os.path.join(cache_dir(), "traces", hashlib.sha1(name.encode()).hexdigest()[:20] + ".json")
 
 
+
+
+if __name__ == "__main__":   # python -m rlhfc.passes.trace_cache: write the shipped traces anew
+    for written in bundle():
+        print(written)
