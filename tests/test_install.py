@@ -25,8 +25,15 @@ def _read(*parts: str) -> str:
 
 def test_constraints_pin_torch_and_add_the_cpu_index_and_ci_installs_as_the_readme():
     lines = [x.strip() for x in _read("constraints.txt").splitlines() if x.strip() and not x.startswith("#")]
-    assert lines == [f"--extra-index-url {CPU_INDEX}", "torch==2.13.0"]
+    assert lines == [f"--extra-index-url {CPU_INDEX}", "torch==2.13.0", "transformers==5.19.0"]
     assert '"torch==2.13.0"' in _read("pyproject.toml")                 # the same pin as the package's
+    # the traced blocks that ship were made under the pinned versions (python -m rlhfc.passes.trace_cache)
+    import glob
+    import json
+
+    made = {tuple(json.load(open(f, encoding="utf-8"))["versions"])
+            for f in glob.glob(os.path.join(ROOT, "rlhfc", "passes", "traces", "*.json"))}
+    assert made == {("2.13.0+cpu", "5.19.0")}, made
     first = next(x for x in _read("README.md").splitlines() if "pip install" in x)
     readme = re.search(r"pip install (-c constraints\.txt -e '\.\[[a-z,]+\]')", first)
     assert readme, first
