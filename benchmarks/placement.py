@@ -20,7 +20,9 @@ With ``--search-rate`` it only times the placement search on ``examples/ppo_70b.
 candidate placed, run through ``recompute`` and ``realloc`` and simulated, as the compile emits it):
 candidate plans priced, wall and CPU seconds, candidates per second — cold (the first search of the
 process: each trained model's block traced once, torch and transformers imported — unless the trace cache
-``<cache>/traces`` already holds them, which the line says; ``RLHFC_CACHE_DIR=$(mktemp -d)`` starts empty)
+``<cache>/traces`` already holds them or they ship with rlhfc (the size presets' blocks under the pinned torch
+and transformers: ``rlhfc/passes/traces``), which the line says; ``RLHFC_CACHE_DIR=$(mktemp -d)`` starts with
+an empty cache)
 and warm (the same search again).
 
     .venv/bin/python benchmarks/placement.py [--measure] [--rounds 3] [--steps 12]
@@ -162,7 +164,7 @@ def search_rate(candidates: int, as_json: bool = False) -> int:
         walls[label] = wall
         if label == "cold":
             label += " (torch imported and blocks traced)" if not torch_before and "torch" in sys.modules else \
-                " (blocks from the trace cache; torch not imported)" if "torch" not in sys.modules else ""
+                " (blocks from the trace cache or the traces shipped with rlhfc; torch not imported)" if "torch" not in sys.modules else ""
         print(f"{label}: {r.candidates} candidates ({r.proposals} proposals, {r.restarts} restarts) in "
               f"{wall:.1f} s wall, {cpu:.1f} s CPU: {r.candidates / wall:.0f} candidates/s "
               f"({r.candidates / cpu:.0f} per CPU second); best {r.best_s:.2f} s/step, strategies "
