@@ -198,3 +198,49 @@ def test_first_compile_of_a_preset_imports_neither_torch_nor_transformers(tmp_pa
                          env={**os.environ, "RLHFC_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_squeeze_retries_skipped_as_unchanged_leave_the_plain_loops_plan(monkeypatch):
+    """``layouts.apply_fitting`` (a retry that would pick the layouts of the one before is skipped, the last is
+    not checked) annotates every plan as the plain loop did: apply at 1, 2, 4, 8 until it fits."""
+    import os
+    import random
+
+    from rlhfc.cost import fits
+    from rlhfc.frontend import load_file
+    from rlhfc.passes import PassManager, parse_pipeline
+    from rlhfc.passes import placement as P
+    from rlhfc.passes import layouts
+    from rlhfc.passes.layouts import apply, apply_fitting
+    from rlhfc.passes.pipelines import PIPELINES
+
+    calls = []
+    monkeypatch.setattr(layouts, "apply", lambda *a, **k: calls.append(k["squeeze"]) or apply(*a, **k))
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rng, checked, skipped, retried = random.Random(0), 0, {True: 0, False: 0}, 0
+    for name in ("ppo_70b", "ppo_7b"):
+        base, _, _ = load_file(os.path.join(root, "examples", f"{name}.rlhf"))
+        base = PassManager(parse_pipeline(",".join(PIPELINES["O2"][:PIPELINES["O2"].index("placement")]))).run(base)
+        by_model = P._model_stages(base)
+        meshes = P._meshes(base.cluster.num_devices, base.cluster.per_node)
+        plans = [P.flatten(base), P.interleave(base), P.separate(base)]
+        for _ in range(12):   # random meshes per model, as the search proposes them
+            pick = {m: rng.choice(meshes) for m in by_model}
+            plans.append({s.name: pick[m] for m, stages in by_model.items() for s in stages})
+        for assign in plans:
+            plain, fast = base.clone(), base.clone()
+            tried = 0
+            for squeeze in (1, 2, 4, 8):
+                apply(plain, assign, squeeze=squeeze)
+                tried += 1
+                if fits(plain):
+                    break
+            calls.clear()
+            apply_fitting(fast, assign, fits)
+            assert [s.annotations for s in fast.graph.stages] == [s.annotations for s in plain.graph.stages]
+            skipped[len(calls) < tried] += 1
+            retried += len(calls) > 1
+            checked += 1
+    # both paths taken: retries skipped as unchanged, and retries that chose other layouts
+    assert checked == 30 and skipped[True] and skipped[False] and retried
