@@ -111,8 +111,18 @@ def footprints(ctx: _Context) -> list[tuple[list[int], float]]:
 
 def _slot_runs(devices: list[int], driver: int) -> list[tuple[int, int]]:
     """``devices`` (:data:`DRIVER` as slot ``driver``) as [a, b) runs of consecutive slots."""
-    out: list[list[int]] = []
-    for d in sorted({driver if d == DRIVER else d for d in devices}):
+    return _runs(sorted({driver if d == DRIVER else d for d in devices}), driver + 1)
+
+
+def _runs(devices, n: int) -> list[tuple[int, int]]:
+    """``devices`` (sorted indices) as [a, b) ranges of consecutive ones, within 0..n-1."""
+    if devices and 0 <= devices[0] and devices[-1] < n \
+            and list(devices) == list(range(devices[0], devices[-1] + 1)):   # one range (a stage's mesh)
+        return [(devices[0], devices[-1] + 1)]
+    out: list = []
+    for d in devices:
+        if not 0 <= d < n:
+            continue
         if out and out[-1][1] == d:
             out[-1][1] = d + 1
         else:

@@ -58,7 +58,7 @@ from rlhfc.ir.plan import Layout
 from rlhfc.ir.schedule import build_schedule
 
 from .model import CostConfig, CostModel, StageCost
-from .scheduling import Task, _Context, _schedule_exclusive, _schedule_shared
+from .scheduling import Task, _Context, _runs, _schedule_exclusive, _schedule_shared
 from .sync import host_copy_time, reshard_time, sync_time
 
 
@@ -209,14 +209,12 @@ def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
     schedule = build_schedule(module) if timeline or any(plan.streams(s) for s in g.stages) else None
     # tasks are submitted as the driver launches them
     stages = [e.stage for e in schedule.launch_order()] if timeline else list(g.stages)
-    index = {s.name: i for i, s in enumerate(stages)}
     costs: dict[str, StageCost] = {s.name: cm.stage_cost(s) for s in stages}
     if timeline or any(c.time_s <= 0 for c in costs.values()) or any(s.op.split(".")[0] == "sync" for s in stages):
         extra, sync_time, notes, sync_devices = _reallocations(cm)
     else:   # no sync stage (whose devices these are) and every stage takes time already
         extra, sync_time, notes, sync_devices = {}, {}, [], {}
     members = {s.name: _members(cm, s) for s in stages}
-    producers = {id(v): s for s in stages for v in s.outputs}
     by_name = {s.name: s for s in stages}
     # chunk size of each streamed generate (an overcommitted one without chunks hands over one chunk)
     streams = {e.name: plan.stream_chunk(e.stage) or (e.stage.outputs[0].type.batch or 1)
@@ -230,6 +228,8 @@ def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
         return _Context(cm, stages, costs, extra, sync_time, sync_devices, members, streams, stream_source,
                         {}, {}, {}, steps, step_barrier), notes
     # static dependencies (within a step): data, and the driver's launch order (the schedule)
+    index = {s.name: i for i, s in enumerate(stages)}
+    producers = {id(v): s for s in stages for v in s.outputs}
     data_deps = {s.name: sorted({producers[id(v)].name for v in s.inputs if id(v) in producers
                                  and producers[id(v)] is not stream_source(s)}, key=index.get)
                  for s in stages}
@@ -319,22 +319,6 @@ def _device_stats(cm: CostModel, module: Module, tasks: list[Task], costs: dict,
         out.append(DeviceStats(d, d // c.per_node, busy, min(1.0, busy / span), base + peak_extra, capacity,
                                static[d], at_peak))
     return out
-
-
-def _runs(devices, n: int) -> list[tuple[int, int]]:
-    """``devices`` (sorted indices) as [a, b) ranges of consecutive ones, within 0..n-1."""
-    if devices and 0 <= devices[0] and devices[-1] < n \
-            and list(devices) == list(range(devices[0], devices[-1] + 1)):   # one range (a stage's mesh)
-        return [(devices[0], devices[-1] + 1)]
-    out: list = []
-    for d in devices:
-        if not 0 <= d < n:
-            continue
-        if out and out[-1][1] == d:
-            out[-1][1] = d + 1
-        else:
-            out.append([d, d + 1])
-    return [(a, b) for a, b in out]
 
 
 def resident_bytes(module: Module, costs: dict, n: int, cm: CostModel | None = None) -> list[dict]:
