@@ -23,6 +23,12 @@ them) — the benchmark measures:
   replayed op that allocates 32 MiB or more, :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, and the
   same checkpoint costs). rlhfc's choices are made on the profile prices.
 
+Two budgets often choose the same plan (rlhfc's knapsack and the greedy ranking at ½ or ¼, rlhfc at
+selective's budget and ``none`` with sdpa): a plan is measured once and its other rows say so, so every round
+measures each distinct plan and the same minutes buy more rounds. Each overhead comes with the **90 % interval
+of its median** (a bootstrap over the rounds' paired differences): what the measurement itself can tell apart,
+against which a prediction's 15 % is read.
+
 The median, not the best, of paired differences: a shared VM's speed drifts by ±15 % over minutes, and a
 step's time scatters as much (with glibc's default allocator, ``--allocator default``, also by the page faults
 its heap's history decides, a third of a step's CPU time); the best is the luckiest step, not what a step
@@ -36,7 +42,7 @@ also read from ``torch.cuda.max_memory_allocated``.
 ``--replay`` (CPU) first times the ops full and Megatron-selective replay inside the checkpointed backward against
 the same ops in a forward, by kind, and counts a block step's page faults.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 5] [--allocator retain|default] [--replay] [--cuda]
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 21] [--allocator retain|default] [--replay] [--cuda]
 """
 
 from __future__ import annotations
@@ -50,11 +56,12 @@ from dataclasses import replace as dc_replace
 import torch
 
 from rlhfc.calibrate import measure_host
-from rlhfc.calibrate.recompute import measure_block_ops
+from rlhfc.calibrate.recompute import measure_block_ops, measure_dispatch
 from rlhfc.cost.hardware import device_spec, own_block
 from rlhfc.cost.profile import Profile, model_key
 from rlhfc.passes import recompute_choice as choice
-from rlhfc.passes.recompute_prices import measured_ops, spec_costs, with_measured_ops, with_replay_costs
+from rlhfc.passes.recompute_prices import (measured_dispatch, measured_ops, spec_costs, with_measured_ops,
+                                           with_replay_costs)
 from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, trace_block
 from rlhfc.runtime.models import build_model
 from rlhfc.runtime.allocator import retain_freed_memory
@@ -192,7 +199,7 @@ def _probe_child(spec: dict, seq: int, retain: bool):
     if not retain:
         os.environ["RLHFC_RETAIN_MEMORY"] = "0"
     torch.set_num_threads(1)
-    return measure_host(1), measure_block_ops(spec, 1, seq, 5)
+    return measure_host(1), measure_block_ops(spec, 1, seq, 5), measure_dispatch(spec, 1, seq, 15)
 
 
 #: seconds spent re-running checkpointed blocks' forwards during backward, by the step that timed them
@@ -245,11 +252,22 @@ def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
     return clock() - t, peak
 
 
+def _median_interval(xs: list[float], level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
+    """The ``level`` interval of the median of ``xs`` (a percentile bootstrap, seeded): how far another run of as
+    many rounds could put the measured median."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    tail = (1 - level) / 2
+    return meds[int(tail * draws)], meds[min(draws - 1, int((1 - tail) * draws))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
@@ -270,7 +288,7 @@ def main() -> None:
                         spec["vocab"], 1, args.seq, attn=args.attn)
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
     before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
-    host, own_ops = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None, None)
+    host, own_ops, own_call = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None,) * 3
     dev = device_spec("cpu", Profile("cpu", "here", 1, host)) if not args.cuda else None
     kinds = before
     if dev is not None:
@@ -278,21 +296,24 @@ def main() -> None:
         ops = reprice(trace, dev.peak_flops * dev.train_eff, {k: dev.hbm_bw * dev.mem_eff * e for k, e in dev.kind_eff})
         kinds = with_replay_costs(ops, **spec_costs(dev))
         # what `rlhfc profile` now measures with the program: each forward op of this block at its shape (one row of
-        # --seq tokens), CPU time; priced as the recompute pass prices with it (the checkpoint's costs as before)
+        # --seq tokens), CPU time, and a selective checkpoint's cost per call there; priced as the recompute pass
+        # prices with them (the checkpoint's cost per block from the tiny block, as before)
         key = model_key(full_spec)
-        dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops)),))
-        trace = with_measured_ops(kinds, kinds, measured_ops(dev, key)[2])    # at its own shape: the measured times
+        tiny = with_measured_ops(kinds, kinds, dict(own_ops))          # session 12's: the tiny block's call rate
+        dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops, ckpt_op_s=own_call)),))
+        own = with_replay_costs(ops, **dict(spec_costs(dev), ckpt_op_s=measured_dispatch(dev, key)))
+        trace = with_measured_ops(own, own, measured_ops(dev, key)[2])    # at its own shape: the measured times
         print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
               "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)
               + "; fresh outputs (ps/byte by MiB): "
               + ", ".join(f"{int(n) >> 20}: {r * 1e12:.0f}" for n, r in dev.fresh_s_per_byte)
               + f"; checkpoint, tiny block: {dev.ckpt_region_s * 1e3:.2f} ms a block + {dev.ckpt_op_s * 1e6:.1f} us "
-              f"an op dispatched")
+              f"an op dispatched; at this block's shape {own_call * 1e6:.1f} us a call")
         print(f"# this block at 1 x {args.seq}: forward ops {sum(own_ops.values()) * 1e3:.1f} ms (priced at the "
               f"probes' kind rates and fresh outputs: {kinds.forward_s * 1e3:.1f}; {len(trace.nodes)} ops, "
               f"{choice._cut(trace) + 1} replayed up to the last that saves)")
     else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
-        trace = before
+        trace = tiny = before
     sel = choice.selective(trace)
     if args.replay and not args.cuda:
         _replay_vs_forward(block, bargs, bkw, trace, op_times, {"full": choice.full(trace), "selective": sel})
@@ -306,20 +327,26 @@ def main() -> None:
             runs.append((f"torch-greedy {frac:g}x sel", choice.greedy(trace, budget)))
     print(f"# llama {spec['layers']} x {spec['hidden']}, seq {args.seq}, attn {args.attn}, {device}, "
           f"{args.threads} thread(s); plain autograd keeps {trace.autograd_bytes / 2**20:.1f} MiB per block")
+    # one measurement per distinct plan: a later row choosing the same plan (or `none`'s) says so and shares it
+    first: dict[tuple, str] = {}
+    same = {label: first.setdefault((ch.policy, frozenset(ch.save)), label) for label, ch in runs}
+    measured_runs = [(label, ch) for label, ch in runs if same[label] == label]
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
-          "(median of paired differences; quartiles) | replays timed (median; quartiles) | predicted (profile "
-          "prices) | predicted at kind rates (before) |" + (" cuda peak |" if args.cuda else ""))
+          "(median of paired differences; its 90 % interval) | replays timed (median; quartiles) | predicted (profile "
+          "prices) | predicted, the tiny block's call rate (before) |" + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks, ch_of = {}, {label: [] for label, _ in runs}, {}, dict(runs)
-    for label, ch in runs:
-        apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
-        _, kept[label] = kept_activation_bytes(block, *bargs, **bkw)
-        _step_seconds(model, batch, args.cuda)                       # warm-up
+    for _ in range(2):                    # warm-up: a process's first steps run slow (its heap and caches settle)
+        for label, ch in measured_runs:
+            apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
+            if label not in kept:
+                _, kept[label] = kept_activation_bytes(block, *bargs, **bkw)
+            _step_seconds(model, batch, args.cuda)
     plain = {"policy": "none"}
     diffs = {label: [] for label, _ in runs}
     replays = {label: [] for label, _ in runs}
     for r in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
-        for label, ch in runs[1:]:
+        for label, ch in measured_runs[1:]:
             # each policy's step right beside a step of `none`, in turn: the overhead is the median of these paired
             # differences, so a machine whose speed drifts over minutes (other tenants' load) shifts both sides of a
             # pair alike (medians of separate rounds moved the overhead by the drift of `none`'s own median)
@@ -336,25 +363,33 @@ def main() -> None:
                 if name == label:
                     replays[label].append(_REPLAY["seconds"])
             diffs[label].append(pair[label] - pair["none"])
+    within, resolved, distinct = 0, 0, 0
     for label, _ in runs:
-        step = statistics.median(steps[label])
-        measured = statistics.median(diffs[label]) if diffs[label] else 0.0
-        q = statistics.quantiles(diffs[label], n=4) if len(diffs[label]) >= 2 else [measured, measured, measured]
-        ch = ch_of[label]
+        ch, src = ch_of[label], same[label]
+        step = statistics.median(steps[src])
+        measured = statistics.median(diffs[src]) if diffs[src] else 0.0
+        lo, hi = _median_interval(diffs[src]) if diffs[src] else (measured, measured)
         predicted = ch.recompute_s * spec["layers"]
-        old = (choice.price(kinds, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
-
-        rep = statistics.median(replays[label]) if replays[label] else 0.0
-        rq = statistics.quantiles(replays[label], n=4) if len(replays[label]) >= 2 else [rep, rep, rep]
+        old = (choice.price(tiny, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
+        rep = statistics.median(replays[src]) if replays[src] else 0.0
+        rq = statistics.quantiles(replays[src], n=4) if len(replays[src]) >= 2 else [rep, rep, rep]
 
         def err(x):
             return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
 
-        print(f"| {label} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[label] / 2**20:.2f} MiB | {step:.3f} "
-              f"({min(steps[label]):.3f}–{max(steps[label]):.3f}) | {measured * 1e3:+.0f} ms ({q[0] * 1e3:+.0f} to {q[2] * 1e3:+.0f}) | "
-              f"{rep * 1e3:.0f} ms ({rq[0] * 1e3:.0f} to {rq[2] * 1e3:.0f}) | "
+        if src == label and ch.policy != "none" and measured > 0:
+            distinct += 1
+            within += abs(predicted - measured) <= 0.15 * measured
+            resolved += (hi - lo) / 2 <= 0.15 * measured
+        note = f" (the plan of {src})" if src != label else ""
+        print(f"| {label}{note} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[src] / 2**20:.2f} MiB | {step:.3f} "
+              f"({min(steps[src] or [step]):.3f}–{max(steps[src] or [step]):.3f}) | {measured * 1e3:+.0f} ms "
+              f"({lo * 1e3:+.0f} to {hi * 1e3:+.0f}) | {rep * 1e3:.0f} ms ({rq[0] * 1e3:.0f} to {rq[2] * 1e3:.0f}) | "
               f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
-              + (f" {peaks[label] / 2**20:.0f} MiB |" if args.cuda else ""))
+              + (f" {peaks[src] / 2**20:.0f} MiB |" if args.cuda else ""))
+    print(f"# {args.repeat} rounds; distinct plans with recomputation: {distinct}; predicted within 15 % of the "
+          f"measured median: {within} of {distinct}; measured to ±15 % (half the 90 % interval within 15 % of the "
+          f"median): {resolved} of {distinct}")
     apply_recompute(model, None)
 
 

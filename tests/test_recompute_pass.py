@@ -142,7 +142,7 @@ def test_profiled_replay_costs_reach_the_pass(tmp_path):
     from rlhfc.cost.profile import Profile, model_key
     from rlhfc.passes import recompute_choice as choice
     from rlhfc.passes.recompute import RecomputePass, replay_spec, stage_trace
-    from rlhfc.passes.recompute_prices import measured_ops
+    from rlhfc.passes.recompute_prices import measured_dispatch, measured_ops
 
     host = {"matmul_flops_1": 50e9, "copy_bw": 8e9, "kind_bw": {"softmax": 2e9},
             "recompute": {"fresh_s_per_byte": [[1 << 20, 0.0]], "ckpt_region_s": 0.5, "ckpt_op_s": 0.01}}
@@ -172,5 +172,16 @@ def test_profiled_replay_costs_reach_the_pass(tmp_path):
         assert got[mm.key] == pytest.approx(factor * mm.seconds, rel=0.02)
         assert all(got[n.key] == n.seconds for n in trace.nodes if n.key != mm.key)
         assert (again.ckpt_op_s, again.ckpt_region_s) == (0.01, 0.5)
+    # a selective checkpoint's cost per call, measured on the same block at its shape, replaces the host's rate
+    # for that model's stages only (the tiny block's per-block cost stays)
+    models = {actor: {"recompute": {"rows": trace.rows, "seq": trace.seq, "op_s": {mm.key: mm.seconds},
+                                    "ckpt_op_s": 0.03}}}
+    spec = device_spec("cpu", Profile("cpu", "test", 1, host, models, {}))
+    assert measured_dispatch(spec, actor) == 0.03 and measured_dispatch(spec, "other") is None
+    own = stage_trace(module, stage, rates=spec)[0]
+    assert (own.ckpt_op_s, own.ckpt_region_s) == (0.03, 0.5)
+    assert choice.selective(own).recompute_s == pytest.approx(
+        choice.selective(trace).recompute_s + 0.02 * (len(trace.nodes) + cut + 1), rel=1e-3)
+    assert choice.full(own).recompute_s == pytest.approx(choice.full(trace).recompute_s, rel=1e-9)
     with pytest.raises(CompileError, match="recompute: "):
         replay_spec(_module(), str(tmp_path / "missing.json"))

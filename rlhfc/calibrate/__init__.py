@@ -381,7 +381,8 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     (``{model key: (rows, seq)}``, :func:`rlhfc.cost.profile.model_key`; on a CPU): the micro-batch each trained
     model's block trains at; each op of that block's forward is timed there (the model's ``recompute`` entry,
     :func:`.recompute.measure_block_ops`), which the recompute pass prices a replay with rather than the host's
-    kind rates."""
+    kind rates, and what a selective checkpoint adds per aten call there (:func:`.recompute.measure_dispatch`),
+    rather than the host's tiny-block rate."""
     _set_passive_waits()
     import torch
 
@@ -429,12 +430,14 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
                                          pause=pause)
         shape = (train_shapes or {}).get(key)
         if shape and device == "cpu":   # what a replay of its block costs: each op, on that block at its shape
-            from rlhfc.calibrate.recompute import measure_block_ops
+            from rlhfc.calibrate.recompute import measure_block_ops, measure_dispatch
 
             rows, seq = int(shape[0]), int(shape[1])
             ops = measure_block_ops(spec, rows, seq, 3 if quick else 5)
-            prof.models[key]["recompute"] = dict(rows=rows, seq=seq, op_s=ops)
-            log(f"  its block's forward at {rows} x {seq} tokens: {len(ops)} ops, {sum(ops.values()) * 1e3:.2f} ms")
+            op_s = measure_dispatch(spec, rows, seq, 7 if quick else 15)
+            prof.models[key]["recompute"] = dict(rows=rows, seq=seq, op_s=ops, ckpt_op_s=op_s)
+            log(f"  its block's forward at {rows} x {seq} tokens: {len(ops)} ops, {sum(ops.values()) * 1e3:.2f} ms; "
+                f"a selective checkpoint's call {op_s * 1e6:.1f} us")
         if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
             prof.models[key]["vllm"] = measure_vllm(spec, count, device=device, quick=quick, reps=3 if quick else reps,
                                                     copy_bw=float(prof.host.get("copy_bw", 0.0)), log=log)

@@ -163,6 +163,68 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     return {"ckpt_op_s": max(0.0, statistics.median(per_op)), "ckpt_region_s": max(0.0, statistics.median(region))}
 
 
+def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 15) -> float:
+    """CPU seconds per aten call that a selective checkpoint adds to a forward of one block of ``spec`` (the
+    program's model) at ``rows x seq`` tokens, one thread: the block's forward under the runtime's selective
+    checkpoint keeping every allocating op's output, against the same forward without a checkpoint, paired
+    (which goes first alternates), the median of ``reps`` differences over the calls its policy sees.
+
+    The recompute pass prices every call a selective policy dispatches (the forward's and the replay's) at this
+    rate for this model instead of the host's tiny-block rate (:func:`measure_checkpoint`): the same Python per
+    call costs more beside a large block's tensors — on the 2-core VM of docs/benchmarks.md 94-142 us a call on
+    a 256-wide llama block at 1024 tokens (whatever it kept, nothing to every allocating output) against
+    50-67 us on the tiny block, and a 6-block model's selective plans came out 12-13 ms a block dearer than the
+    tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over seconds:
+    15 pairs read it to a few us a call; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from rlhfc.runtime.recompute import _selective_context, op_key
+
+    model, block, args, kwargs = _block_at(spec, rows, seq)
+    counts: dict = {}
+    keys, allocating = [], []
+
+    class Calls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            out = func(*a, **(kw or {}))
+            key = op_key(func, counts.get(func, 0))
+            counts[func] = counts.get(func, 0) + 1
+            keys.append(key)
+            ins = {t.untyped_storage().data_ptr() for t in a if isinstance(t, torch.Tensor)}
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in ins:
+                allocating.append(key)
+            return out
+
+    with Calls():
+        block(*args, **kwargs)
+    save = frozenset(allocating)
+
+    def forward(selective: bool) -> float:
+        start = time.process_time()
+        if selective:
+            out = checkpoint(block.forward, *args, use_reentrant=False,
+                             context_fn=lambda: _selective_context(save), **kwargs)
+        else:
+            out = block(*args, **kwargs)
+        del out
+        return time.process_time() - start
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(2):                                   # warm-up
+            forward(False), forward(True)
+        diffs = []
+        for i in range(max(3, reps)):
+            t = {sel: forward(sel) for sel in ((True, False) if i % 2 else (False, True))}
+            diffs.append(t[True] - t[False])
+    finally:
+        torch.set_num_threads(old)
+    return max(0.0, statistics.median(diffs)) / max(1, len(keys))
+
+
 def _model_and_batch(spec: dict, rows: int, seq: int):
     """(a seeded model of ``spec`` in training mode, token ids, attention mask): a micro-batch of ``rows x seq``
     tokens whose first row is left-padded, as generation leaves them."""

@@ -72,9 +72,9 @@ class DeviceSpec:
     fresh_s_per_byte: tuple = field(default=())
     ckpt_region_s: float = 0.0
     ckpt_op_s: float = 0.0
-    #: the forward op times a profile measured on a program's own blocks at their training shapes,
-    #: ``((model key, rows, seq, ((op key, CPU s), ...)), ...)``: what the recompute pass prices that model's
-    #: replay with (rlhfc.passes.recompute_prices.measured_ops)
+    #: the forward op times a profile measured on a program's own blocks at their training shapes, and what a
+    #: selective checkpoint's call cost there: ``((model key, rows, seq, ((op key, CPU s), ...), s a call), ...)``,
+    #: what the recompute pass prices that model's replay with (rlhfc.passes.recompute_prices.measured_ops)
     block_ops: tuple = field(default=())
 
     @property
@@ -119,8 +119,11 @@ CATALOG: dict[str, DeviceSpec] = {
 
 
 def own_block(key: str, rc: dict) -> tuple:
-    """A :attr:`DeviceSpec.block_ops` entry from a profile model's ``recompute`` section."""
-    return (key, int(rc["rows"]), int(rc["seq"]), tuple(sorted((str(k), float(v)) for k, v in rc["op_s"].items())))
+    """A :attr:`DeviceSpec.block_ops` entry from a profile model's ``recompute`` section: ``(model key, rows,
+    seq, ((op key, CPU s), ...), s per selective-checkpoint call or None)`` (profiles before that probe lack it)."""
+    op_s = rc.get("ckpt_op_s")
+    return (key, int(rc["rows"]), int(rc["seq"]), tuple(sorted((str(k), float(v)) for k, v in rc["op_s"].items())),
+            None if op_s is None else float(op_s))
 
 
 def device_spec(kind: str, profile=None) -> DeviceSpec:

@@ -119,7 +119,7 @@ def stage_trace(module: Module, stage, cm=None, rates=None):
     from rlhfc.cost.model import hw_numbers
     from rlhfc.cost.profile import model_key
 
-    from .recompute_prices import measured_ops, spec_costs, with_measured_ops, with_replay_costs
+    from .recompute_prices import measured_dispatch, measured_ops, spec_costs, with_measured_ops, with_replay_costs
     from .recompute_trace import trace_block
 
     cm = cm or CostModel(module)
@@ -139,6 +139,9 @@ def stage_trace(module: Module, stage, cm=None, rates=None):
     # what the replay pays beyond the ops' work (fresh outputs, the checkpoint itself): measured by a profile
     key = model_key(model)
     costs = spec_costs(spec)
+    own_call = measured_dispatch(spec, key)
+    if own_call is not None:   # a selective checkpoint's call, measured on this model's block at its shape
+        costs["ckpt_op_s"] = own_call
     trace = with_replay_costs(trace_block(*dims, rows, seq, **prices), **costs)
     own = measured_ops(spec, key)
     if own is not None:   # the ops as measured on this block at its training shape (`rlhfc profile` with the program)

@@ -13,7 +13,9 @@ block's forward misses is:
   settings, so there the rate comes out near zero; with ``RLHFC_RETAIN_MEMORY=0`` it is glibc's;
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
-  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`).
+  and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`, on a
+  tiny block; per call, where a profile measured it on the model's own block at its training shape,
+  :func:`measured_dispatch`, that rate: it grows with the block).
 
 :func:`with_replay_costs` puts both on a trace (op seconds and the trace's fixed costs, which
 :func:`rlhfc.passes.recompute_choice.price` adds per policy). A per-kind rate fitted from a whole block forward
@@ -72,9 +74,19 @@ def spec_costs(spec) -> dict:
 def measured_ops(spec, model: str | None):
     """``(rows, seq, ((op key, CPU s), ...))``: the forward op times a profile measured on ``model``'s own block
     at its training shape (``spec.block_ops``, by profile key), or None."""
-    for key, rows, seq, ops in getattr(spec, "block_ops", ()):
+    for key, rows, seq, ops, *_ in getattr(spec, "block_ops", ()):
         if key == model and ops:
             return rows, seq, ops
+    return None
+
+
+def measured_dispatch(spec, model: str | None) -> float | None:
+    """Seconds a call a selective checkpoint adds, as a profile measured it on ``model``'s own block at its
+    training shape (:func:`rlhfc.calibrate.recompute.measure_dispatch`), or None (then the host's tiny-block rate,
+    ``spec.ckpt_op_s``, prices it)."""
+    for key, _rows, _seq, _ops, *rest in getattr(spec, "block_ops", ()):
+        if key == model and rest and rest[0] is not None:
+            return float(rest[0])
     return None
 
 

@@ -115,6 +115,7 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
         own = v["recompute"]
         assert own["rows"] >= 1 and 2 <= own["seq"] <= 48 and len(own["op_s"]) > 10
         assert any(k.startswith("mm.default#") for k in own["op_s"]) and all(t >= 0 for t in own["op_s"].values())
+        assert 0 < own["ckpt_op_s"] < 1e-3           # a selective checkpoint's call, on that block at that shape
     code = main(["explain", str(src), "-O1", "--profile", str(out), "--format", "json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err

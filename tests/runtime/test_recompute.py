@@ -208,9 +208,9 @@ def test_recompute_choice_follows_replay_costs():
 def test_checkpoint_costs_are_measured():
     """The profile's checkpoint probe (the runtime's own selective and full checkpoints on a tiny block, or on
     another block at another shape) and its fresh-output probe give non-negative seconds, per aten call a
-    selective policy dispatches and per byte; the block probe times every op of a block's forward by the keys
+    selective policy dispatches (also on the program's own block at its shape) and per byte; the block probe times every op of a block's forward by the keys
     the runtime's checkpoint policy names them (what the trace prices)."""
-    from rlhfc.calibrate.recompute import measure_block_ops, measure_checkpoint, measure_fresh_bytes
+    from rlhfc.calibrate.recompute import measure_block_ops, measure_checkpoint, measure_dispatch, measure_fresh_bytes
 
     costs = measure_checkpoint(reps=2)
     assert set(costs) == {"ckpt_op_s", "ckpt_region_s"}
@@ -219,6 +219,7 @@ def test_checkpoint_costs_are_measured():
     own = measure_checkpoint(2, gpt2, rows=2, seq=24)
     assert set(own) == {"ckpt_op_s", "ckpt_region_s"}
     assert 0 < own["ckpt_op_s"] < 1e-3 and 0 <= own["ckpt_region_s"] < 0.1
+    assert 0 < measure_dispatch(gpt2, 2, 24, reps=3) < 1e-3     # a selective checkpoint's call, on that block
     ops = measure_block_ops(gpt2, 2, 24, reps=2)
     m = build_model(gpt2).spec
     trace = trace_block("gpt2", m["hidden"], m["heads"], m["kv_heads"], m["ffn"], m["vocab"], 2, 24, attn=m["attn"])
