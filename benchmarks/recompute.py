@@ -301,7 +301,7 @@ def main() -> None:
         key = model_key(full_spec)
         tiny = with_measured_ops(kinds, kinds, dict(own_ops))          # session 12's: the tiny block's call rate
         dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops, ckpt_op_s=own_call)),))
-        own = with_replay_costs(ops, **dict(spec_costs(dev), ckpt_op_s=measured_dispatch(dev, key)))
+        own = with_replay_costs(ops, **spec_costs(dev), ckpt_forward_op_s=measured_dispatch(dev, key))
         trace = with_measured_ops(own, own, measured_ops(dev, key)[2])    # at its own shape: the measured times
         print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
               "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)

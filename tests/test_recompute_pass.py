@@ -172,16 +172,16 @@ def test_profiled_replay_costs_reach_the_pass(tmp_path):
         assert got[mm.key] == pytest.approx(factor * mm.seconds, rel=0.02)
         assert all(got[n.key] == n.seconds for n in trace.nodes if n.key != mm.key)
         assert (again.ckpt_op_s, again.ckpt_region_s) == (0.01, 0.5)
-    # a selective checkpoint's cost per call, measured on the same block at its shape, replaces the host's rate
-    # for that model's stages only (the tiny block's per-block cost stays)
+    # a selective checkpoint's cost per forward call, measured on the same block at its shape, replaces the host's
+    # rate for that model's forward calls only (the replay's calls and the per-block cost stay the host's)
     models = {actor: {"recompute": {"rows": trace.rows, "seq": trace.seq, "op_s": {mm.key: mm.seconds},
                                     "ckpt_op_s": 0.03}}}
     spec = device_spec("cpu", Profile("cpu", "test", 1, host, models, {}))
     assert measured_dispatch(spec, actor) == 0.03 and measured_dispatch(spec, "other") is None
     own = stage_trace(module, stage, rates=spec)[0]
-    assert (own.ckpt_op_s, own.ckpt_region_s) == (0.03, 0.5)
+    assert (own.ckpt_forward_op_s, own.ckpt_op_s, own.ckpt_region_s) == (0.03, 0.01, 0.5)
     assert choice.selective(own).recompute_s == pytest.approx(
-        choice.selective(trace).recompute_s + 0.02 * (len(trace.nodes) + cut + 1), rel=1e-3)
+        choice.selective(trace).recompute_s + 0.02 * len(trace.nodes), rel=1e-3)
     assert choice.full(own).recompute_s == pytest.approx(choice.full(trace).recompute_s, rel=1e-9)
     with pytest.raises(CompileError, match="recompute: "):
         replay_spec(_module(), str(tmp_path / "missing.json"))

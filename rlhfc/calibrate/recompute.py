@@ -169,13 +169,13 @@ def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, rep
     checkpoint keeping every allocating op's output, against the same forward without a checkpoint, paired
     (which goes first alternates), the median of ``reps`` differences over the calls its policy sees.
 
-    The recompute pass prices every call a selective policy dispatches (the forward's and the replay's) at this
-    rate for this model instead of the host's tiny-block rate (:func:`measure_checkpoint`): the same Python per
-    call costs more beside a large block's tensors — on the 2-core VM of docs/benchmarks.md 94-142 us a call on
-    a 256-wide llama block at 1024 tokens (whatever it kept, nothing to every allocating output) against
-    50-67 us on the tiny block, and a 6-block model's selective plans came out 12-13 ms a block dearer than the
-    tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over seconds:
-    15 pairs read it to a few us a call; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
+    The recompute pass prices the forward's calls of this model's selective checkpoints at this rate instead of
+    the host's tiny-block rate (:func:`measure_checkpoint`; the replay's calls stay at that): the same Python
+    per call costs more beside a large block's tensors — on the 2-core VM of docs/benchmarks.md 94-176 us a
+    call on a 256-wide llama block at 1024 tokens (whatever it kept, from nothing to every allocating output)
+    against 50-67 us on the tiny block, and a 6-block model's selective plans came out 12-15 ms a block dearer
+    than the tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over
+    seconds; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint

@@ -140,8 +140,8 @@ def stage_trace(module: Module, stage, cm=None, rates=None):
     key = model_key(model)
     costs = spec_costs(spec)
     own_call = measured_dispatch(spec, key)
-    if own_call is not None:   # a selective checkpoint's call, measured on this model's block at its shape
-        costs["ckpt_op_s"] = own_call
+    if own_call is not None:   # a selective checkpoint's forward call, measured on this model's block at its shape
+        costs["ckpt_forward_op_s"] = own_call
     trace = with_replay_costs(trace_block(*dims, rows, seq, **prices), **costs)
     own = measured_ops(spec, key)
     if own is not None:   # the ops as measured on this block at its training shape (`rlhfc profile` with the program)

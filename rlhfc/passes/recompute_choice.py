@@ -10,7 +10,8 @@ checkpoint's early stop). So, per block and micro-batch, with the ops ``o_1 .. o
   saves, ``autograd_bytes``);
 - time added: ``sum(seconds(o_i) for i <= c if o_i not in S)`` plus the checkpoint's own cost (measured:
   :mod:`rlhfc.passes.recompute_prices`): ``ckpt_region_s`` for any checkpointed block, and for a selective one
-  (S not empty) ``ckpt_op_s`` per aten call its policy sees (the ``n`` of the forward and the ``c + 1`` of the
+  (S not empty) ``ckpt_op_s`` per aten call its policy sees (the ``n`` of the forward — at
+  ``ckpt_forward_op_s`` where a profile measured that on the model's own block — and the ``c + 1`` of the
   replay) — a cost ``full`` does not pay, so keeping a few small outputs can cost more than keeping none.
 
 Policies:
@@ -59,7 +60,8 @@ def price(trace: BlockTrace, save: set[str] | None) -> Choice:
     cut = _cut(trace)
     kept = tuple(n.key for n in trace.nodes if n.key in save)
     rerun = [n for i, n in enumerate(trace.nodes) if i <= cut and n.key not in save]
-    fixed = trace.ckpt_region_s + (trace.ckpt_op_s * (len(trace.nodes) + cut + 1) if kept else 0.0)
+    forward_op_s = trace.ckpt_op_s if trace.ckpt_forward_op_s is None else trace.ckpt_forward_op_s
+    fixed = trace.ckpt_region_s + (forward_op_s * len(trace.nodes) + trace.ckpt_op_s * (cut + 1) if kept else 0.0)
     return Choice("ops" if kept else "full", kept, sum(n.bytes for n in trace.nodes if n.key in save),
                   sum(n.seconds for n in rerun) + fixed, tuple(n.key for n in rerun if n.bytes))
 

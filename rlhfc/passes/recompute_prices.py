@@ -14,8 +14,8 @@ block's forward misses is:
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward
   and of the replay up to the last op that saves (:func:`rlhfc.calibrate.recompute.measure_checkpoint`, on a
-  tiny block; per call, where a profile measured it on the model's own block at its training shape,
-  :func:`measured_dispatch`, that rate: it grows with the block).
+  tiny block; the forward's calls, where a profile measured them on the model's own block at its training
+  shape, :func:`measured_dispatch`, at that rate: it grows with the block).
 
 :func:`with_replay_costs` puts both on a trace (op seconds and the trace's fixed costs, which
 :func:`rlhfc.passes.recompute_choice.price` adds per policy). A per-kind rate fitted from a whole block forward
@@ -47,22 +47,25 @@ def fresh_seconds(nbytes: float, curve) -> float:
 _PRICED: dict[tuple, tuple] = {}
 
 
-def with_replay_costs(trace: BlockTrace, fresh=(), ckpt_op_s: float = 0.0, ckpt_region_s: float = 0.0) -> BlockTrace:
+def with_replay_costs(trace: BlockTrace, fresh=(), ckpt_op_s: float = 0.0, ckpt_region_s: float = 0.0,
+                      ckpt_forward_op_s: float | None = None) -> BlockTrace:
     """``trace`` with each allocating op's fresh-output cost added to its seconds, and the checkpoint's
     fixed costs recorded (see the module docstring); the same object for the same inputs."""
-    key = (id(trace), tuple(map(tuple, fresh)), float(ckpt_op_s), float(ckpt_region_s))
+    key = (id(trace), tuple(map(tuple, fresh)), float(ckpt_op_s), float(ckpt_region_s), ckpt_forward_op_s)
     if key not in _PRICED:
         if len(_PRICED) > 1024:
             _PRICED.clear()
-        _PRICED[key] = (trace, _priced(trace, fresh, ckpt_op_s, ckpt_region_s))   # the input kept: its id stays its own
+        _PRICED[key] = (trace, _priced(trace, fresh, ckpt_op_s, ckpt_region_s, ckpt_forward_op_s))   # the input
+        # kept: its id stays its own
     return _PRICED[key][1]
 
 
-def _priced(trace: BlockTrace, fresh, ckpt_op_s: float, ckpt_region_s: float) -> BlockTrace:
+def _priced(trace: BlockTrace, fresh, ckpt_op_s: float, ckpt_region_s: float, ckpt_forward_op_s) -> BlockTrace:
     nodes = tuple(replace(n, seconds=n.seconds + fresh_seconds(n.bytes, fresh)) if n.bytes else n
                   for n in trace.nodes)
     return replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes), ckpt_op_s=float(ckpt_op_s),
-                   ckpt_region_s=float(ckpt_region_s))
+                   ckpt_region_s=float(ckpt_region_s),
+                   ckpt_forward_op_s=None if ckpt_forward_op_s is None else float(ckpt_forward_op_s))
 
 
 def spec_costs(spec) -> dict:
@@ -81,9 +84,11 @@ def measured_ops(spec, model: str | None):
 
 
 def measured_dispatch(spec, model: str | None) -> float | None:
-    """Seconds a call a selective checkpoint adds, as a profile measured it on ``model``'s own block at its
-    training shape (:func:`rlhfc.calibrate.recompute.measure_dispatch`), or None (then the host's tiny-block rate,
-    ``spec.ckpt_op_s``, prices it)."""
+    """Seconds a call a selective checkpoint adds to a forward, as a profile measured it on ``model``'s own
+    block at its training shape (:func:`rlhfc.calibrate.recompute.measure_dispatch`), or None (then the host's
+    tiny-block rate, ``spec.ckpt_op_s``, prices it). The replay's calls stay at the host's rate: in the
+    benchmark's 6-block model the replays, timed directly, cost their ops plus about that rate a call, while its
+    forwards paid the block's rate (docs/benchmarks.md, "Recompute selection")."""
     for key, _rows, _seq, _ops, *rest in getattr(spec, "block_ops", ()):
         if key == model and rest and rest[0] is not None:
             return float(rest[0])

@@ -62,7 +62,8 @@ class BlockTrace:
     """The traced block: its ops in forward order, and ``autograd_bytes`` (what plain autograd keeps, block
     inputs and weights excluded), ``input_bytes`` (the hidden-state input, kept under every policy);
     ``ckpt_region_s`` / ``ckpt_op_s``: what a checkpointed block pays beyond its replayed ops, per block and
-    per aten call a selective checkpoint dispatches (:mod:`rlhfc.passes.recompute_prices`; 0 unless priced)."""
+    per aten call a selective checkpoint dispatches (:mod:`rlhfc.passes.recompute_prices`; 0 unless priced);
+    ``ckpt_forward_op_s``: per call of the forward's, where measured on the model's own block (else ``ckpt_op_s``)."""
 
     arch: str
     rows: int
@@ -74,6 +75,7 @@ class BlockTrace:
     notes: tuple[str, ...] = field(default=())
     ckpt_region_s: float = 0.0
     ckpt_op_s: float = 0.0
+    ckpt_forward_op_s: float | None = None
 
 
 def _hf_block(arch: str, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, attn: str):
