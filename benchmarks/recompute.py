@@ -17,11 +17,12 @@ them) — the benchmark measures:
   recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in this
   process at one thread: each op of this block's forward timed on it at its shape,
   :func:`rlhfc.calibrate.recompute.measure_block_ops` — a replay costs what the forward does — plus the
-  checkpoint's own costs, :func:`rlhfc.calibrate.recompute.measure_checkpoint`; :mod:`rlhfc.passes.recompute_prices`)
-  and, for comparison, **kind rates** (the pricing before: each op by its kind at the host probes' rates —
-  matmul FLOP/s, the bytes/s of softmax, elementwise and copy ops — plus the fresh-output cost of every
-  replayed op that allocates 32 MiB or more, :func:`rlhfc.calibrate.recompute.measure_fresh_bytes`, and the
-  same checkpoint costs). rlhfc's choices are made on the profile prices.
+  checkpoint's own costs: per block, and per call of the replay, the host's tiny-block probe,
+  :func:`rlhfc.calibrate.recompute.measure_checkpoint`; per call of the forward, the same block's at its shape,
+  :func:`rlhfc.calibrate.recompute.measure_dispatch`; :mod:`rlhfc.passes.recompute_prices`) and, for comparison,
+  **the tiny block's call rate** (the pricing before session 13: the same, with the forward's calls at the
+  host's tiny-block rate too). rlhfc's choices are made on the profile prices. (The kind-rate pricing before
+  session 11 — each op by its kind at the host probes' rates — is in docs/benchmarks.md's earlier tables.)
 
 Two budgets often choose the same plan (rlhfc's knapsack and the greedy ranking at ½ or ¼, rlhfc at
 selective's budget and ``none`` with sdpa): a plan is measured once and its other rows say so, so every round

@@ -173,7 +173,7 @@ def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, rep
     the host's tiny-block rate (:func:`measure_checkpoint`; the replay's calls stay at that): the same Python
     per call costs more beside a large block's tensors — on the 2-core VM of docs/benchmarks.md 94-176 us a
     call on a 256-wide llama block at 1024 tokens (whatever it kept, from nothing to every allocating output)
-    against 50-67 us on the tiny block, and a 6-block model's selective plans came out 12-15 ms a block dearer
+    against 50-90 us on the tiny block, and a 6-block model's selective plans came out 12-15 ms a block dearer
     than the tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over
     seconds; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
     import torch
