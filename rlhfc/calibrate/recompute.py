@@ -116,20 +116,12 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     cost its ops' forward time plus 1-2 ms a block, as on the tiny block.
     """
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlhfc.runtime.recompute import apply_recompute, op_key
+    from rlhfc.runtime.recompute import apply_recompute
 
     model, block, args, kwargs = _block_at(spec, rows, seq)
-    seen, keys = {"k": kwargs}, []
-
-    class Calls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            keys.append(op_key(func, sum(k.startswith(str(func)[5:] + "#") for k in keys)))
-            return func(*a, **(kw or {}))
-
-    with Calls():
-        block(*args, **seen["k"])
+    seen = {"k": kwargs}
+    keys, _ = _calls(block, args, kwargs)
 
     def step():
         block(*args, **seen["k"])[0].sum().backward()
@@ -163,26 +155,14 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     return {"ckpt_op_s": max(0.0, statistics.median(per_op)), "ckpt_region_s": max(0.0, statistics.median(region))}
 
 
-def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 15) -> float:
-    """CPU seconds per aten call that a selective checkpoint adds to a forward of one block of ``spec`` (the
-    program's model) at ``rows x seq`` tokens, one thread: the block's forward under the runtime's selective
-    checkpoint keeping every allocating op's output, against the same forward without a checkpoint, paired
-    (which goes first alternates), the median of ``reps`` differences over the calls its policy sees.
-
-    The recompute pass prices the forward's calls of this model's selective checkpoints at this rate instead of
-    the host's tiny-block rate (:func:`measure_checkpoint`; the replay's calls stay at that): the same Python
-    per call costs more beside a large block's tensors — on the 2-core VM of docs/benchmarks.md 94-176 us a
-    call on a 256-wide llama block at 1024 tokens (whatever it kept, from nothing to every allocating output)
-    against 50-90 us on the tiny block, and a 6-block model's selective plans came out 12-15 ms a block dearer
-    than the tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over
-    seconds; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
+def _calls(block, args, kwargs) -> tuple[list[str], list[str]]:
+    """(the keys of every aten call of one forward of ``block``, in order, as the runtime's selective policy names
+    them; the keys of those whose output is a new storage, not a view or an in-place result of an input)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.checkpoint import checkpoint
 
-    from rlhfc.runtime.recompute import _selective_context, op_key
+    from rlhfc.runtime.recompute import op_key
 
-    model, block, args, kwargs = _block_at(spec, rows, seq)
     counts: dict = {}
     keys, allocating = [], []
 
@@ -199,6 +179,29 @@ def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, rep
 
     with Calls():
         block(*args, **kwargs)
+    return keys, allocating
+
+
+def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 15) -> float:
+    """CPU seconds per aten call that a selective checkpoint adds to a forward of one block of ``spec`` (the
+    program's model) at ``rows x seq`` tokens, one thread: the block's forward under the runtime's selective
+    checkpoint keeping every allocating op's output, against the same forward without a checkpoint, paired
+    (which goes first alternates), the median of ``reps`` differences over the calls its policy sees.
+
+    The recompute pass prices the forward's calls of this model's selective checkpoints at this rate instead of
+    the host's tiny-block rate (:func:`measure_checkpoint`; the replay's calls stay at that): the same Python
+    per call costs more beside a large block's tensors — on the 2-core VM of docs/benchmarks.md 94-176 us a
+    call on a 256-wide llama block at 1024 tokens (whatever it kept, from nothing to every allocating output)
+    against 50-90 us on the tiny block, and a 6-block model's selective plans came out 12-15 ms a block dearer
+    than the tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over
+    seconds; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from rlhfc.runtime.recompute import _selective_context
+
+    model, block, args, kwargs = _block_at(spec, rows, seq)
+    keys, allocating = _calls(block, args, kwargs)
     save = frozenset(allocating)
 
     def forward(selective: bool) -> float:

@@ -55,8 +55,8 @@ def with_replay_costs(trace: BlockTrace, fresh=(), ckpt_op_s: float = 0.0, ckpt_
     if key not in _PRICED:
         if len(_PRICED) > 1024:
             _PRICED.clear()
-        _PRICED[key] = (trace, _priced(trace, fresh, ckpt_op_s, ckpt_region_s, ckpt_forward_op_s))   # the input
-        # kept: its id stays its own
+        # the input kept: its id stays its own
+        _PRICED[key] = (trace, _priced(trace, fresh, ckpt_op_s, ckpt_region_s, ckpt_forward_op_s))
     return _PRICED[key][1]
 
 
