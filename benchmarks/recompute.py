@@ -184,23 +184,48 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
             + f"; minor page faults a block step: {faults(ch)} vs {base} without recompute")
 
 
-def _probes(spec: dict, seq: int, retain: bool):
-    """(``rlhfc profile``'s host probes at one thread, this block's forward op times at 1 x ``seq``), taken in a
-    separate process as the profile is (with ``retain`` False, under glibc's default allocator settings): with
-    those settings, run in the measuring process, the probes' large allocations leave its heap holding free
-    memory that its steps then reuse without page faults (a run measured full recomputation
-    at +190 ms instead of +460-500)."""
+def _probes(spec: dict, seq: int, retain: bool, spread: bool = True):
+    """(``rlhfc profile``'s host probes at one thread, with the checkpoint's tiny-block costs the medians over
+    its rounds; this block's recompute entry at 1 x ``seq``: forward op times, a selective checkpoint's call rate;
+    each round's (tiny-block call rate, block call rate, block forward ops) seconds), taken in a separate process
+    as the profile is (with ``retain`` False, under glibc's default allocator settings): with those settings, run
+    in the measuring process, the probes' large allocations leave its heap holding free memory that its steps
+    then reuse without page faults (a run measured full recomputation at +190 ms instead of +460-500).
+
+    With ``spread`` the rounds are spread as ``rlhfc profile`` spreads them
+    (:class:`rlhfc.calibrate.recompute.SpreadProbes`): one first, two between this model's generate, forward and
+    train probes (:func:`rlhfc.calibrate.measure_model` at ``--quick``, one thread), one last; without, one round
+    (what the benchmark takes after its rounds, to show how far the machine's speed moved)."""
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_probe_child, (spec, seq, retain))
+        return pool.apply(_probe_child, (spec, seq, retain, spread))
 
 
-def _probe_child(spec: dict, seq: int, retain: bool):
+def _probe_child(spec: dict, seq: int, retain: bool, spread: bool):
+    from rlhfc.calibrate import measure_model
+    from rlhfc.calibrate.recompute import SpreadProbes
+
     if not retain:
         os.environ["RLHFC_RETAIN_MEMORY"] = "0"
     torch.set_num_threads(1)
-    return measure_host(1), measure_block_ops(spec, 1, seq, 5), measure_dispatch(spec, 1, seq, 15)
+    if not spread:                       # the allocator settings measure_host takes first (a CPU worker's)
+        retain_freed_memory()
+    host = measure_host(1) if spread else {}
+    probes = SpreadProbes({"m": (spec, 1, seq)}, seed=host.get("recompute"))
+    probes.take()
+    if spread:
+        measure_model(dict(spec, head="lm", source=None), 1, quick=True, reps=3, between=probes.middle)
+        probes.take()
+        host["recompute"].update(probes.host_costs())
+    rounds = [(h["ckpt_op_s"], c, sum(o.values())) for h, c, o in
+              zip(probes.host[-len(probes.calls["m"]):], probes.calls["m"], probes.ops["m"])]
+    return host, probes.block("m"), rounds
+
+
+def _rounds(rounds) -> str:
+    return "; ".join(f"tiny {t * 1e6:.0f} us, block {c * 1e6:.0f} us a call, ops {o * 1e3:.1f} ms"
+                     for t, c, o in rounds)
 
 
 #: seconds spent re-running checkpointed blocks' forwards during backward, by the step that timed them
@@ -289,7 +314,8 @@ def main() -> None:
                         spec["vocab"], 1, args.seq, attn=args.attn)
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
     before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
-    host, own_ops, own_call = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None,) * 3
+    host, entry, rounds = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None,) * 3
+    own_ops, own_call = (entry["op_s"], entry["ckpt_op_s"]) if entry else (None, None)
     dev = device_spec("cpu", Profile("cpu", "here", 1, host)) if not args.cuda else None
     kinds = before
     if dev is not None:
@@ -313,6 +339,7 @@ def main() -> None:
         print(f"# this block at 1 x {args.seq}: forward ops {sum(own_ops.values()) * 1e3:.1f} ms (priced at the "
               f"probes' kind rates and fresh outputs: {kinds.forward_s * 1e3:.1f}; {len(trace.nodes)} ops, "
               f"{choice._cut(trace) + 1} replayed up to the last that saves)")
+        print(f"# the recompute probes' {len(rounds)} rounds over the profile (medians kept): " + _rounds(rounds))
     else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
         trace = tiny = before
     sel = choice.selective(trace)
@@ -392,6 +419,9 @@ def main() -> None:
           f"measured median: {within} of {distinct}; measured to ±15 % (half the 90 % interval within 15 % of the "
           f"median): {resolved} of {distinct}")
     apply_recompute(model, None)
+    if not args.cuda:   # how far the machine's speed moved while the rounds ran: the same probes, once, now
+        print("# the probes again, after the rounds: "
+              + _rounds(_probes(spec, args.seq, args.allocator == "retain", spread=False)[2]))
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ def _generate_extras(worker, B: int, P: int, T: int, reps: int, pause: float, sy
 
 
 def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool = False, reps: int = 5,
-                  log=None, extra_threads: tuple = (), pause: float = JOB_PAUSE_S) -> dict:
+                  log=None, extra_threads: tuple = (), pause: float = JOB_PAUSE_S, between=None) -> dict:
     """Time the primitives of one model shape through the runtime's own worker (the calls a job makes:
     ``ModelWorker.generate/logprobs/values/score/train``), see the module docstring.
 
@@ -202,6 +202,8 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
     thread counts to time every point at as well, right after the main count's timing (the same spell of
     machine load: their ratios are the model's own thread speed-up); they go to ``at_threads``. Each timed
     call follows ``pause`` idle seconds, as a job's worker calls follow a wait (:data:`JOB_PAUSE_S`).
+    ``between``: called after the generate probes and after the forward probes (other probes spread over the
+    model's, :class:`.recompute.SpreadProbes`).
     """
     import torch
 
@@ -255,6 +257,9 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             torch.set_num_threads(max(1, threads))
             if log:
                 log(f"  generate: {len(points['generate'])} points")
+            if between:
+                between()
+                torch.set_num_threads(max(1, threads))
         call = {"lm": lambda r: worker.logprobs(r, temperature=1.0), "value": worker.values,
                 "score": worker.score}[head]
         for B in batches:
@@ -268,6 +273,9 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                 timed("forward", [B, S], run_fwd)
         if log:
             log(f"  forward: {len(points['forward'])} points")
+        if between:
+            between()
+            torch.set_num_threads(max(1, threads))
         if head in ("lm", "value"):
             for B in (2, 8, 32) if not quick else (2, 12):
                 for S in seqs:
@@ -409,35 +417,36 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     if device == "cpu":   # a model is measured with the threads its workers run (1 when models share cores)
         for w in workers(module).values():
             worker_threads[w.model] = min(worker_threads.get(w.model, threads), w.threads)
+    todo = []
     for m in module.models.values():
-        if not module.graph.stages_on(m.name):
-            continue
         key = model_key(m)
-        if key in seen:
-            continue
-        seen.add(key)
+        if module.graph.stages_on(m.name) and key not in seen:
+            seen.add(key)
+            todo.append((m, key, {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads,
+                                  "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq,
+                                  "head": m.head, "source": None}))
+    # what a replay of each trained block costs (each op, on that block at its shape) and what a selective
+    # checkpoint adds per call there: in rounds spread over the model probes, medians kept
+    shapes = train_shapes or {}
+    blocks = {key: (spec, int(shapes[key][0]), int(shapes[key][1])) for m, key, spec in todo
+              if key in shapes and m.params <= max_params} if device == "cpu" else {}
+    probes = None
+    if blocks:
+        from rlhfc.calibrate.recompute import SpreadProbes
+
+        probes = SpreadProbes(blocks, quick, seed=prof.host.get("recompute"))
+        probes.take()
+    for m, key, spec in todo:
         if m.params > max_params:
             log(f"model @{m.name} ({key}): {m.params / 1e9:.1f}B parameters is too large to build here; "
                 "its stages use the analytical model")
             continue
-        spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
-                "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head, "source": None}
         log(f"model @{m.name} ({key})")
         count = min(threads, worker_threads.get(m.name, threads))
         prof.models[key] = measure_model(spec, count, device=device, quick=quick, log=log,
                                          reps=min(reps, 3) if quick else reps,   # each after a JOB_PAUSE_S wait
                                          extra_threads=tuple(thread_counts(count, quick)) if device == "cpu" else (),
-                                         pause=pause)
-        shape = (train_shapes or {}).get(key)
-        if shape and device == "cpu":   # what a replay of its block costs: each op, on that block at its shape
-            from rlhfc.calibrate.recompute import measure_block_ops, measure_dispatch
-
-            rows, seq = int(shape[0]), int(shape[1])
-            ops = measure_block_ops(spec, rows, seq, 3 if quick else 5)
-            op_s = measure_dispatch(spec, rows, seq, 7 if quick else 15)
-            prof.models[key]["recompute"] = dict(rows=rows, seq=seq, op_s=ops, ckpt_op_s=op_s)
-            log(f"  its block's forward at {rows} x {seq} tokens: {len(ops)} ops, {sum(ops.values()) * 1e3:.2f} ms; "
-                f"a selective checkpoint's call {op_s * 1e6:.1f} us")
+                                         pause=pause, between=probes.middle if probes else None)
         if vllm_version and any(s.op == "generate" for s in module.graph.stages_on(m.name)):
             prof.models[key]["vllm"] = measure_vllm(spec, count, device=device, quick=quick, reps=3 if quick else reps,
                                                     copy_bw=float(prof.host.get("copy_bw", 0.0)), log=log)
@@ -447,4 +456,12 @@ def run_profile(module, *, threads: int | None = None, quick: bool = False, log=
     if ops:
         prof.compute = measure_compute(ops, threads, reps=reps)
         log(f"compute ops: {', '.join(prof.compute)}")
+    if probes:
+        probes.take()
+        prof.host["recompute"].update(probes.host_costs())
+        for key in blocks:
+            entry = prof.models[key]["recompute"] = probes.block(key)
+            log(f"@{key}'s block at {entry['rows']} x {entry['seq']} tokens ({entry['rounds']} rounds over the "
+                f"profile): forward ops {sum(entry['op_s'].values()) * 1e3:.2f} ms, a selective checkpoint's call "
+                f"{entry['ckpt_op_s'] * 1e6:.1f} us")
     return prof

@@ -328,3 +328,54 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
         for blk in blocks(model):
             blk.__dict__.pop("forward", None)
     return {k: statistics.median(times[True].get(k) or v) for k, v in times[False].items()}
+
+
+class SpreadProbes:
+    """The recompute probes taken in rounds at moments spread over a profile, each value the median over rounds.
+
+    A 2-vCPU VM's speed swings ±25 % over tens of seconds; the probes taken once (~10 s) priced a whole run at one
+    moment of it, and a run whose probes fell in a slow spell over-priced every plan by 18-40 % (run D in
+    docs/benchmarks.md). ``rlhfc profile`` calls :meth:`take` after the host probes, between a model's generate,
+    forward and train probes (:func:`rlhfc.calibrate.measure_model`'s ``between``) and after each model, so the
+    rounds span the profile's minutes; each round costs about a third of the single-moment probes, so the
+    whole costs about what one did.
+
+    ``blocks``: ``{model key: (runtime spec, rows, seq)}``, each trained model's block at its training shape
+    (:func:`measure_block_ops` and :func:`measure_dispatch` there); the host's tiny block
+    (:func:`measure_checkpoint`) is taken in every round too, with ``seed``, the host probes' own, as one more."""
+
+    def __init__(self, blocks: dict, quick: bool = False, seed: dict | None = None):
+        self.blocks = dict(blocks)
+        self.quick = quick
+        self.host: list[dict] = [dict(seed)] if seed else []
+        self.ops: dict[str, list[dict]] = {k: [] for k in self.blocks}
+        self.calls: dict[str, list[float]] = {k: [] for k in self.blocks}
+
+    def take(self) -> None:
+        """One round: the tiny block's checkpoint costs, then each block's op times and checkpoint call rate."""
+        self.host.append(measure_checkpoint(2))
+        for key, (spec, rows, seq) in self.blocks.items():
+            self.ops[key].append(measure_block_ops(spec, rows, seq, 1 if self.quick else 2))
+            self.calls[key].append(measure_dispatch(spec, rows, seq, 3 if self.quick else 5))
+
+    def middle(self, most: int = 3) -> None:
+        """A round between other probes, while fewer than ``most`` rounds of the blocks were taken (the last
+        round, :meth:`take` at the profile's end, comes on top: a profile of several models does not pay a round
+        per probe section of each)."""
+        if len(next(iter(self.calls.values()), [])) < most:
+            self.take()
+
+    def host_costs(self) -> dict[str, float]:
+        """``ckpt_op_s`` and ``ckpt_region_s``, medians over the rounds (and the seed)."""
+        return {k: statistics.median(r[k] for r in self.host) for k in ("ckpt_op_s", "ckpt_region_s")}
+
+    def block(self, key: str) -> dict | None:
+        """The profile's ``recompute`` entry of one model: ``rows``, ``seq``, ``op_s`` (each op's median over
+        rounds), ``ckpt_op_s`` (the median call rate), ``rounds``; None before a round."""
+        if not self.calls.get(key):
+            return None
+        _, rows, seq = self.blocks[key]
+        ops = self.ops[key]
+        op_s = {k: statistics.median(r.get(k, v) for r in ops) for k, v in ops[0].items()}
+        return dict(rows=rows, seq=seq, op_s=op_s, ckpt_op_s=statistics.median(self.calls[key]),
+                    rounds=len(self.calls[key]))

@@ -116,6 +116,8 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
         assert own["rows"] >= 1 and 2 <= own["seq"] <= 48 and len(own["op_s"]) > 10
         assert any(k.startswith("mm.default#") for k in own["op_s"]) and all(t >= 0 for t in own["op_s"].values())
         assert 0 < own["ckpt_op_s"] < 1e-3           # a selective checkpoint's call, on that block at that shape
+        # taken in rounds spread over the profile (first, after the lm's generate and forward probes, last)
+        assert own["rounds"] == 4
     code = main(["explain", str(src), "-O1", "--profile", str(out), "--format", "json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err

@@ -227,3 +227,29 @@ def test_checkpoint_costs_are_measured():
     assert priced <= set(ops) and all(0 <= t < 0.1 for t in ops.values())
     (size, per_byte), = measure_fresh_bytes((1 << 20,), reps=2)
     assert size == 1 << 20 and 0 <= per_byte < 1e-8
+
+
+def test_spread_probes_keep_medians_over_rounds():
+    """The profile's recompute probes, taken in rounds spread over it: each round measures the tiny block and
+    every trained block; what the profile keeps is each value's median over the rounds (one slow round, as a
+    VM's slow spell, does not move it)."""
+    from rlhfc.calibrate.recompute import SpreadProbes
+
+    gpt2 = dict(arch="gpt2", layers=2, hidden=32, heads=2, vocab=40, max_seq=16)
+    probes = SpreadProbes({"g": (gpt2, 2, 24)}, quick=True, seed={"ckpt_op_s": 1.0, "ckpt_region_s": 1.0})
+    assert probes.block("g") is None
+    probes.take()
+    probes.middle(most=1)                                  # already one round of the blocks: nothing taken
+    assert len(probes.host) == 2 and len(probes.calls["g"]) == 1
+    entry = probes.block("g")
+    assert (entry["rows"], entry["seq"], entry["rounds"]) == (2, 24, 1) and 0 < entry["ckpt_op_s"] < 1e-3
+    assert len(entry["op_s"]) > 10 and all(t >= 0 for t in entry["op_s"].values())
+    assert probes.host_costs()["ckpt_op_s"] == (1.0 + probes.host[1]["ckpt_op_s"]) / 2   # the seed is a round
+    # medians over rounds: a round three times slower than the others does not move the values
+    ops = entry["op_s"]
+    probes.ops["g"] += [{k: 3 * v for k, v in ops.items()}, dict(ops)]
+    probes.calls["g"] += [3 * entry["ckpt_op_s"], entry["ckpt_op_s"]]
+    probes.host.append(dict(probes.host[1]))
+    again = probes.block("g")
+    assert again["op_s"] == ops and again["ckpt_op_s"] == entry["ckpt_op_s"] and again["rounds"] == 3
+    assert probes.host_costs() == {k: probes.host[1][k] for k in ("ckpt_op_s", "ckpt_region_s")}
