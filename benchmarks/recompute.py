@@ -14,15 +14,21 @@ them) — the benchmark measures:
   checkpoint's bookkeeping — a selective policy's call per op in the forward, its cache of kept outputs, the
   saved-tensor hooks — which the difference of steps includes and the prediction prices), against the predicted
   overhead (the policy's recompute seconds per block x blocks) priced two ways: **profile prices** (what the
-  recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in this
-  process at one thread: each op of this block's forward timed on it at its shape,
+  recompute pass does with a profile ``rlhfc profile`` takes with this program, its probes run in a child
+  process at one thread, in four rounds spread over a model probe as the profile spreads them, medians kept:
+  each op of this block's forward timed on it at its shape,
   :func:`rlhfc.calibrate.recompute.measure_block_ops` — a replay costs what the forward does — plus the
   checkpoint's own costs: per block, and per call of the replay, the host's tiny-block probe,
   :func:`rlhfc.calibrate.recompute.measure_checkpoint`; per call of the forward, the same block's at its shape,
   :func:`rlhfc.calibrate.recompute.measure_dispatch`; :mod:`rlhfc.passes.recompute_prices`) and, for comparison,
-  **the tiny block's call rate** (the pricing before session 13: the same, with the forward's calls at the
-  host's tiny-block rate too). rlhfc's choices are made on the profile prices. (The kind-rate pricing before
-  session 11 — each op by its kind at the host probes' rates — is in docs/benchmarks.md's earlier tables.)
+  **the same pricing with the probes taken during the rounds** (after every ``--probe-every`` rounds and the
+  last, one round of probes each, medians kept). rlhfc's choices are made on the profile prices. (The kind-rate
+  pricing before session 11 — each op by its kind at the host probes' rates — and the tiny block's call rate of
+  session 12 are in docs/benchmarks.md's earlier tables.)
+
+A profile is one stretch of a machine's speed and the steps another: on a shared VM whose speed moves ±25 %
+over minutes the first column carries that drift, the second prices at the speed the steps ran — the pricing
+itself, apart from when its probes were taken. Each round of probes is printed.
 
 Two budgets often choose the same plan (rlhfc's knapsack and the greedy ranking at ½ or ¼, rlhfc at
 selective's budget and ``none`` with sdpa): a plan is measured once and its other rows say so, so every round
@@ -43,7 +49,7 @@ also read from ``torch.cuda.max_memory_allocated``.
 ``--replay`` (CPU) first times the ops full and Megatron-selective replay inside the checkpointed backward against
 the same ops in a forward, by kind, and counts a block step's page faults.
 
-    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 21] [--allocator retain|default] [--replay] [--cuda]
+    python benchmarks/recompute.py [--seq 1024] [--attn eager|sdpa] [--repeat 21] [--probe-every 8] [--allocator retain|default] [--replay] [--cuda]
 """
 
 from __future__ import annotations
@@ -220,7 +226,17 @@ def _probe_child(spec: dict, seq: int, retain: bool, spread: bool):
         host["recompute"].update(probes.host_costs())
     rounds = [(h["ckpt_op_s"], c, sum(o.values())) for h, c, o in
               zip(probes.host[-len(probes.calls["m"]):], probes.calls["m"], probes.ops["m"])]
-    return host, probes.block("m"), rounds
+    return host, probes.block("m"), rounds, probes
+
+
+def _own_pricing(trace, host: dict, entry: dict, key: str, seq: int):
+    """(the device spec of a profile with host probes ``host`` whose model ``key`` has the recompute ``entry``,
+    ``trace`` priced at its kind rates, ``trace`` priced as the recompute pass prices it with that profile)."""
+    dev = device_spec("cpu", Profile("cpu", "here", 1, host))
+    ops = reprice(trace, dev.peak_flops * dev.train_eff, {k: dev.hbm_bw * dev.mem_eff * e for k, e in dev.kind_eff})
+    dev = dc_replace(dev, block_ops=(own_block(key, dict(entry, rows=1, seq=seq)),))
+    own = with_replay_costs(ops, **spec_costs(dev), ckpt_forward_op_s=measured_dispatch(dev, key))
+    return dev, ops, with_measured_ops(own, own, measured_ops(dev, key)[2])
 
 
 def _rounds(rounds) -> str:
@@ -295,6 +311,8 @@ def main() -> None:
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--probe-every", type=int, default=8,
+                    help="take the profile's recompute probes again after every N rounds (and the last)")
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
     ap.add_argument("--allocator", default="retain", choices=("retain", "default"),
@@ -314,22 +332,15 @@ def main() -> None:
                         spec["vocab"], 1, args.seq, attn=args.attn)
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
     before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
-    host, entry, rounds = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None,) * 3
+    host, entry, rounds, _ = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None,) * 4
     own_ops, own_call = (entry["op_s"], entry["ckpt_op_s"]) if entry else (None, None)
-    dev = device_spec("cpu", Profile("cpu", "here", 1, host)) if not args.cuda else None
-    kinds = before
-    if dev is not None:
-        # the last pricing: the host probes' kind rates, fresh outputs, the checkpoint's costs on a tiny block
-        ops = reprice(trace, dev.peak_flops * dev.train_eff, {k: dev.hbm_bw * dev.mem_eff * e for k, e in dev.kind_eff})
+    key, base = model_key(full_spec), trace
+    if not args.cuda:
+        # what `rlhfc profile` measures with the program: each forward op of this block at its shape (one row of
+        # --seq tokens), CPU time, a selective checkpoint's cost per call there, and on the host's tiny block its
+        # cost per block and per call of a replay; priced as the recompute pass prices with them
+        dev, ops, trace = _own_pricing(base, host, entry, key, args.seq)
         kinds = with_replay_costs(ops, **spec_costs(dev))
-        # what `rlhfc profile` now measures with the program: each forward op of this block at its shape (one row of
-        # --seq tokens), CPU time, and a selective checkpoint's cost per call there; priced as the recompute pass
-        # prices with them (the checkpoint's cost per block from the tiny block, as before)
-        key = model_key(full_spec)
-        tiny = with_measured_ops(kinds, kinds, dict(own_ops))          # session 12's: the tiny block's call rate
-        dev = dc_replace(dev, block_ops=(own_block(key, dict(rows=1, seq=args.seq, op_s=own_ops, ckpt_op_s=own_call)),))
-        own = with_replay_costs(ops, **spec_costs(dev), ckpt_forward_op_s=measured_dispatch(dev, key))
-        trace = with_measured_ops(own, own, measured_ops(dev, key)[2])    # at its own shape: the measured times
         print(f"# profile probes: matmul {dev.peak_flops / 1e9:.1f} GFLOP/s, copy (16 MiB) {dev.hbm_bw / 1e9:.2f} "
               "GB/s; at 32 MiB: " + ", ".join(f"{k} {e * dev.hbm_bw / 1e9:.2f} GB/s" for k, e in dev.kind_eff)
               + "; fresh outputs (ps/byte by MiB): "
@@ -341,7 +352,7 @@ def main() -> None:
               f"{choice._cut(trace) + 1} replayed up to the last that saves)")
         print(f"# the recompute probes' {len(rounds)} rounds over the profile (medians kept): " + _rounds(rounds))
     else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
-        trace = tiny = before
+        trace = before
     sel = choice.selective(trace)
     if args.replay and not args.cuda:
         _replay_vs_forward(block, bargs, bkw, trace, op_times, {"full": choice.full(trace), "selective": sel})
@@ -361,7 +372,7 @@ def main() -> None:
     measured_runs = [(label, ch) for label, ch in runs if same[label] == label]
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
           "(median of paired differences; its 90 % interval) | replays timed (median; quartiles) | predicted (profile "
-          "prices) | predicted, the tiny block's call rate (before) |" + (" cuda peak |" if args.cuda else ""))
+          "prices) | predicted, probes taken during the rounds |" + (" cuda peak |" if args.cuda else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks, ch_of = {}, {label: [] for label, _ in runs}, {}, dict(runs)
     for _ in range(2):                    # warm-up: a process's first steps run slow (its heap and caches settle)
@@ -372,6 +383,7 @@ def main() -> None:
             _step_seconds(model, batch, args.cuda)
     plain = {"policy": "none"}
     diffs = {label: [] for label, _ in runs}
+    during, during_rounds = None, []
     replays = {label: [] for label, _ in runs}
     for r in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
         for label, ch in measured_runs[1:]:
@@ -391,14 +403,28 @@ def main() -> None:
                 if name == label:
                     replays[label].append(_REPLAY["seconds"])
             diffs[label].append(pair[label] - pair["none"])
-    within, resolved, distinct = 0, 0, 0
+        if not args.cuda and ((r + 1) % args.probe_every == 0 or r == args.repeat - 1):
+            # the profile's probes again, between rounds: what the same pricing gives at the speed the steps ran
+            taken = _probes(spec, args.seq, args.allocator == "retain", spread=False)
+            during_rounds += taken[2]
+            if during is None:
+                during = taken[3]
+            else:
+                during.host += taken[3].host
+                during.ops["m"] += taken[3].ops["m"]
+                during.calls["m"] += taken[3].calls["m"]
+    at_run = trace
+    if during is not None:
+        host_d = dict(host, recompute=dict(host["recompute"], **during.host_costs()))
+        at_run = _own_pricing(base, host_d, during.block("m"), key, args.seq)[2]
+    within, within_run, resolved, distinct = 0, 0, 0, 0
     for label, _ in runs:
         ch, src = ch_of[label], same[label]
         step = statistics.median(steps[src])
         measured = statistics.median(diffs[src]) if diffs[src] else 0.0
         lo, hi = _median_interval(diffs[src]) if diffs[src] else (measured, measured)
         predicted = ch.recompute_s * spec["layers"]
-        old = (choice.price(tiny, set(ch.save)).recompute_s if ch.policy != "none" else 0.0) * spec["layers"]
+        old = choice.price(at_run, set(ch.save) if ch.policy != "none" else None).recompute_s * spec["layers"]
         rep = statistics.median(replays[src]) if replays[src] else 0.0
         rq = statistics.quantiles(replays[src], n=4) if len(replays[src]) >= 2 else [rep, rep, rep]
 
@@ -408,6 +434,7 @@ def main() -> None:
         if src == label and ch.policy != "none" and measured > 0:
             distinct += 1
             within += abs(predicted - measured) <= 0.15 * measured
+            within_run += abs(old - measured) <= 0.15 * measured
             resolved += (hi - lo) / 2 <= 0.15 * measured
         note = f" (the plan of {src})" if src != label else ""
         print(f"| {label}{note} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[src] / 2**20:.2f} MiB | {step:.3f} "
@@ -416,12 +443,12 @@ def main() -> None:
               f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
               + (f" {peaks[src] / 2**20:.0f} MiB |" if args.cuda else ""))
     print(f"# {args.repeat} rounds; distinct plans with recomputation: {distinct}; predicted within 15 % of the "
-          f"measured median: {within} of {distinct}; measured to ±15 % (half the 90 % interval within 15 % of the "
-          f"median): {resolved} of {distinct}")
+          f"measured median: {within} of {distinct} (priced with the probes taken during the rounds: {within_run} of "
+          f"{distinct}); measured to ±15 % (half the 90 % interval within 15 % of the median): {resolved} of "
+          f"{distinct}")
+    if during_rounds:
+        print(f"# the probes during the rounds (after every {args.probe_every} and the last): " + _rounds(during_rounds))
     apply_recompute(model, None)
-    if not args.cuda:   # how far the machine's speed moved while the rounds ran: the same probes, once, now
-        print("# the probes again, after the rounds: "
-              + _rounds(_probes(spec, args.seq, args.allocator == "retain", spread=False)[2]))
 
 
 if __name__ == "__main__":
