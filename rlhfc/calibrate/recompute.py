@@ -336,8 +336,8 @@ class SpreadProbes:
     A 2-vCPU VM's speed swings ±25 % over tens of seconds; the probes taken once (~10 s) priced a whole run at one
     moment of it, and a run whose probes fell in a slow spell over-priced every plan by 18-40 % (run D in
     docs/benchmarks.md). ``rlhfc profile`` calls :meth:`take` after the host probes, between a model's generate,
-    forward and train probes (:func:`rlhfc.calibrate.measure_model`'s ``between``) and after each model, so the
-    rounds span the profile's minutes; each round takes fewer repetitions than the single-moment probes did,
+    forward and train probes (:func:`rlhfc.calibrate.measure_model`'s ``between``, at most two such rounds)
+    and at the profile's end, so the rounds span the profile's minutes; each round takes fewer repetitions than the single-moment probes did,
     the four together about twice as long (for a 256-wide llama block at 1024 tokens ~20 s more a profile).
 
     ``blocks``: ``{model key: (runtime spec, rows, seq)}``, each trained model's block at its training shape
