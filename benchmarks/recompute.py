@@ -63,7 +63,6 @@ from dataclasses import replace as dc_replace
 import torch
 
 from rlhfc.calibrate import measure_host
-from rlhfc.calibrate.recompute import measure_block_ops, measure_dispatch
 from rlhfc.cost.hardware import device_spec, own_block
 from rlhfc.cost.profile import Profile, model_key
 from rlhfc.passes import recompute_choice as choice
@@ -192,8 +191,8 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
 
 def _probes(spec: dict, seq: int, retain: bool, spread: bool = True):
     """(``rlhfc profile``'s host probes at one thread, with the checkpoint's tiny-block costs the medians over
-    its rounds; this block's recompute entry at 1 x ``seq``: forward op times, a selective checkpoint's call rate;
-    each round's (tiny-block call rate, block call rate, block forward ops) seconds), taken in a separate process
+    its rounds; the rounds, :class:`rlhfc.calibrate.recompute.SpreadProbes` of this block at 1 x ``seq`` as
+    model ``"m"``: its ``block("m")`` is the profile's recompute entry), taken in a separate process
     as the profile is (with ``retain`` False, under glibc's default allocator settings): with those settings, run
     in the measuring process, the probes' large allocations leave its heap holding free memory that its steps
     then reuse without page faults (a run measured full recomputation at +190 ms instead of +460-500).
@@ -224,9 +223,7 @@ def _probe_child(spec: dict, seq: int, retain: bool, spread: bool):
         measure_model(dict(spec, head="lm", source=None), 1, quick=True, reps=3, between=probes.middle)
         probes.take()
         host["recompute"].update(probes.host_costs())
-    rounds = [(h["ckpt_op_s"], c, sum(o.values())) for h, c, o in
-              zip(probes.host[-len(probes.calls["m"]):], probes.calls["m"], probes.ops["m"])]
-    return host, probes.block("m"), rounds, probes
+    return host, probes
 
 
 def _own_pricing(trace, host: dict, entry: dict, key: str, seq: int):
@@ -332,7 +329,8 @@ def main() -> None:
                         spec["vocab"], 1, args.seq, attn=args.attn)
     op_times = _op_seconds(block, bargs, bkw, 3, args.cuda) if args.cuda or args.replay else {}
     before = reprice(trace, *fit_kind_rates(trace, op_times)) if args.cuda else trace  # kind rates from a forward
-    host, entry, rounds, _ = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None,) * 4
+    host, probes = _probes(spec, args.seq, args.allocator == "retain") if not args.cuda else (None, None)
+    entry = probes.block("m") if probes else None
     own_ops, own_call = (entry["op_s"], entry["ckpt_op_s"]) if entry else (None, None)
     key, base = model_key(full_spec), trace
     if not args.cuda:
@@ -350,7 +348,8 @@ def main() -> None:
         print(f"# this block at 1 x {args.seq}: forward ops {sum(own_ops.values()) * 1e3:.1f} ms (priced at the "
               f"probes' kind rates and fresh outputs: {kinds.forward_s * 1e3:.1f}; {len(trace.nodes)} ops, "
               f"{choice._cut(trace) + 1} replayed up to the last that saves)")
-        print(f"# the recompute probes' {len(rounds)} rounds over the profile (medians kept): " + _rounds(rounds))
+        print(f"# the recompute probes' {len(probes.per_round('m'))} rounds over the profile (medians kept): "
+              + _rounds(probes.per_round("m")))
     else:   # CUDA: no host probes of a recompute's extra costs (a caching allocator, no page faults)
         trace = before
     sel = choice.selective(trace)
@@ -383,7 +382,7 @@ def main() -> None:
             _step_seconds(model, batch, args.cuda)
     plain = {"policy": "none"}
     diffs = {label: [] for label, _ in runs}
-    during, during_rounds = None, []
+    during = None
     replays = {label: [] for label, _ in runs}
     for r in range(args.repeat):   # round robin: a busy shared machine slows some rounds, not one policy's
         for label, ch in measured_runs[1:]:
@@ -405,14 +404,11 @@ def main() -> None:
             diffs[label].append(pair[label] - pair["none"])
         if not args.cuda and ((r + 1) % args.probe_every == 0 or r == args.repeat - 1):
             # the profile's probes again, between rounds: what the same pricing gives at the speed the steps ran
-            taken = _probes(spec, args.seq, args.allocator == "retain", spread=False)
-            during_rounds += taken[2]
+            taken = _probes(spec, args.seq, args.allocator == "retain", spread=False)[1]
             if during is None:
-                during = taken[3]
+                during = taken
             else:
-                during.host += taken[3].host
-                during.ops["m"] += taken[3].ops["m"]
-                during.calls["m"] += taken[3].calls["m"]
+                during.extend(taken)
     at_run = trace
     if during is not None:
         host_d = dict(host, recompute=dict(host["recompute"], **during.host_costs()))
@@ -446,8 +442,9 @@ def main() -> None:
           f"measured median: {within} of {distinct} (priced with the probes taken during the rounds: {within_run} of "
           f"{distinct}); measured to ±15 % (half the 90 % interval within 15 % of the median): {resolved} of "
           f"{distinct}")
-    if during_rounds:
-        print(f"# the probes during the rounds (after every {args.probe_every} and the last): " + _rounds(during_rounds))
+    if during is not None:
+        print(f"# the probes during the rounds (after every {args.probe_every} and the last): "
+              + _rounds(during.per_round("m")))
     apply_recompute(model, None)
 
 

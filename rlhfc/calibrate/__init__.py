@@ -203,7 +203,7 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
     machine load: their ratios are the model's own thread speed-up); they go to ``at_threads``. Each timed
     call follows ``pause`` idle seconds, as a job's worker calls follow a wait (:data:`JOB_PAUSE_S`).
     ``between``: called after the generate probes and after the forward probes (other probes spread over the
-    model's, :class:`.recompute.SpreadProbes`).
+    model's, :class:`.recompute.SpreadProbes`; they restore the thread count they change).
     """
     import torch
 
@@ -259,7 +259,6 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
                 log(f"  generate: {len(points['generate'])} points")
             if between:
                 between()
-                torch.set_num_threads(max(1, threads))
         call = {"lm": lambda r: worker.logprobs(r, temperature=1.0), "value": worker.values,
                 "score": worker.score}[head]
         for B in batches:
@@ -275,7 +274,6 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
             log(f"  forward: {len(points['forward'])} points")
         if between:
             between()
-            torch.set_num_threads(max(1, threads))
         if head in ("lm", "value"):
             for B in (2, 8, 32) if not quick else (2, 12):
                 for S in seqs:

@@ -365,6 +365,19 @@ class SpreadProbes:
         if len(next(iter(self.calls.values()), [])) < most:
             self.take()
 
+    def extend(self, other: "SpreadProbes") -> None:
+        """Add ``other``'s rounds (of the same blocks) to these."""
+        self.host += other.host
+        for key in self.blocks:
+            self.ops[key] += other.ops[key]
+            self.calls[key] += other.calls[key]
+
+    def per_round(self, key: str) -> list[tuple[float, float, float]]:
+        """Each round's (tiny block's s per call, ``key``'s block's s per call, its forward ops' total s)."""
+        n = len(self.calls[key])
+        return [(h["ckpt_op_s"], c, sum(o.values()))
+                for h, c, o in zip(self.host[len(self.host) - n:], self.calls[key], self.ops[key])]
+
     def host_costs(self) -> dict[str, float]:
         """``ckpt_op_s`` and ``ckpt_region_s``, medians over the rounds (and the seed)."""
         return {k: statistics.median(r[k] for r in self.host) for k in ("ckpt_op_s", "ckpt_region_s")}
