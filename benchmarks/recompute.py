@@ -306,6 +306,12 @@ def _median_interval(xs: list[float], level: float = 0.9, draws: int = 2000) -> 
     return meds[int(tail * draws)], meds[min(draws - 1, int((1 - tail) * draws))]
 
 
+def _told(xs: list[float], within: float = 0.15) -> bool:
+    """Whether the median of ``xs`` is measured to ±``within`` of itself: half its 90 % interval no wider."""
+    lo, hi = _median_interval(xs)
+    return (hi - lo) / 2 <= within * abs(statistics.median(xs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=1024)
@@ -392,10 +398,6 @@ def main() -> None:
     diffs = {label: [] for label, _ in runs}
     during = None
     replays = {label: [] for label, _ in runs}
-    def unresolved(label: str) -> bool:      # its median's 90 % interval wider than ±15 % of the median
-        lo, hi = _median_interval(diffs[label])
-        return (hi - lo) / 2 > 0.15 * abs(statistics.median(diffs[label]))
-
     r, todo = 0, [label for label, _ in measured_runs[1:]]
     while todo:   # round robin: a busy shared machine slows some rounds, not one policy's
         for label in todo:
@@ -421,7 +423,7 @@ def main() -> None:
             # past --repeat, more rounds only for the plans whose overhead is not yet measured to ±15 % (a small
             # overhead on a noisy step needs many pairs), up to --max-repeat: the target's 15 % is then read
             # against a measurement that can tell it
-            todo = [label for label in todo if len(diffs[label]) < args.max_repeat and unresolved(label)]
+            todo = [label for label in todo if len(diffs[label]) < args.max_repeat and not _told(diffs[label])]
         if not args.cuda and (r % args.probe_every == 0 or not todo):
             # the profile's probes again, between rounds: what the same pricing gives at the speed the steps ran
             taken = _probes(spec, args.seq, args.allocator == "retain", spread=False)[1]
@@ -451,7 +453,7 @@ def main() -> None:
             distinct += 1
             within += abs(predicted - measured) <= 0.15 * measured
             within_run += abs(old - measured) <= 0.15 * measured
-            told = (hi - lo) / 2 <= 0.15 * measured
+            told = _told(diffs[src])
             resolved += told
             within_resolved += told and abs(predicted - measured) <= 0.15 * measured
         note = f" (the plan of {src})" if src != label else ""
