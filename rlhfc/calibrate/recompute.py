@@ -184,9 +184,8 @@ def _calls(block, args, kwargs) -> tuple[list[str], list[str]]:
 
 def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 15) -> float:
     """CPU seconds per aten call that a selective checkpoint adds to a forward of one block of ``spec`` (the
-    program's model) at ``rows x seq`` tokens, one thread: the block's forward under the runtime's selective
-    checkpoint keeping every allocating op's output, against the same forward without a checkpoint, paired
-    (which goes first alternates), the median of ``reps`` differences over the calls its policy sees.
+    program's model) at ``rows x seq`` tokens, one thread: the median of :func:`dispatch_samples`' ``reps``
+    paired differences, at least 0.
 
     The recompute pass prices the forward's calls of this model's selective checkpoints at this rate instead of
     the host's tiny-block rate (:func:`measure_checkpoint`; the replay's calls stay at that): the same Python
@@ -195,6 +194,16 @@ def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, rep
     against 50-90 us on the tiny block, and a 6-block model's selective plans came out 12-15 ms a block dearer
     than the tiny block's rate priced them. A forward of ~0.1 s pairs well on a machine whose speed drifts over
     seconds; whole training steps (differences of ~50 ms in steps of 1.5 s) do not."""
+    return max(0.0, statistics.median(dispatch_samples(spec, rows, seq, reps)))
+
+
+def dispatch_samples(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 15) -> list[float]:
+    """``reps`` (at least 3) samples of what a selective checkpoint adds per aten call to a forward of one block
+    of ``spec`` at ``rows x seq`` tokens, one thread: each the block's forward under the runtime's selective
+    checkpoint keeping every allocating op's output minus the same forward without a checkpoint, run as a pair
+    (which goes first alternates), over the calls its policy sees. A sample may be negative: the checkpoint adds
+    ~10 % to the forward and one forward scatters by a few per cent, so one pair tells the rate only to
+    ±50-100 % (:class:`SpreadProbes` pools its rounds' samples before it takes the median)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -219,13 +228,13 @@ def measure_dispatch(spec: dict | None = None, rows: int = 1, seq: int = 64, rep
     try:
         for _ in range(2):                                   # warm-up
             forward(False), forward(True)
-        diffs = []
+        samples = []
         for i in range(max(3, reps)):
             t = {sel: forward(sel) for sel in ((True, False) if i % 2 else (False, True))}
-            diffs.append(t[True] - t[False])
+            samples.append((t[True] - t[False]) / max(1, len(keys)))
     finally:
         torch.set_num_threads(old)
-    return max(0.0, statistics.median(diffs)) / max(1, len(keys))
+    return samples
 
 
 def _model_and_batch(spec: dict, rows: int, seq: int):
@@ -337,26 +346,32 @@ class SpreadProbes:
     moment of it, and a run whose probes fell in a slow spell over-priced every plan by 18-40 % (run D in
     docs/benchmarks.md). ``rlhfc profile`` calls :meth:`take` after the host probes, between a model's generate,
     forward and train probes (:func:`rlhfc.calibrate.measure_model`'s ``between``, at most two such rounds)
-    and at the profile's end, so the rounds span the profile's minutes; each round takes fewer repetitions than the single-moment probes did,
-    the four together about twice as long (for a 256-wide llama block at 1024 tokens ~20 s more a profile).
+    and at the profile's end, so the rounds span the profile's minutes; each round takes fewer repetitions than
+    the single-moment probes did, the four together about twice as long (for a 256-wide llama block at 1024
+    tokens ~25 s more a profile, ~2 s a round of it the call rate's 9 pairs).
 
     ``blocks``: ``{model key: (runtime spec, rows, seq)}``, each trained model's block at its training shape
-    (:func:`measure_block_ops` and :func:`measure_dispatch` there); the host's tiny block
-    (:func:`measure_checkpoint`) is taken in every round too, with ``seed``, the host probes' own, as one more."""
+    (:func:`measure_block_ops` and :func:`dispatch_samples` there); the host's tiny block
+    (:func:`measure_checkpoint`) is taken in every round too, with ``seed``, the host probes' own, as one more.
+
+    The per-call rate of a block's selective checkpoint is the median of every round's paired samples pooled
+    (9 pairs a round), not a median of rounds' medians: a round of 3-5 pairs read it anywhere from 25 to 357 us
+    on a 256-wide block whose rounds' medians agreed on 134-200 us (session 15), and that rate prices every call of
+    a selective plan's forward (±13 % of a small plan's overhead)."""
 
     def __init__(self, blocks: dict, quick: bool = False, seed: dict | None = None):
         self.blocks = dict(blocks)
         self.quick = quick
         self.host: list[dict] = [dict(seed)] if seed else []
         self.ops: dict[str, list[dict]] = {k: [] for k in self.blocks}
-        self.calls: dict[str, list[float]] = {k: [] for k in self.blocks}
+        self.calls: dict[str, list[list[float]]] = {k: [] for k in self.blocks}    # each round's samples
 
     def take(self) -> None:
         """One round: the tiny block's checkpoint costs, then each block's op times and checkpoint call rate."""
         self.host.append(measure_checkpoint(2))
         for key, (spec, rows, seq) in self.blocks.items():
             self.ops[key].append(measure_block_ops(spec, rows, seq, 1 if self.quick else 2))
-            self.calls[key].append(measure_dispatch(spec, rows, seq, 3 if self.quick else 5))
+            self.calls[key].append(dispatch_samples(spec, rows, seq, 3 if self.quick else 9))
 
     def middle(self, most: int = 3) -> None:
         """A round between other probes, while fewer than ``most`` rounds of the blocks were taken (the last
@@ -373,9 +388,10 @@ class SpreadProbes:
             self.calls[key] += other.calls[key]
 
     def per_round(self, key: str) -> list[tuple[float, float, float]]:
-        """Each round's (tiny block's s per call, ``key``'s block's s per call, its forward ops' total s)."""
+        """Each round's (tiny block's s per call, ``key``'s block's s per call — that round's median —, its
+        forward ops' total s)."""
         n = len(self.calls[key])
-        return [(h["ckpt_op_s"], c, sum(o.values()))
+        return [(h["ckpt_op_s"], max(0.0, statistics.median(c)), sum(o.values()))
                 for h, c, o in zip(self.host[len(self.host) - n:], self.calls[key], self.ops[key])]
 
     def host_costs(self) -> dict[str, float]:
@@ -384,11 +400,13 @@ class SpreadProbes:
 
     def block(self, key: str) -> dict | None:
         """The profile's ``recompute`` entry of one model: ``rows``, ``seq``, ``op_s`` (each op's median over
-        rounds), ``ckpt_op_s`` (the median call rate), ``rounds``; None before a round."""
+        rounds), ``ckpt_op_s`` (the median of every round's call-rate samples, at least 0), ``rounds``; None
+        before a round."""
         if not self.calls.get(key):
             return None
         _, rows, seq = self.blocks[key]
         ops = self.ops[key]
         op_s = {k: statistics.median(r.get(k, v) for r in ops) for k, v in ops[0].items()}
-        return dict(rows=rows, seq=seq, op_s=op_s, ckpt_op_s=statistics.median(self.calls[key]),
+        pooled = [x for samples in self.calls[key] for x in samples]
+        return dict(rows=rows, seq=seq, op_s=op_s, ckpt_op_s=max(0.0, statistics.median(pooled)),
                     rounds=len(self.calls[key]))

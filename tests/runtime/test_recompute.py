@@ -240,7 +240,7 @@ def test_spread_probes_keep_medians_over_rounds():
     assert probes.block("g") is None
     probes.take()
     probes.middle(most=1)                                  # already one round of the blocks: nothing taken
-    assert len(probes.host) == 2 and len(probes.calls["g"]) == 1
+    assert len(probes.host) == 2 and len(probes.calls["g"]) == 1 and len(probes.calls["g"][0]) == 3  # quick: 3 pairs
     entry = probes.block("g")
     assert (entry["rows"], entry["seq"], entry["rounds"]) == (2, 24, 1) and 0 < entry["ckpt_op_s"] < 1e-3
     assert len(entry["op_s"]) > 10 and all(t >= 0 for t in entry["op_s"].values())
@@ -248,8 +248,15 @@ def test_spread_probes_keep_medians_over_rounds():
     # medians over rounds: a round three times slower than the others does not move the values
     ops = entry["op_s"]
     probes.ops["g"] += [{k: 3 * v for k, v in ops.items()}, dict(ops)]
-    probes.calls["g"] += [3 * entry["ckpt_op_s"], entry["ckpt_op_s"]]
     probes.host.append(dict(probes.host[1]))
+    probes.ops["g"] += [{k: 3 * v for k, v in ops.items()}, dict(ops)]
+    # the call rate is the median of every round's samples pooled: rounds of samples (1, 2, 9), (3, 4, 5) and
+    # (6, 7, 8) have medians 2, 4 and 7 (their median 4), the nine samples together 5; a round's own median is
+    # what it prints
+    probes.calls["g"] = [[1e-6, 2e-6, 9e-6], [3e-6, 4e-6, 5e-6], [6e-6, 7e-6, 8e-6]]
     again = probes.block("g")
-    assert again["op_s"] == ops and again["ckpt_op_s"] == entry["ckpt_op_s"] and again["rounds"] == 3
+    assert again["op_s"] == ops and again["ckpt_op_s"] == pytest.approx(5e-6) and again["rounds"] == 3
+    assert [c for _, c, _ in probes.per_round("g")] == pytest.approx([2e-6, 4e-6, 7e-6])
     assert probes.host_costs() == {k: probes.host[1][k] for k in ("ckpt_op_s", "ckpt_region_s")}
+    probes.calls["g"] = [[-3e-6, -1e-6, 2e-6]]                 # more slow plain forwards than not: no negative rate
+    assert probes.block("g")["ckpt_op_s"] == 0.0
