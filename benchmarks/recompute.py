@@ -22,7 +22,11 @@ them) — the benchmark measures:
   :func:`rlhfc.calibrate.recompute.measure_checkpoint`; per call of the forward, the same block's at its shape,
   :func:`rlhfc.calibrate.recompute.measure_dispatch`; :mod:`rlhfc.passes.recompute_prices`) and, for comparison,
   **the same pricing with the probes taken during the rounds** (after every ``--probe-every`` rounds and the
-  last, one round of probes each, medians kept). rlhfc's choices are made on the profile prices. (The kind-rate
+  last, one round of probes each, medians kept) and **the profile prices at the steps' forward speed** (scaled by
+  the median time the `none` steps took for their blocks' forwards, timed by module hooks, over the profile's
+  block ops: the pricing apart from the machine's speed, read off the very steps the overhead is measured in,
+  where a round of probes in another process reads another moment). rlhfc's choices are made on the profile
+  prices. (The kind-rate
   pricing before session 11 — each op by its kind at the host probes' rates — and the tiny block's call rate of
   session 12 are in docs/benchmarks.md's earlier tables.)
 
@@ -245,8 +249,25 @@ def _rounds(rounds) -> str:
                      for t, c, o in rounds)
 
 
-#: seconds spent re-running checkpointed blocks' forwards during backward, by the step that timed them
-_REPLAY = {"backward": False, "seconds": 0.0}
+#: seconds spent re-running checkpointed blocks' forwards during backward, and in the blocks' forwards before it,
+#: by the step that timed them
+_REPLAY = {"backward": False, "seconds": 0.0, "forward": 0.0}
+
+
+def _time_block_forwards(model) -> None:
+    """Hooks that add each block's forward (its module call, not a replay inside backward) to
+    ``_REPLAY["forward"]``: a `none` step's block forwards are what the machine's speed was during that step."""
+    start = {}
+
+    def pre(block, args):
+        start[block] = time.process_time()
+
+    def post(block, args, out):
+        _REPLAY["forward"] += time.process_time() - start.pop(block)
+
+    for block in blocks(model):
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
 
 
 def _timed_replays(model, decision: dict) -> None:
@@ -282,6 +303,7 @@ def _step_seconds(model, batch, cuda: bool) -> tuple[float, float]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t = clock()
+    _REPLAY["forward"] = 0.0
     loss = model(*batch).float().pow(2).mean()
     _REPLAY["backward"], _REPLAY["seconds"] = True, 0.0
     try:
@@ -385,9 +407,12 @@ def main() -> None:
     measured_runs = [(label, ch) for label, ch in runs if same[label] == label]
     print("| policy | kept/block est. | kept/block measured | step s (median; best–worst) | overhead measured "
           "(median of paired differences; its 90 % interval) | replays timed (median; quartiles) | predicted (profile "
-          "prices) | predicted, probes taken during the rounds |" + (" cuda peak |" if args.cuda else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
+          "prices) | predicted, probes taken during the rounds | predicted, at the steps' forward speed |"
+          + (" cuda peak |" if args.cuda else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.cuda else ""))
     kept, steps, peaks, ch_of = {}, {label: [] for label, _ in runs}, {}, dict(runs)
+    _time_block_forwards(model)
+    forwards = []                         # each `none` step's block forwards: the steps' own speed
     for _ in range(2):                    # warm-up: a process's first steps run slow (its heap and caches settle)
         for label, ch in measured_runs:
             apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
@@ -417,6 +442,8 @@ def main() -> None:
                 steps[name].append(pair[name])
                 if name == label:
                     replays[label].append(_REPLAY["seconds"])
+                else:
+                    forwards.append(_REPLAY["forward"])
             diffs[label].append(pair[label] - pair["none"])
         r += 1
         if r >= args.repeat:
@@ -435,7 +462,10 @@ def main() -> None:
     if during is not None:
         host_d = dict(host, recompute=dict(host["recompute"], **during.host_costs()))
         at_run = _own_pricing(base, host_d, during.block("m"), key, args.seq)[2]
-    within, within_run, resolved, distinct, within_resolved = 0, 0, 0, 0, 0
+    # the profile's prices scaled by how fast the `none` steps ran their blocks' forwards against the profile's
+    # block ops: the pricing apart from the machine's speed, read off the steps themselves (CPU only)
+    speed = statistics.median(forwards) / (trace.forward_s * spec["layers"]) if forwards and not args.cuda else 0.0
+    within, within_run, within_speed, resolved, distinct, within_resolved = 0, 0, 0, 0, 0, 0
     for label, _ in runs:
         ch, src = ch_of[label], same[label]
         step = statistics.median(steps[src])
@@ -453,6 +483,7 @@ def main() -> None:
             distinct += 1
             within += abs(predicted - measured) <= 0.15 * measured
             within_run += abs(old - measured) <= 0.15 * measured
+            within_speed += abs(predicted * speed - measured) <= 0.15 * measured
             told = _told(diffs[src])
             resolved += told
             within_resolved += told and abs(predicted - measured) <= 0.15 * measured
@@ -460,13 +491,18 @@ def main() -> None:
         print(f"| {label}{note} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[src] / 2**20:.2f} MiB | {step:.3f} "
               f"({min(steps[src] or [step]):.3f}–{max(steps[src] or [step]):.3f}) | {measured * 1e3:+.0f} ms "
               f"({lo * 1e3:+.0f} to {hi * 1e3:+.0f}; {len(diffs[src])} pairs) | {rep * 1e3:.0f} ms ({rq[0] * 1e3:.0f} to {rq[2] * 1e3:.0f}) | "
-              f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} |"
+              f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} | "
+              f"{predicted * speed * 1e3:+.0f} ms{err(predicted * speed)} |"
               + (f" {peaks[src] / 2**20:.0f} MiB |" if args.cuda else ""))
     print(f"# {args.repeat} rounds (up to {args.max_repeat} for a plan not yet measured to ±15 %); distinct plans with "
           f"recomputation: {distinct}; predicted within 15 % of the measured median: {within} of {distinct} (priced "
-          f"with the probes taken during the rounds: {within_run} of {distinct}); measured to ±15 % (half the 90 % "
+          f"with the probes taken during the rounds: {within_run} of {distinct}; at the steps' forward speed: "
+          f"{within_speed} of {distinct}); measured to ±15 % (half the 90 % "
           f"interval within 15 % of the median): {resolved} of {distinct}, and of those predicted within 15 %: "
           f"{within_resolved}")
+    if speed:
+        print(f"# the `none` steps' block forwards: {statistics.median(forwards) * 1e3 / spec['layers']:.1f} ms a block "
+              f"(median of {len(forwards)} steps), the profile's block ops {trace.forward_s * 1e3:.1f} ms: x{speed:.3f}")
     if during is not None:
         print(f"# the probes during the rounds (after every {args.probe_every} rounds and the last): "
               + _rounds(during.per_round("m")))
