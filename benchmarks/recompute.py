@@ -492,12 +492,12 @@ def main() -> None:
               f"({min(steps[src] or [step]):.3f}–{max(steps[src] or [step]):.3f}) | {measured * 1e3:+.0f} ms "
               f"({lo * 1e3:+.0f} to {hi * 1e3:+.0f}; {len(diffs[src])} pairs) | {rep * 1e3:.0f} ms ({rq[0] * 1e3:.0f} to {rq[2] * 1e3:.0f}) | "
               f"{predicted * 1e3:+.0f} ms{err(predicted)} | {old * 1e3:+.0f} ms{err(old)} | "
-              f"{predicted * speed * 1e3:+.0f} ms{err(predicted * speed)} |"
+              + (f"{predicted * speed * 1e3:+.0f} ms{err(predicted * speed)} |" if speed else "— |")
               + (f" {peaks[src] / 2**20:.0f} MiB |" if args.cuda else ""))
     print(f"# {args.repeat} rounds (up to {args.max_repeat} for a plan not yet measured to ±15 %); distinct plans with "
           f"recomputation: {distinct}; predicted within 15 % of the measured median: {within} of {distinct} (priced "
           f"with the probes taken during the rounds: {within_run} of {distinct}; at the steps' forward speed: "
-          f"{within_speed} of {distinct}); measured to ±15 % (half the 90 % "
+          f"{within_speed if speed else '—'} of {distinct}); measured to ±15 % (half the 90 % "
           f"interval within 15 % of the median): {resolved} of {distinct}, and of those predicted within 15 %: "
           f"{within_resolved}")
     if speed:
