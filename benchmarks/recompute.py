@@ -479,14 +479,17 @@ def main() -> None:
         def err(x):
             return f" ({(x - measured) / measured * 100:+.0f} %)" if ch.policy != "none" and measured > 0 else ""
 
+        def near(x):                                  # the target: within 15 % of the measured median
+            return abs(x - measured) <= 0.15 * measured
+
         if src == label and ch.policy != "none" and measured > 0:
             distinct += 1
-            within += abs(predicted - measured) <= 0.15 * measured
-            within_run += abs(old - measured) <= 0.15 * measured
-            within_speed += abs(predicted * speed - measured) <= 0.15 * measured
+            within += near(predicted)
+            within_run += near(old)
+            within_speed += near(predicted * speed)
             told = _told(diffs[src])
             resolved += told
-            within_resolved += told and abs(predicted - measured) <= 0.15 * measured
+            within_resolved += told and near(predicted)
         note = f" (the plan of {src})" if src != label else ""
         print(f"| {label}{note} | {ch.saved_bytes / 2**20:.2f} MiB | {kept[src] / 2**20:.2f} MiB | {step:.3f} "
               f"({min(steps[src] or [step]):.3f}–{max(steps[src] or [step]):.3f}) | {measured * 1e3:+.0f} ms "
