@@ -92,10 +92,10 @@ class InProcessJob:
         plan = build_plan(module, source=None, opt_level="O1", passes=["dce"])
         # as many torch threads as the job's workers get (one per whole core of their share of the
         # cores: 1 when four models share two); in one process the setting is global
-        threads = min(w["threads"] for w in plan["placement"]["workers"].values())
-        self.workers = {name: ModelWorker(name, m["spec"], m["init"], 0, threads, "cpu")
-                        for name, m in plan["models"].items() if module.graph.stages_on(name)}
-        self.data = {name: prompt_source_from_spec(spec) for name, spec in plan["data"].items()}
+        threads = min(w.threads for w in plan.placement.workers.values())
+        self.workers = {name: ModelWorker(name, m.spec.as_dict(), m.init.as_dict(), 0, threads, "cpu")
+                        for name, m in plan.models.items() if module.graph.stages_on(name)}
+        self.data = {name: prompt_source_from_spec(d.as_spec()) for name, d in plan.data.items()}
 
     def step(self, module) -> dict[str, float]:
         """Run one step of ``module``; seconds per stage."""

@@ -157,13 +157,13 @@ def refits(args, folder: str, prompts: list[str]) -> None:
         w = ModelWorker("actor", _spec(args.layers, hidden), {"kind": "random"}, 0, threads=args.threads,
                         rollout={"engine": "vllm", "folder": os.path.join(folder, f"h{hidden}")})
         w.generate(prompts[:1], max_new_tokens=1, temperature=1.0, top_p=1.0)   # start the engine
-        runs = [w.engine.refit(w.model, i + 1, 64) for i in range(args.repeat)]
+        runs = [w.rollout_engine.engine.refit(w.model, i + 1, 64) for i in range(args.repeat)]
         s = statistics.median(r["refit_s"] for r in runs)
         mb, n = runs[0]["refit_mb"], int(runs[0]["refit_buckets"])
         print(f"{hidden:>6} {sum(p.numel() for p in w.model.parameters()) / 1e6:>7.1f}M {mb:>7.1f} {n:>7} "
               f"{s:>8.4f} {mb / 1024 / s:>6.2f} {refit_time(mb * 2**20, 64, spec):>12.4f} "
               f"{predict_refit(mb * 2**20, args.layers, 64, spec):>11.4f}")
-        w.engine.shutdown()
+        w.rollout_engine.engine.shutdown()
 
 
 if __name__ == "__main__":

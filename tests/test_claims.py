@@ -66,22 +66,19 @@ def test_readme_points_at_the_claims_page():
 
 def test_readme_quotes_the_figures_the_curve_tests_check():
     """The README's learning-curve figures are the ones tests/e2e/test_claims_readme.py asserts."""
-    import importlib.util
+    import importlib
+    import sys
 
-    spec = importlib.util.spec_from_file_location("claims_readme", os.path.join(ROOT, "tests", "e2e",
-                                                                               "test_claims_readme.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    if os.path.join(ROOT, "tests") not in sys.path:   # the e2e tests are a package (tests/e2e/conftest.py)
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+    mod = importlib.import_module("e2e.test_claims_readme")
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
         text = " ".join(fh.read().split())
     first, last = mod.README_CURVES["ppo_tiny"]
     assert f"first 5 steps +{first:.2f} -> last 5 steps +{last:.2f}" in text
     first, last = mod.README_CURVES["grpo_tiny"]
     assert f"from ≈{first:.2f} to ≈{last:.2f} in 40 steps" in text
-    spec = importlib.util.spec_from_file_location("arith_learns", os.path.join(ROOT, "tests", "e2e",
-                                                                              "test_arith_learns.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("e2e.test_arith_learns")
     first, last = mod.README_ARITH
     assert f"mean reward: first 5 steps +{first:.4f} -> last 5 steps +{last:.4f}" in text
     assert "rlhfc run examples/arith_tiny.rlhf" in text.split("```")[1]   # the first command trains it

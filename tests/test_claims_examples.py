@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from rlhfc.codegen import emit_job
+from rlhfc.contract.plan import load_plan
 from rlhfc.frontend import load_file
 from rlhfc.runtime.data import prompt_source_from_spec
 from rlhfc.runtime.worker import ModelWorker
@@ -21,12 +21,11 @@ def test_ppo_tiny_reward_model_scores_untrained_responses_near_zero(tmp_path):
     path = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
     module, _, _ = load_file(path)
     emit_job(module, str(tmp_path / "job"), source_path=path, opt_level="O0", passes=[])
-    with open(tmp_path / "job" / "plan.json", encoding="utf-8") as fh:
-        plan = json.load(fh)
-    models, seed = plan["models"], plan["run"]["seed"]
-    actor = ModelWorker("actor", models["actor"]["spec"], models["actor"]["init"], seed=seed)
-    reward = ModelWorker("reward", models["reward"]["spec"], models["reward"]["init"], seed=seed)
-    prompts = prompt_source_from_spec(plan["data"]["prompts"])
+    plan = load_plan(str(tmp_path / "job" / "plan.json"))
+    models, seed = plan.models, plan.run.seed
+    actor = ModelWorker("actor", models["actor"].spec.as_dict(), models["actor"].init.as_dict(), seed=seed)
+    reward = ModelWorker("reward", models["reward"].spec.as_dict(), models["reward"].init.as_dict(), seed=seed)
+    prompts = prompt_source_from_spec(plan.data["prompts"].as_spec())
     scores = torch.cat([reward.score(actor.generate(prompts.next_batch(16), max_new_tokens=24, temperature=1.0,
                                                     top_p=1.0)) for _ in range(8)])
     assert abs(float(scores.mean())) < 0.15 and 0.6 < float(scores.std()) < 1.0, (scores.mean(), scores.std())

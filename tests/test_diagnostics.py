@@ -253,9 +253,9 @@ def test_rule_from_the_programs_folder_and_from_an_allowed_module(tmp_path, monk
     module, _, _ = load_file(str(program))
     assert "reward_modules" not in print_module(module)                      # printed only when set
     plan = build_plan(module, source=str(program), opt_level="O0", passes=[])
-    assert plan["program_dir"] == str(tmp_path) and "reward_modules" not in plan["run"]
-    assert plan["data"]["prompts"]["fit"] == [{"model": "actor", "tokenizer": {"source": None, "vocab": 96},
-                                               "max_seq": 64, "max_new_tokens": 16}]
+    assert plan.program_dir == str(tmp_path) and plan.run.reward_modules == ()
+    assert plan.data["prompts"].as_spec()["fit"] == [{"model": "actor", "tokenizer": {"source": None, "vocab": 96},
+                                                      "max_seq": 64, "max_new_tokens": 16}]
 
     site = tmp_path / "site"
     site.mkdir()
@@ -274,8 +274,8 @@ def test_rule_from_the_programs_folder_and_from_an_allowed_module(tmp_path, monk
     again = parse_ir(text, "allowed.rlir")
     verify(again)
     assert again.run.reward_modules == ["team_rewards_xyz"] and print_module(again) == text
-    assert build_plan(module, source=str(allowed), opt_level="O0", passes=[])["run"]["reward_modules"] == \
-        ["team_rewards_xyz"]
+    assert build_plan(module, source=str(allowed), opt_level="O0", passes=[]).run.reward_modules == \
+        ("team_rewards_xyz",)
 
 
 def test_checking_a_rule_runs_none_of_its_code(tmp_path, capsys):

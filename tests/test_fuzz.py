@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from rlhfc.cli import app, main
+from rlhfc.contract.plan import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.rlhf"))
@@ -380,7 +381,7 @@ def jsonl_spec(world) -> dict:
     (world / "prog.rlhf").write_text(jsonl_variant((ROOT / "examples" / "ppo_tiny.rlhf").read_text()))
     code, _, err = run_cli(["compile", "prog.rlhf", "-O0", "--emit", "job", "-o", "jsonl_job"])
     assert code == 0, err
-    spec = json.loads((world / "jsonl_job" / "plan.json").read_text())["data"]["prompts"]
+    spec = load_plan(str(world / "jsonl_job" / "plan.json")).data["prompts"].as_spec()
     assert spec["kind"] == "jsonl" and spec.get("fit"), spec
     return spec
 

@@ -1,15 +1,16 @@
 """The import contract: layers import one way, no cycle, plans read through ``rlhfc/ir/plan.py``, no file
 over 500 lines without a reason at its top.
 
-| package       | may import (besides itself)                                   |
+| package       | may import (besides itself and ``contract``)                  |
 | ------------- | ------------------------------------------------------------- |
-| ``ir``        | nothing of rlhfc                                              |
+| ``contract``  | nothing of rlhfc (what compiler and runtime agree on)         |
+| ``ir``        | nothing else of rlhfc                                         |
 | ``frontend``  | ``ir``                                                        |
 | ``cost``      | ``ir``                                                        |
 | ``passes``    | ``ir``, ``cost``                                              |
 | ``codegen``   | ``ir``                                                        |
 | ``explain``   | ``ir``, ``cost``                                              |
-| ``runtime``   | nothing of rlhfc (a job runs without the compiler)            |
+| ``runtime``   | nothing else of rlhfc (a job runs without the compiler)       |
 | ``calibrate`` | ``ir``, ``cost``, ``runtime`` (it measures the real models)   |
 | ``cli``       | everything                                                    |
 
@@ -27,15 +28,16 @@ import networkx as nx
 PKG = pathlib.Path(__file__).resolve().parents[1] / "rlhfc"
 
 ALLOWED = {
-    "ir": set(),
-    "frontend": {"ir"},
-    "cost": {"ir"},
-    "passes": {"ir", "cost"},
-    "codegen": {"ir"},
-    "explain": {"ir", "cost"},
-    "runtime": set(),
-    "calibrate": {"ir", "cost", "runtime"},
-    "cli": {"ir", "frontend", "cost", "passes", "codegen", "explain", "runtime", "calibrate"},
+    "contract": set(),
+    "ir": {"contract"},
+    "frontend": {"ir", "contract"},
+    "cost": {"ir", "contract"},
+    "passes": {"ir", "cost", "contract"},
+    "codegen": {"ir", "contract"},
+    "explain": {"ir", "cost", "contract"},
+    "runtime": {"contract"},
+    "calibrate": {"ir", "cost", "runtime", "contract"},
+    "cli": {"ir", "frontend", "cost", "passes", "codegen", "explain", "runtime", "calibrate", "contract"},
 }
 #: plan annotation keys: only rlhfc/ir/plan.py reads or writes them on a stage or module
 PLAN_KEYS = ("mesh", "parallel", "microbatches", "recompute", "overlap", "stream", "stream_from", "overcommit",
@@ -133,3 +135,19 @@ def test_no_file_over_500_lines_without_a_reason():
         if len(lines) > MAX_LINES and not any("Why this file is long:" in line for line in lines[:40]):
             long.append(f"{path.relative_to(PKG.parent)}: {len(lines)} lines")
     assert not long, "split these, or say at the top why not ('Why this file is long: ...'):\n" + "\n".join(long)
+
+
+def test_the_contract_imports_no_third_party_package():
+    """``rlhfc.contract`` is read by the job and by the compiler alike: the standard library only."""
+    import sys
+
+    bad = []
+    for name, path, _ in _modules():
+        if not name.startswith("rlhfc.contract"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+            bad += [f"{name} imports {m}" for m in mods
+                    if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "__future__"]
+    assert not bad, bad

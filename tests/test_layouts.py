@@ -182,8 +182,10 @@ def test_explain_shows_the_layout_trainer_and_processes_that_run(tmp_path, capsy
 def test_metrics_rows_carry_processes_per_model(tmp_path):
     from rlhfc.runtime.metrics import MetricsLog, model_ranks
 
-    workers = {"actor": {"model": "actor", "ranks": 2}, "actor_at_2_1": {"model": "actor", "ranks": 1},
-               "critic": {"model": "critic", "ranks": 2}, "reward": {"model": "reward"}}
+    from types import SimpleNamespace as W
+
+    workers = {"actor": W(model="actor", ranks=2), "actor_at_2_1": W(model="actor", ranks=1),
+               "critic": W(model="critic", ranks=2), "reward": W(model="reward", ranks=1)}
     assert model_ranks(workers) == {"actor": 3, "critic": 2, "reward": 1}   # a model's workers add up
     log = MetricsLog(str(tmp_path))
 
@@ -210,7 +212,7 @@ def test_job_writes_ranks_from_the_plan_into_every_row():
     from rlhfc.runtime import job
 
     # the driver's loop adds the plan's processes per model to each row (the e2e runs check the rest)
-    assert 'm["ranks"] = model_ranks(self.plan["placement"]["workers"])' in inspect.getsource(job.Job.run)
+    assert 'm["ranks"] = model_ranks(self.plan.placement.workers)' in inspect.getsource(job.Job.run)
 
 
 def test_on_gpus_a_group_runs_one_split_the_trainer_can_run():

@@ -15,6 +15,9 @@ import pytest
 from rlhfc.cost import memory_issues, simulate
 from rlhfc.ir import plan
 from rlhfc.passes import placement as P
+from rlhfc.passes.layouts import apply
+from rlhfc.passes.search import candidate_meshes
+from rlhfc.passes.strategies import flatten, interleave, respect_fixed, separate
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.rlhf"))
@@ -57,7 +60,7 @@ def test_rules_name_what_breaks():
 
 @pytest.mark.parametrize("nodes,per", CLUSTERS)
 def test_search_meshes_are_node_aligned(nodes, per):
-    meshes = P._meshes(nodes * per, per)
+    meshes = candidate_meshes(nodes * per, per)
     assert all(plan.mesh_aligned(f, c, per) for f, c in meshes), meshes
 
 
@@ -67,9 +70,9 @@ def test_strategies_obey_hardware_rules_on_every_cluster(path):
     (the plan need not fit in memory here: a 70B model on 6 GPUs does not)."""
     for nodes, per in CLUSTERS:
         module = _load(path, nodes, per)
-        for name, strategy in (("flatten", P.flatten), ("interleave", P.interleave), ("separate", P.separate)):
+        for name, strategy in (("flatten", flatten), ("interleave", interleave), ("separate", separate)):
             trial = module.clone()
-            P.apply(trial, P.respect_fixed(trial, strategy(trial)))
+            apply(trial, respect_fixed(trial, strategy(trial)))
             _assert_rules(trial, f"{path.stem} on {nodes}x{per} {name}")
 
 
@@ -93,7 +96,7 @@ def test_flatten_counts_memory_once():
     module = _load(ROOT / "examples" / "ppo_7b.rlhf")
     module.cluster.memory = 34 * 2 ** 30
     trial = module.clone()
-    P.apply(trial, P.flatten(trial))
+    apply(trial, flatten(trial))
     sim = simulate(trial, steps=1)
     assert not memory_issues(trial, sim=sim)
     peak = max(d.peak_memory_bytes for d in sim.devices)

@@ -53,11 +53,24 @@ def fake_run(tmp_path, step=3, models=SPECS, seed=11, score_bias=0.0, with_plan=
     (folder / "job.json").write_text(json.dumps(meta))
     if with_plan:   # what `rlhfc run FILE` leaves in RUN/job
         (run / "job").mkdir()
-        plan = {"models": {n: {"spec": s, "trainable": True} for n, s in models.items()},
-                "placement": {"workers": {n: {"model": n} for n in models}}}
-        (run / "job" / "plan.json").write_text(json.dumps(plan))
+        (run / "job" / "plan.json").write_text(json.dumps(_plan_of(models).to_json()))
     (run / "checkpoints" / "latest").write_text(f"step_{step}\n")
     return run, built
+
+
+def _plan_of(models: dict):
+    """A plan of these models, each trained on its own one-process worker (what export reads of it)."""
+    from rlhfc.contract import plan as contract
+
+    full = {n: {**SPECS.get(n, SPECS["actor"]), **s} for n, s in models.items()}
+    return contract.Plan(
+        module="fake", source=None, program_dir=None, opt_level="O0", passes=(),
+        cluster=contract.ClusterPlan("local"), data={}, run=contract.RunPlan(), ir="",
+        models={n: contract.ModelPlan(contract.ModelSpec(**s), contract.ModelInit("random"), True, 0)
+                for n, s in full.items()},
+        graph=contract.GraphPlan("g", {}, ()), metrics=contract.MetricRoles(),
+        placement=contract.PlacementPlan("PACK", ({"CPU": 1.0},), {n: contract.WorkerPlan(
+            n, (0, 1), 0, 1.0, 0.0, 1, (0,), 1, 1, 1, 1, "torch", "torch") for n in models}))
 
 
 @pytest.fixture(scope="module")

@@ -72,9 +72,9 @@ def test_over_memory_fits_at_O2_thanks_to_recompute():
     notes = " ".join(build_report(module, records=done.records, level="O2").notes)
     assert "%actor_train keeps the outputs of" in notes or "%actor_train recomputes" in notes
     assert "why: without it %actor_train needs" in notes
-    spec = build_plan(module, source=None, opt_level="O2", passes=done.passes)["models"]["actor"]["spec"]
-    assert spec["recompute"]["policy"] in ("ops", "full")
-    assert spec["recompute"].get("save", []) == list(plan.recompute_decision(module.graph.stage("actor_train")).save)
+    spec = build_plan(module, source=None, opt_level="O2", passes=done.passes).models["actor"].spec
+    assert spec.recompute["policy"] in ("ops", "full")
+    assert spec.recompute.get("save", []) == list(plan.recompute_decision(module.graph.stage("actor_train")).save)
 
 
 def test_recompute_policies_order_memory_and_time():

@@ -63,7 +63,10 @@ def test_reuse_logprobs_keeps_the_trainers_forward_under_the_vllm_engine(tmp_pat
 
 
 def test_check_says_how_to_install_vllm_when_it_is_missing(tmp_path, monkeypatch):
-    from rlhfc.ir.plan import VLLM_INSTALL, verify_rollout
+    from rlhfc.contract.engines import rollout_traits
+    from rlhfc.ir.plan import verify_rollout
+
+    VLLM_INSTALL = rollout_traits("vllm").install
 
     module = _load(tmp_path, "ok")
     module.run.rollout = "vllm"
@@ -131,7 +134,7 @@ def test_a_generating_model_of_several_ranks_runs_on_vllm_each_rank_priced_on_it
 
     dp2 = compiled("dp2", "run { rollout = vllm; trainer = fsdp }\n", 2)
     one = compiled("one", "run { rollout = vllm }\n", 1)
-    assert plan.vllm_model_problem(dp2, "actor") is None
+    assert plan.engine_problem(dp2, "actor", "vllm") is None
     assert {w.ranks for w in plan.workers(dp2).values() if w.model == "actor"} == {2}
     costs = {}
     for name, module in (("dp2", dp2), ("one", one)):

@@ -233,8 +233,8 @@ def test_a_stage_without_a_mesh_runs_on_its_model_home_mesh_everywhere():
     roll = module.graph.stage("roll")
     assert plan.stage_mesh(module, roll) == plan.Mesh(1, 1)
     assert CostModel(module).layout(roll).devices == range(1, 2)
-    run = placement(module)["workers"]
-    assert run["actor"]["mesh"] == [1, 1] and not any(k.startswith("actor_at") for k in run)
+    run = placement(module).workers
+    assert run["actor"].mesh == (1, 1) and not any(k.startswith("actor_at") for k in run)
     assert plan.stage_worker(module, roll) == "actor"
     sim = plan.workers(module)
     assert {w.name for w in sim.values()} == set(run)

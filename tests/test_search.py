@@ -231,12 +231,13 @@ def test_a_pinned_layout_is_kept_and_the_others_fit_around_it():
     """A plan may pin a stage's whole layout (a baseline's, or the layout search's): placement keeps it as
     given; the other stages still get the hardware rules' layouts on their meshes."""
     from rlhfc.ir import plan
-    from rlhfc.passes import placement as P
+    from rlhfc.passes.layouts import place
+    from rlhfc.passes.strategies import flatten
 
     module = run_passes(gpu_module(), "dce,parallelize")
     pinned = plan.Layout(0, 8, dp=2, tp=2, pp=2, microbatches=4, recompute="full")
-    assign = {**P.flatten(module), "actor_train": pinned}
-    P.place(module, assign, "search")
+    assign = {**flatten(module), "actor_train": pinned}
+    place(module, assign, "search")
     assert plan.stage_layout(module, module.graph.stage("actor_train")) == pinned
     critic = plan.stage_layout(module, module.graph.stage("critic_train"))
     assert (critic.first, critic.count) == (0, 8) and critic.dp * critic.tp * critic.pp == 8

@@ -28,10 +28,11 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
     import torch
 
     from rlhfc.cost.engine import fit_vllm_entry
-    from rlhfc.ir.plan import vllm_head_problem
+    from rlhfc.contract.engines import rollout_traits
+    from rlhfc.ir.plan import head_problem
     from rlhfc.runtime.worker import ModelWorker
 
-    problem = vllm_head_problem(int(spec["hidden"]), int(spec["heads"]))
+    problem = head_problem(rollout_traits("vllm"), int(spec["hidden"]), int(spec["heads"]))
     if problem is not None:
         return {"unsupported": f"vLLM cannot run its {problem[0]}"}
     saved = dict(os.environ)
@@ -48,7 +49,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
             return {"unsupported": f"the vLLM engine did not start: {exc}"}
         entry: dict = {"threads": threads, "engine_start_s": time.perf_counter() - start, "copy_bw": copy_bw,
                        "points": {"generate": [], "refit": []}}
-        config = worker.engine.llm.llm_engine.vllm_config
+        config = worker.rollout_engine.engine.llm.llm_engine.vllm_config
         entry["max_num_seqs"] = int(getattr(config.scheduler_config, "max_num_seqs", 0) or 0)
         blocks = getattr(config.cache_config, "num_gpu_blocks", None)
         if blocks:
@@ -68,7 +69,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
                         if rep:
                             runs.append([B, P, float(lengths.max()), float(lengths.sum()), sec])
                     entry["points"]["generate"].append(min(runs, key=lambda r: r[4] / max(r[3], 1.0)))
-        refits = [worker.engine.refit(worker.model, i + 1, 64) for i in range(reps)]
+        refits = [worker.rollout_engine.engine.refit(worker.model, i + 1, 64) for i in range(reps)]
         best = min(refits, key=lambda r: r["refit_s"])
         entry["points"]["refit"].append([best["refit_mb"] * 2 ** 20, int(worker.model.spec["layers"]),
                                          best["refit_s"]])
@@ -77,8 +78,8 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
                 f"{len(entry['points']['generate'])} generate points, refit {best['refit_s'] * 1e3:.1f} ms")
         return fit_vllm_entry(entry)
     finally:
-        if worker is not None and worker.engine is not None:
-            worker.engine.shutdown()
+        if worker is not None and worker.rollout_engine.engine is not None:
+            worker.rollout_engine.engine.shutdown()
         torch.set_num_threads(old)
         os.environ.clear()
         os.environ.update(saved)

@@ -15,6 +15,8 @@ from typing import Optional
 
 import typer
 
+from rlhfc.contract.plan import PlanFormatError, load_plan
+
 from .app import app
 from .explain import resolve_profile
 
@@ -91,13 +93,16 @@ def compare_cmd(
         if plan_path is None:
             raise _Bad(f"no plan.json for the run in {run} (looked in {', '.join(candidates)})",
                        "give the job folder that ran with --job JOBDIR")
-        plan = _read_json(plan_path, "plan.json", "recompile the job with `rlhfc compile FILE --emit job`")
-        if not isinstance(plan, dict) or not isinstance(plan.get("ir"), str):
+        try:
+            ir = load_plan(plan_path).ir
+        except PlanFormatError as exc:
+            raise _Bad(exc.message, exc.hint) from None
+        if not ir:
             raise _Bad(f"{plan_path} holds no IR", "recompile the job with `rlhfc compile FILE --emit job`")
     except _Bad as exc:
         typer.echo(f"rlhfc: error: {exc.message}\n  hint: {exc.hint}", err=True)
         raise SystemExit(2)
-    module = parse_ir(plan["ir"], plan_path)
+    module = parse_ir(ir, plan_path)
     verify(module)
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, config=CostConfig(profile=prof), steps=3)

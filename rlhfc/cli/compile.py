@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -10,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from rlhfc.contract.plan import load_plan
 from rlhfc.ir import CompileError, Diagnostic, print_module
 
 from .app import app
@@ -68,15 +68,17 @@ def compile_cmd(
         return
     if not out:
         raise CompileError([Diagnostic("error", "--emit job needs an output folder", None, "add -o job/")])
-    emit_job(done, out, file)
+    emit_job(done, out, file, plugin)
     typer.echo(f"wrote {out}/main.py, {out}/plan.json", err=True)
 
 
-def emit_job(done: Optimised, out: str, source: str) -> None:
-    """Write the job folder of an optimised module (``main.py``, ``plan.json``, the IR)."""
+def emit_job(done: Optimised, out: str, source: str, plugins: list[str] | None = None) -> None:
+    """Write the job folder of an optimised module (``main.py``, ``plan.json``, the IR); the job imports
+    ``plugins`` too."""
     from rlhfc.codegen import emit_job as write_job
 
-    write_job(done.module, out, source_path=source, opt_level=done.level or "custom", passes=done.passes)
+    write_job(done.module, out, source_path=source, opt_level=done.level or "custom", passes=done.passes,
+              plugins=plugins or ())
 
 
 def default_run_dir(name: str, resume: bool) -> str:
@@ -154,9 +156,9 @@ def run(
             out = out or default_run_dir(done.module.name, resume)
             job_dir = os.path.join(out, "job")
             if resume:
-                emit_job_for_resume(done, out, target)
+                emit_job_for_resume(done, out, target, plugin)
             else:
-                emit_job(done, job_dir, target)
+                emit_job(done, job_dir, target, plugin)
         run_job(job_dir, steps=steps, out=out, resume=resume, ray_address=ray_address,
                 progress=not no_progress, resume_command=resume_command(out), trace=trace)
     except JobError as exc:
@@ -166,7 +168,7 @@ def run(
         raise SystemExit(getattr(exc, "exit_code", 1))
 
 
-def emit_job_for_resume(done: Optimised, out: str, source: str) -> None:
+def emit_job_for_resume(done: Optimised, out: str, source: str, plugins: list[str] | None = None) -> None:
     """``run --resume``: write the new job beside ``OUT/job``, check the latest checkpoint's manifest against
     it, and only then replace ``OUT/job`` — a refused resume leaves the run's own job untouched."""
     from rlhfc.runtime import checkpoint as ckpt
@@ -177,10 +179,9 @@ def emit_job_for_resume(done: Optimised, out: str, source: str) -> None:
         raise ckpt.RunFolderError(f"--resume: no checkpoint in {root}", "run without --resume to start fresh")
     job_dir, new, old = (os.path.join(out, name) for name in ("job", ".job.new", ".job.old"))
     shutil.rmtree(new, ignore_errors=True)
-    emit_job(done, new, source)
+    emit_job(done, new, source, plugins)
     try:
-        with open(os.path.join(new, "plan.json"), encoding="utf-8") as fh:
-            ckpt.check_resume(latest, json.load(fh))   # its notes are printed when the run starts
+        ckpt.check_resume(latest, load_plan(os.path.join(new, "plan.json")))   # its notes are printed at the start
     except BaseException as exc:
         shutil.rmtree(new, ignore_errors=True)
         if isinstance(exc, ckpt.CheckpointMismatch) and os.path.isfile(os.path.join(job_dir, "main.py")):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from rlhfc.ir import CompileError, Diagnostic, Module
-from rlhfc.ir.plan import PLACEMENTS, ROLLOUTS, opt_level, placement_problem
+from rlhfc.ir.plan import PLACEMENTS, opt_level, placement_problem, rollouts
 
 if TYPE_CHECKING:
     from rlhfc.passes import PassManager
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 #: ``--placement``'s help: the strategies, then auto
 PLACEMENT_HELP = "|".join(PLACEMENTS[1:] + PLACEMENTS[:1])
 #: ``--rollout``'s help: the engines of the generate stages
-ROLLOUT_HELP = "|".join(ROLLOUTS) + " (overrides run { rollout = ... }; auto: the cost model picks per model)"
+ROLLOUT_HELP = "|".join(rollouts()) + " (overrides run { rollout = ... }; auto: the cost model picks per model)"
 
 
 @dataclass
@@ -52,9 +52,9 @@ def check_placement(placement: str) -> str:
 
 
 def check_rollout(rollout: str) -> str:
-    if rollout not in ROLLOUTS:
+    if rollout not in rollouts():
         raise CompileError([Diagnostic("error", f"unknown --rollout '{rollout}'", None,
-                                       f"engines: {', '.join(ROLLOUTS)}")])
+                                       f"engines: {', '.join(rollouts())}")])
     return rollout
 
 

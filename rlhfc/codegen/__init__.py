@@ -18,17 +18,19 @@ from .plan import build_plan
 
 
 def emit_job(module: Module, out: str, *, source_path: str | None = None, opt_level: str | None = None,
-             passes: list[str] | None = None, emitter: type[PythonEmitter] = PythonEmitter) -> str:
-    """Write the job folder ``out``; returns the path of its ``main.py``."""
+             passes: list[str] | None = None, emitter: type[PythonEmitter] = PythonEmitter,
+             plugins: list[str] | tuple[str, ...] = ()) -> str:
+    """Write the job folder ``out``; returns the path of its ``main.py``. ``plugins``: what the compiler
+    imported with ``--plugin`` (the job imports them too)."""
     passes = passes or []
     os.makedirs(out, exist_ok=True)
-    plan = build_plan(module, source=source_path, opt_level=opt_level, passes=passes)
+    plan = build_plan(module, source=source_path, opt_level=opt_level, passes=passes, plugins=plugins)
     code = emitter(module, source=source_path, opt_level=opt_level, passes=passes).emit()
     main_py = os.path.join(out, "main.py")
     with open(main_py, "w", encoding="utf-8") as fh:
         fh.write(code)
     with open(os.path.join(out, "plan.json"), "w", encoding="utf-8") as fh:
-        json.dump(plan, fh, indent=1)
+        json.dump(plan.to_json(), fh, indent=1)
         fh.write("\n")
     with open(os.path.join(out, "ir.rlir"), "w", encoding="utf-8") as fh:
         fh.write(print_module(module))

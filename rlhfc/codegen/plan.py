@@ -1,4 +1,4 @@
-"""Build ``plan.json``: everything the runtime needs, as plain JSON.
+"""Build ``plan.json``: everything the runtime needs, as the contract's typed :class:`~rlhfc.contract.plan.Plan`.
 
 The plan is the annotated IR flattened for the runtime — model specs, data
 specs, run settings, stages in schedule order, version edges — plus two
@@ -12,45 +12,44 @@ says the plan needs (one per model and mesh) — see :func:`placement`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from rlhfc.ir import Module, plan, print_module
+from rlhfc.contract import plan as contract
+from rlhfc.contract.plugins import recorded
+from rlhfc.ir import Module, Symbol, plan, print_module
+from rlhfc.ir.verify_fields import rollout_readers, tokenizer_key
 
 
-def model_spec(m) -> dict:
-    spec = {"arch": m.arch, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
-            "ffn": m.ffn, "vocab": m.vocab, "max_seq": m.max_seq, "head": m.head,
-            "source": os.path.abspath(m.source) if m.source else None}
-    if m.lora:   # adapters (rlhfc.runtime.lora): only they train
-        spec["lora"] = dict(m.lora)
-    return spec
+def model_spec(m) -> contract.ModelSpec:
+    return contract.ModelSpec(m.arch, m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab, m.max_seq, m.head,
+                              os.path.abspath(m.source) if m.source else None,
+                              dict(m.lora) if m.lora else None)   # adapters (rlhfc.runtime.lora): only they train
 
 
-def _trained_spec(module: Module, m) -> dict:
-    """The model's spec, with the recompute decision of its train stage (``spec["recompute"]``, for the
-    trainer: :func:`rlhfc.runtime.recompute.apply_recompute`) when it recomputes anything."""
+def _trained_spec(module: Module, m) -> contract.ModelSpec:
+    """The model's spec, with the recompute decision of its train stage (``recompute``, for the trainer:
+    :func:`rlhfc.runtime.recompute.apply_recompute`) when it recomputes anything."""
     spec = model_spec(m)
     for s in module.graph.stages_on(m.name):
         decision = plan.recompute_decision(s)
         if decision is not None and decision.policy != "none":
-            spec["recompute"] = decision.runtime()
+            spec = dataclasses.replace(spec, recompute=decision.runtime())
     return spec
 
 
-def _init(module: Module, m) -> dict:
-    from rlhfc.ir import Symbol
-
+def _init(module: Module, m) -> contract.ModelInit:
     if isinstance(m.init, Symbol):
         root = module.models[m.init.name]
         while isinstance(root.init, Symbol):   # copy(copy(actor)) starts from actor's initial weights
             root = module.models[root.init.name]
         if root.init == "pretrained":
-            return {"kind": "pretrained"}       # the same folder: load it directly
-        return {"kind": "copy", "from": root.name, "spec": model_spec(root)}
-    return {"kind": m.init}
+            return contract.ModelInit("pretrained")       # the same folder: load it directly
+        return contract.ModelInit("copy", root.name, model_spec(root))
+    return contract.ModelInit(m.init)
 
 
-def placement(module: Module) -> dict:
+def placement(module: Module) -> contract.PlacementPlan:
     """Ray bundles (one per node) and, per worker (:func:`rlhfc.ir.plan.workers`: one per model and mesh),
     its node, devices, resource share and threads.
 
@@ -59,35 +58,33 @@ def placement(module: Module) -> dict:
     runs one torch thread per whole core of its share: idle OpenMP threads of co-located workers
     spin and slow the busy one down (5x measured on 2 cores with 2 threads each).
 
-    Each worker also says how it runs (:func:`rlhfc.ir.plan.worker_layout`, the runtime's contract):
-    ``trainer`` (``"torch"`` | ``"fsdp"`` | ``"megatron"``, ``auto`` resolved), its layout ``dp``, ``tp``,
-    ``pp`` and ``ranks`` = dp·tp·pp processes (1, with dp = tp = pp = 1, under torch); ``engine = "vllm"`` when
-    its model's generate stages run on vLLM (:func:`rlhfc.ir.plan.model_engine`; absent: torch), and on GPUs
-    the ``gpu_memory_utilization`` its engine starts with (the stages' ``gpu_memory``).
+    Each worker also says how it runs (:func:`rlhfc.ir.plan.worker_layout`): the registered ``trainer``
+    backend (``auto`` resolved), its layout ``dp``, ``tp``, ``pp`` and ``ranks`` = dp·tp·pp processes (1, with
+    dp = tp = pp = 1, on a one-process backend); the rollout ``engine`` of its model's generate stages
+    (:func:`rlhfc.ir.plan.model_engine`), and on GPUs the ``gpu_memory_utilization`` its engine starts with
+    (the stages' ``gpu_memory``).
     """
     c = module.cluster
     gpu = c.device != "cpu"
-    bundles = [({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
-               for _ in range(c.nodes)]
-    workers = {w.name: {"model": w.model, "mesh": list(w.mesh.pair()), "bundle": w.node,
-                        "num_cpus": 0 if gpu else w.share, "num_gpus": w.share if gpu else 0,
-                        "threads": 1 if gpu else w.threads, "cores": list(w.cores), "ranks": w.ranks,
-                        "dp": w.dp, "tp": w.tp, "pp": w.pp, "trainer": w.trainer,
-                        **({"engine": "vllm"} if plan.model_engine(module, w.model) == "vllm" else {}),
-                        **_gpu_memory(module, w.model)}
-               for w in plan.workers(module).values()}
-    return {"strategy": "PACK" if c.nodes == 1 else "STRICT_SPREAD", "bundles": bundles, "workers": workers}
+    bundles = tuple(({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
+                    for _ in range(c.nodes))
+    workers = {w.name: contract.WorkerPlan(
+        model=w.model, mesh=w.mesh.pair(), bundle=w.node, num_cpus=0.0 if gpu else float(w.share),
+        num_gpus=float(w.share) if gpu else 0.0, threads=1 if gpu else w.threads, cores=tuple(w.cores),
+        ranks=w.ranks, dp=w.dp, tp=w.tp, pp=w.pp, trainer=w.trainer, engine=plan.model_engine(module, w.model),
+        gpu_memory_utilization=_gpu_memory(module, w.model)) for w in plan.workers(module).values()}
+    return contract.PlacementPlan("PACK" if c.nodes == 1 else "STRICT_SPREAD", bundles, workers)
 
 
-def _gpu_memory(module: Module, model: str) -> dict:
-    """``{"gpu_memory_utilization": f}`` for a worker whose vLLM generate stages the compiler marked
-    ``gpu_memory = f`` (a CUDA engine's share of its GPU: rlhfc.passes.engine.set_gpu_memory), else ``{}``."""
+def _gpu_memory(module: Module, model: str) -> float | None:
+    """The share of its GPU a worker's CUDA rollout engine starts with: the most its generate stages were
+    marked (``gpu_memory = f``: rlhfc.passes.engine.set_gpu_memory), else None."""
     shares = [float(s.annotations["gpu_memory"]) for s in module.graph.stages
               if s.op == "generate" and s.target == model and "gpu_memory" in s.annotations]
-    return {"gpu_memory_utilization": max(shares)} if shares else {}
+    return max(shares) if shares else None
 
 
-def metric_roles(module: Module) -> dict:
+def metric_roles(module: Module) -> contract.MetricRoles:
     """Which IR values the runtime reports as reward, KL, policy and value losses."""
     g = module.graph
     roles: dict = {}
@@ -113,68 +110,64 @@ def metric_roles(module: Module) -> dict:
         if s.op == "train":
             head = module.models[s.target].head
             roles["policy_train" if head == "lm" else "value_train"] = s.name
-    return roles
+    if "kl" in roles:
+        roles["kl"] = tuple(roles["kl"])
+    return contract.MetricRoles(**roles)
 
 
-def build_plan(module: Module, *, source: str | None, opt_level: str | None, passes: list[str]) -> dict:
+def _data(module: Module, d) -> contract.DataPlan:
+    """A data source's plan: its options (paths absolute) and every model that reads its prompts' tokens
+    (the job checks each prompt fits that model's max_seq at start)."""
     g = module.graph
-    stages = []
+    options = dict(d.options)
+    if "path" in options:
+        options["path"] = os.path.abspath(options["path"])
+    fit: list[contract.PromptFit] = []
     for s in g.stages:
-        stages.append({"name": s.name, "op": s.op, "target": s.target, "inputs": [v.name for v in s.inputs],
-                       "outputs": [v.name for v in s.outputs], "types": [str(v.type) for v in s.outputs],
-                       "attrs": s.attrs, "annotations": _jsonable(s.annotations),
-                       "loc": str(s.loc) if s.loc else None})
-    from rlhfc.ir.verify_fields import rollout_readers, tokenizer_key
+        if s.op != "generate" or not s.inputs or g.producer(s.inputs[0]).target != d.name:
+            continue
+        gen = module.models[s.target]
+        for r in [s] + rollout_readers(g, s.outputs[0]):
+            m = module.models[r.target]
+            entry = contract.PromptFit(m.name, model_spec(m).source, m.vocab, m.max_seq, s.attrs["max_new_tokens"],
+                                       bool(s.attrs.get("chat")))   # chat: prompts counted in the chat template
+            if tokenizer_key(m) == tokenizer_key(gen) and entry not in fit:
+                fit.append(entry)
+    return contract.DataPlan(d.kind, options, tuple(fit))
 
-    data = {}
-    for d in module.data.values():
-        spec = {"kind": d.kind, **d.options}
-        if d.kind in ("jsonl", "parquet", "arrow"):
-            spec["path"] = os.path.abspath(spec["path"])
-        # every model that reads these prompts' tokens: the job checks each prompt fits its max_seq at start
-        fit = []
-        for s in g.stages:
-            if s.op != "generate" or not s.inputs or g.producer(s.inputs[0]).target != d.name:
-                continue
-            gen = module.models[s.target]
-            for r in [s] + rollout_readers(g, s.outputs[0]):
-                m = module.models[r.target]
-                entry = {"model": m.name, "tokenizer": {"source": model_spec(m)["source"], "vocab": m.vocab},
-                         "max_seq": m.max_seq, "max_new_tokens": s.attrs["max_new_tokens"]}
-                if s.attrs.get("chat"):
-                    entry["chat"] = True   # prompts are counted in the chat template
-                if tokenizer_key(m) == tokenizer_key(gen) and entry not in fit:
-                    fit.append(entry)
-        if fit:
-            spec["fit"] = fit
-        data[d.name] = spec
-    return {
-        "format": 1,
-        "module": module.name,
-        "source": source,
+
+def build_plan(module: Module, *, source: str | None, opt_level: str | None, passes: list[str],
+               plugins: list[str] | tuple[str, ...] = ()) -> contract.Plan:
+    g = module.graph
+    stages = tuple(contract.StagePlan(
+        s.name, s.op, s.target, tuple(v.name for v in s.inputs), tuple(v.name for v in s.outputs),
+        tuple(str(v.type) for v in s.outputs), _jsonable(s.attrs), _jsonable(s.annotations),
+        str(s.loc) if s.loc else None) for s in g.stages)
+    c = module.cluster
+    run = {k: v for k, v in module.run.attrs().items()}
+    run["reward_modules"] = tuple(run.get("reward_modules", ()))
+    return contract.Plan(
+        module=module.name,
+        source=source,
         # rule("module:function") modules are looked up in the program's folder (runtime.rewards)
-        "program_dir": os.path.dirname(os.path.abspath(source)) if source else None,
-        "opt_level": opt_level,
-        "passes": passes,
-        "cluster": {"name": module.cluster.name, **module.cluster.attrs()},
-        "models": {m.name: {"spec": _trained_spec(module, m), "init": _init(module, m), "trainable": m.trainable,
-                            "params": m.params} for m in module.models.values()},
-        "data": data,
-        "run": module.run.attrs(),
-        "graph": {"name": g.name, "params": g.params, "stages": stages,
-                  "stages_by_name": {s["name"]: {"op": s["op"], "target": s["target"]} for s in stages},
-                  "value_to_stage": {v: s["name"] for s in stages for v in s["outputs"]},
-                  "versions": [{"model": e.model, "writer": e.writer, "reader": e.reader, "distance": e.distance}
-                               for e in g.versions]},
-        "placement": placement(module),
-        "metrics": metric_roles(module),
-        "ir": print_module(module),
-    }
+        program_dir=os.path.dirname(os.path.abspath(source)) if source else None,
+        opt_level=opt_level,
+        passes=tuple(passes),
+        cluster=contract.ClusterPlan(c.name, c.device, c.nodes, c.per_node, c.memory),
+        models={m.name: contract.ModelPlan(_trained_spec(module, m), _init(module, m), m.trainable, m.params)
+                for m in module.models.values()},
+        data={d.name: _data(module, d) for d in module.data.values()},
+        run=contract.RunPlan(**run),
+        graph=contract.GraphPlan(g.name, dict(g.params), stages, tuple(
+            contract.VersionEdge(e.model, e.writer, e.reader, e.distance) for e in g.versions)),
+        placement=placement(module),
+        metrics=metric_roles(module),
+        ir=print_module(module),
+        plugins=tuple(recorded(p) for p in plugins),
+    )
 
 
 def _jsonable(value):
-    from rlhfc.ir import Symbol
-
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

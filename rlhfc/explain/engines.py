@@ -43,7 +43,7 @@ def engine_notes(module: Module, cm) -> list[str]:
     for name in dict.fromkeys(s.target for s in gens):
         mine = [s for s in gens if s.target == name]
         engine = plan.model_engine(module, name)
-        problem = plan.vllm_model_problem(module, name) or unsupported(cm.profile, module.models[name])
+        problem = plan.engine_problem(module, name, "vllm") or unsupported(cm.profile, module.models[name])
         if problem is not None and engine == "torch":
             notes.append(f"rollout = auto keeps @{name} on torch: {problem}")
             continue

@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 
+from rlhfc.contract.engines import DEFAULT_ROLLOUT, DEFAULT_TRAINER
+
 from .arch import ARCH_FIELDS, param_count
 from .diagnostics import Loc
 from .types import ValueType
@@ -180,10 +182,10 @@ class RunConfig:
     optimize: str = "O1"
     placement: str = "auto"
     reward_modules: list = field(default_factory=list)
-    trainer: str = "torch"
+    trainer: str = DEFAULT_TRAINER
     precision: str = "fp32"
     log_samples: int = 4
-    rollout: str = "torch"
+    rollout: str = DEFAULT_ROLLOUT
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
@@ -193,13 +195,13 @@ class RunConfig:
                "optimize": self.optimize, "placement": self.placement}
         if self.reward_modules:
             out["reward_modules"] = self.reward_modules
-        if self.trainer != "torch":
+        if self.trainer != DEFAULT_TRAINER:
             out["trainer"] = self.trainer
         if self.precision != "fp32":
             out["precision"] = self.precision
         if self.log_samples != 4:
             out["log_samples"] = self.log_samples
-        if self.rollout != "torch":
+        if self.rollout != DEFAULT_ROLLOUT:
             out["rollout"] = self.rollout
         return out
 

@@ -23,7 +23,7 @@ from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import DiagnosticSink, did_you_mean, field_loc, where
 from .lora import lora_problems
 from .ops import OpSpec
-from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, ROLLOUTS, TRAINERS, placement_problem
+from .plan import LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, placement_problem, rollouts, trainers
 from .plan import describe as _describe
 
 #: the arithmetic a run may choose (``run { precision = ... }``)
@@ -311,20 +311,20 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
     if r.placement not in PLACEMENTS:
         message, hint = placement_problem(_name(r.placement))
         f.error("placement", message, hint)
-    if r.trainer not in TRAINERS:
-        hint = " ".join(filter(None, [did_you_mean(str(r.trainer), TRAINERS),
+    if r.trainer not in trainers():
+        hint = " ".join(filter(None, [did_you_mean(str(r.trainer), trainers()),
                                       "torch runs one process per model and mesh; fsdp runs a data-parallel layout "
                                       "as FSDP2 ranks; megatron runs dp x tp x pp megatron-core ranks; auto picks "
                                       "per model"]))
-        f.error("trainer", f"trainer must be one of {', '.join(TRAINERS)}, got {_name(r.trainer)}", hint)
+        f.error("trainer", f"trainer must be one of {', '.join(trainers())}, got {_name(r.trainer)}", hint)
     if r.precision not in PRECISIONS:
         f.error("precision", f"precision must be one of {', '.join(PRECISIONS)}, got {_name(r.precision)}",
                 " ".join(filter(None, [did_you_mean(str(r.precision), PRECISIONS),
                                        "fp32 computes in float32; bf16 runs forwards, generation and training "
                                        "under bf16 autocast with float32 weights"])))
-    if r.rollout not in ROLLOUTS:
-        f.error("rollout", f"rollout must be one of {', '.join(ROLLOUTS)}, got {_name(r.rollout)}",
-                " ".join(filter(None, [did_you_mean(str(r.rollout), ROLLOUTS),
+    if r.rollout not in rollouts():
+        f.error("rollout", f"rollout must be one of {', '.join(rollouts())}, got {_name(r.rollout)}",
+                " ".join(filter(None, [did_you_mean(str(r.rollout), rollouts()),
                                        "torch decodes in rlhfc's own loop; vllm runs a vLLM engine; auto lets the cost model pick per model"])))
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
-import os
 import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
+from rlhfc.contract.plugins import PluginError, import_plugin
 from rlhfc.ir import Module
-from rlhfc.ir.diagnostics import CompileError, did_you_mean, error
+from rlhfc.ir.diagnostics import did_you_mean, error
 
 #: option types a pipeline string can set
 OPTION_TYPES = ("int", "float", "str", "bool")
@@ -271,31 +270,10 @@ def load_plugin(spec: str) -> None:
 
     Errors while importing it become CompileErrors naming the plugin.
     """
-    is_path = spec.endswith(".py") or os.sep in spec or "/" in spec
     try:
-        if is_path:
-            if not os.path.isfile(spec):
-                raise error(f"plugin file not found: {spec}", None, "give a module name or a path to a .py file")
-            mod_name = "rlhfc_plugin_" + "".join(c if c.isalnum() else "_" for c in
-                                                 os.path.splitext(os.path.abspath(spec))[0])
-            loader_spec = importlib.util.spec_from_file_location(mod_name, spec)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[mod_name] = module
-            try:
-                loader_spec.loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(mod_name, None)
-                raise
-            return
-        try:
-            importlib.import_module(spec)
-        except ModuleNotFoundError as exc:
-            if exc.name != spec and not spec.startswith(f"{exc.name}."):
-                raise
-            raise error(f"cannot import plugin '{spec}': {exc}", None,
-                        "the module must be importable (on PYTHONPATH), or pass a path to a .py file") from None
-    except CompileError:
-        raise
+        import_plugin(spec)
+    except PluginError as exc:
+        raise error(exc.message, None, exc.hint) from None
     except Exception as exc:
         raise error(f"plugin '{spec}' failed to load: {type(exc).__name__}: {exc}", None,
                     "fix the plugin; RLHFC_DEBUG=1 shows the traceback") from exc

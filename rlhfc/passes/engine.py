@@ -11,7 +11,7 @@ when ``reuse_logprobs`` runs later in the pipeline the torch side is credited wi
 remove.
 
 A model vLLM cannot run stays on torch, with a note, not an error
-(:func:`rlhfc.ir.plan.vllm_model_problem`: its head size, a generate's ``top_p``, vLLM not installed where
+(:func:`rlhfc.ir.plan.engine_problem`: its head size, a generate's ``top_p``, vLLM not installed where
 it compiles, or a profile that recorded the engine failing on that shape). A model of several ranks may run
 on vLLM: an engine per rank, priced on its share of the rows.
 
@@ -59,7 +59,7 @@ def choose_engines(module: Module, downstream_names=(), config=None) -> list[Eng
     models = list(dict.fromkeys(s.target for s in g.stages if s.op == "generate" and s.target in module.models))
     for name in models:
         gens = [s for s in g.stages if s.op == "generate" and s.target == name]
-        problem = plan.vllm_model_problem(module, name) or unsupported(config.profile, module.models[name])
+        problem = plan.engine_problem(module, name, "vllm") or unsupported(config.profile, module.models[name])
         if problem is not None:
             out.append(EngineChoice(name, "torch", {}, 0.0, f"vLLM cannot run @{name} here: {problem}"))
             continue

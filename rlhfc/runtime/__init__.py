@@ -1,13 +1,16 @@
 """What a compiled rlhfc job imports: models, tokenizers, generation, PPO math, data.
 
 The runtime imports no compiler code (``rlhfc.frontend``, ``ir``, ``passes``,
-``cost``, ``codegen``, ``explain``, ``cli``): a job runs with only this package installed.
+``cost``, ``codegen``, ``explain``, ``cli``): a job runs with only this package and
+``rlhfc.contract`` (the typed ``plan.json``, the engine registries, the shared rules) installed.
 
 Modules:
 
 * ``models``     build a policy / value / score model from a dict spec; weights in/out.
 * ``tokenizer``  the built-in character tokenizer and a Hugging Face wrapper.
 * ``generation`` KV-cached sampling (plain and streaming) and rollout forwards.
+* ``rollout``    the rollout-engine interface a worker decodes through, and the torch decoder behind it
+                 (``vllm_engine``: the vLLM engine); built from the registry of ``rlhfc.contract.engines``.
 * ``ppo``        KL, rewards, GAE, whitening, PPO/value losses, GRPO/RLOO, train loop.
 * ``data``       prompt sources (synthetic task, JSONL) with a checkpointable cursor.
 * ``rewards``    rule rewards ``fn(prompt, response) -> float`` and their resolver.
@@ -15,7 +18,8 @@ Modules:
 Running a compiled job (imported by the generated ``main.py``, not re-exported here):
 
 * ``job``        the driver (``Job``: what ``step`` calls; the loop; ``main``).
-* ``cluster``    Ray start-up, placement group, worker creation.
+* ``cluster``    Ray start-up, placement group, worker creation (each group's class from its train backend's
+                 registration: ``worker`` torch, ``parallel`` FSDP2, ``megatron`` megatron-core).
 * ``group``      ``WorkerGroup``, the handle ``w.<worker>`` (one rank today).
 * ``worker``     ``ModelWorker``, the Ray actor hosting one model.
 * ``checkpoint`` atomic save / resume; ``metrics``: metrics.jsonl, TensorBoard, progress.

@@ -28,6 +28,8 @@ import re
 import shutil
 from typing import Iterable
 
+from rlhfc.contract.plan import Plan
+
 from rlhfc import __version__
 
 from .cluster import import_ray
@@ -175,64 +177,64 @@ def check_fresh_run_folder(out: str, job_dir: str | None, resume_hint: str) -> N
 
 
 # -- the manifest --------------------------------------------------------------------------------
-def manifest(plan: dict, step: int) -> dict:
+def manifest(plan: Plan, step: int) -> dict:
     """What a checkpoint of ``plan`` at ``step`` belongs to (recorded in job.json, checked on resume)."""
-    return {"format": 1, "step": step, "rlhfc_version": __version__, "module": plan.get("module"),
+    return {"format": 1, "step": step, "rlhfc_version": __version__, "module": plan.module,
             "program": program_hash(plan), "models": model_shapes(plan), "algorithm": algorithm(plan),
-            "workers": sorted(plan.get("placement", {}).get("workers", {}))}
+            "workers": sorted(plan.placement.workers)}
 
 
-def model_shapes(plan: dict) -> dict[str, dict]:
+def model_shapes(plan: Plan) -> dict[str, dict]:
     """Per model: the settings that fix its shapes (with its LoRA adapters, when it has them), and its
     parameter count."""
-    return {name: {**{k: m["spec"].get(k) for k in SHAPE_KEYS}, "params": m.get("params"),
-                   **({"lora": m["spec"]["lora"]} if m["spec"].get("lora") else {})}
-            for name, m in sorted(plan["models"].items())}
+    return {name: {**{k: getattr(m.spec, k) for k in SHAPE_KEYS}, "params": m.params,
+                   **({"lora": m.spec.lora} if m.spec.lora else {})}
+            for name, m in sorted(plan.models.items())}
 
 
-def algorithm(plan: dict) -> dict:
+def algorithm(plan: Plan) -> dict:
     """What is trained and how: per trained model the op(s) of its loss, and the compute ops between the
     reward and the losses (the advantage estimator: ``compute.gae``, ``compute.group_advantages``, …).
     Optimisations (-O levels, placements) do not change it."""
-    stages = plan["graph"]["stages"]
-    by_name = {s["name"]: s for s in stages}
-    producer = {out: s for s in stages for out in s["outputs"]}
+    stages = plan.graph.stages
+    by_name = plan.graph.stages_by_name
+    producer = {out: s for s in stages for out in s.outputs}
     train: dict[str, list[str]] = {}
     losses = set()
     for s in stages:
-        if s["op"] == "train":
-            ops = [producer[i]["op"] for i in s["inputs"] if i in producer]
-            train.setdefault(s["target"], []).extend(ops)
-            losses.update(producer[i]["name"] for i in s["inputs"] if i in producer)
-    reward = (plan.get("metrics") or {}).get("reward")
+        if s.op == "train":
+            ops = [producer[i].op for i in s.inputs if i in producer]
+            train.setdefault(s.target, []).extend(ops)
+            losses.update(producer[i].name for i in s.inputs if i in producer)
+    reward = plan.metrics.reward
     after_reward: set[str] = set()
-    frontier = [producer[reward]["name"]] if reward in producer else []
+    frontier = [producer[reward].name] if reward in producer else []
     while frontier:
-        outs = set(by_name[frontier.pop()]["outputs"])
+        outs = set(by_name[frontier.pop()].outputs)
         for s in stages:
-            if s["name"] not in after_reward and outs & set(s["inputs"]):
-                after_reward.add(s["name"])
-                frontier.append(s["name"])
+            if s.name not in after_reward and outs & set(s.inputs):
+                after_reward.add(s.name)
+                frontier.append(s.name)
     before_loss: set[str] = set()
     frontier = list(losses)
     while frontier:
-        for i in by_name[frontier.pop()]["inputs"]:
-            if i in producer and producer[i]["name"] not in before_loss:
-                before_loss.add(producer[i]["name"])
-                frontier.append(producer[i]["name"])
-    advantages = sorted({s["op"] for s in stages if s["name"] in after_reward & before_loss - losses
-                         and s["op"].startswith("compute.")})
+        for i in by_name[frontier.pop()].inputs:
+            if i in producer and producer[i].name not in before_loss:
+                before_loss.add(producer[i].name)
+                frontier.append(producer[i].name)
+    advantages = sorted({s.op for s in stages if s.name in after_reward & before_loss - losses
+                         and s.op.startswith("compute.")})
     return {"train": {k: sorted(v) for k, v in sorted(train.items())}, "advantages": advantages}
 
 
-def program_hash(plan: dict) -> str:
+def program_hash(plan: Plan) -> str:
     """sha256 of the program's IR without source locations and comments."""
-    ir = re.sub(r'\s*loc\("[^"]*":\d+:\d+\)', "", plan.get("ir", ""))
+    ir = re.sub(r'\s*loc\("[^"]*":\d+:\d+\)', "", plan.ir)
     ir = re.sub(r"\s*//[^\n]*", "", ir)
     return "sha256:" + hashlib.sha256(ir.encode()).hexdigest()
 
 
-def check_resume(path: str, plan: dict, workers: Iterable[str] | None = None) -> list[str]:
+def check_resume(path: str, plan: Plan, workers: Iterable[str] | None = None) -> list[str]:
     """Check checkpoint ``path`` against the job of ``plan`` that resumes it: raise
     :class:`CheckpointMismatch` naming what differs, or return notes (program edits, another rlhfc
     version, a checkpoint written before manifests) to print."""
@@ -278,8 +280,8 @@ def check_resume(path: str, plan: dict, workers: Iterable[str] | None = None) ->
     if got.get("step") != meta.get("step") or not name.endswith(f"_{meta.get('step')}"):
         diffs.append(f"its job.json says step {meta.get('step')} and its manifest step {got.get('step')}")
     if diffs:
-        who = f"'{got.get('module')}'" + (f" (the program is '{plan.get('module')}')"
-                                          if got.get("module") != plan.get("module") else "")
+        who = f"'{got.get('module')}'" + (f" (the program is '{plan.module}')"
+                                          if got.get("module") != plan.module else "")
         raise CheckpointMismatch(f"--resume: checkpoint {path} was written by {who} and does not match "
                                  f"this program: " + "; ".join(diffs),
                                  "resume it with the program (or job) that wrote it, or start a new run "

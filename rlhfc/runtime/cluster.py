@@ -1,17 +1,23 @@
 """Cluster start-up: start or connect to Ray, reserve the plan's devices, create the worker groups.
 
 The plan's ``placement`` holds one bundle per node and one entry per worker (a model on a mesh):
-its bundle, CPU / GPU share, threads and cores. :meth:`Cluster.start` turns each entry into a
-:class:`~rlhfc.runtime.group.WorkerGroup` of one rank — a Ray actor hosting a
-:class:`~rlhfc.runtime.worker.ModelWorker` — and waits until every worker has built its model.
+its bundle, CPU / GPU share, threads and cores, and the train backend and rollout engine that run it.
+:meth:`Cluster.start` turns each entry into a :class:`~rlhfc.runtime.group.WorkerGroup` of ``ranks`` Ray
+actors, each hosting the worker class its backend registered (:mod:`rlhfc.contract.engines`), and waits until
+every worker has built its model.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import os
 import tempfile
 from typing import Any
+
+from rlhfc.contract.engines import train_traits
+from rlhfc.contract.plan import Plan, WorkerPlan
 
 from .errors import JobError
 from .group import WorkerGroup
@@ -32,7 +38,7 @@ def import_ray():
 class Cluster:
     """The Ray side of one job: the connection, its placement group and its worker groups."""
 
-    def __init__(self, plan: dict, out: str, seed: int, ray_address: str | None = None):
+    def __init__(self, plan: Plan, out: str, seed: int, ray_address: str | None = None):
         self.plan, self.out, self.seed, self.ray_address = plan, out, seed, ray_address
         self.started_ray = False
         self.pg = None
@@ -67,7 +73,7 @@ class Cluster:
             ray.init(address=self.ray_address, include_dashboard=False, log_to_driver=False,
                      logging_level="ERROR")
         else:
-            need_cpu = sum(b.get("CPU", 0) for b in self.plan["placement"]["bundles"])
+            need_cpu = sum(b.get("CPU", 0) for b in self.plan.placement.bundles)
             tmp = os.path.join(self.out, "ray")
             if len(tmp) > 40:  # Ray adds ~62 bytes to it for its sockets; unix socket paths hold 107
                 tmp = tempfile.mkdtemp(prefix="rlhfc-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
@@ -80,12 +86,12 @@ class Cluster:
     def check_resources(self, ray) -> None:
         have = ray.cluster_resources()
         need: dict[str, float] = {}
-        for b in self.plan["placement"]["bundles"]:
+        for b in self.plan.placement.bundles:
             for k, v in b.items():
                 need[k] = need.get(k, 0) + v
         for k, v in need.items():
             if have.get(k, 0) + 1e-9 < v:
-                kind = self.plan["cluster"]["device"]
+                kind = self.plan.cluster.device
                 raise JobError(f"the plan needs {v:g} {k} ({kind}) but the Ray cluster has {have.get(k, 0):g}",
                                "run it on a matching cluster with --ray-address, or compile a program whose "
                                "cluster is `devices = cpu:N` to run locally")
@@ -93,56 +99,50 @@ class Cluster:
     def _reserve(self, ray):
         from ray.util.placement_group import placement_group
 
-        placement = self.plan["placement"]
-        strategy = placement.get("strategy", "PACK")
-        if len(ray.nodes()) < len(placement["bundles"]):
+        placement = self.plan.placement
+        strategy = placement.strategy
+        if len(ray.nodes()) < len(placement.bundles):
             strategy = "PACK"   # a local (one-node) Ray runs a multi-node plan on this machine
-        pg = placement_group(placement["bundles"], strategy=strategy)
+        bundles = [dict(b) for b in placement.bundles]
+        pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=60)
         except Exception:
             raise JobError("the Ray cluster cannot reserve the plan's devices "
-                           f"({placement['bundles']})", "check `ray status`, or compile for a smaller cluster")
+                           f"({bundles})", "check `ray status`, or compile for a smaller cluster")
         return pg
 
     def _create_workers(self, ray) -> dict[str, Any]:
-        """One group per placed worker — one rank; ``ranks`` data-parallel FSDP2 ranks (``trainer = fsdp``);
-        or ``dp × tp × pp`` megatron-core ranks (``trainer = megatron``) — and each group's ``ready`` reference."""
+        """One group per placed worker — ``ranks`` actors of the class its train backend registered (one rank
+        for a one-process backend) — and each group's ``ready`` reference."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .worker import ModelWorker
-
-        use_gpu = self.plan["cluster"]["device"] != "cpu"
+        gpu = self.plan.cluster.gpu
         refs = {}
-        for name, w in self.plan["placement"]["workers"].items():
-            model_name = w.get("model", name)
-            model = self.plan["models"][model_name]
-            ranks = int(w.get("ranks", 1))
-            trainer = w.get("trainer") or ("fsdp" if ranks > 1 else "torch")
-            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w["bundle"])
-            args = (model_name, model["spec"], model["init"], self.seed)
-            device = "cuda" if use_gpu else "cpu"
-            precision = self.plan["run"].get("precision", "fp32")
-            engine = w.get("engine") or self.plan["run"].get("rollout", "torch")   # vLLM: an engine per rank
-            engine = engine if engine in ("torch", "vllm") else "torch"   # rollout = auto: the worker's "engine"
-            rollout = {"engine": engine, "folder": os.path.join(os.path.abspath(self.out), "vllm")}
-            if w.get("gpu_memory_utilization"):   # a CUDA engine's share of its GPU, as the compiler priced it
-                rollout["gpu_memory"] = float(w["gpu_memory_utilization"])
-            if trainer == "torch" and ranks == 1:
-                actor_cls = ray.remote(num_cpus=w["num_cpus"], num_gpus=w.get("num_gpus", 0),
-                                       max_restarts=0)(ModelWorker)
+        for name, w in self.plan.placement.workers.items():
+            model = self.plan.models[w.model]
+            worker_cls = worker_class(w, self.plan.run.precision)
+            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w.bundle)
+            rollout = {"engine": w.engine, "folder": os.path.join(os.path.abspath(self.out), "vllm"),
+                       "plugins": list(self.plan.plugins)}   # imported in the worker before it builds its engine
+            if w.gpu_memory_utilization:   # a CUDA engine's share of its GPU, as the compiler priced it
+                rollout["gpu_memory"] = w.gpu_memory_utilization
+            args = (w.model, model.spec.as_dict(), model.init.as_dict(), self.seed)
+            common = dict(device="cuda" if gpu else "cpu", precision=self.plan.run.precision, rollout=rollout)
+            if not train_traits(w.trainer).dims:   # one process
+                actor_cls = ray.remote(num_cpus=w.num_cpus, num_gpus=w.num_gpus, max_restarts=0)(worker_cls)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
-                    *args, w.get("threads", 1), device, w.get("cores"), precision, rollout)]
+                    *args, threads=w.threads, cores=list(w.cores) or None, **common)]
             else:   # the ranks share the worker's devices: one core (or GPU) each, round robin
                 store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
-                worker_cls, extra = _group_class(trainer, w, precision)
-                actor_cls = ray.remote(num_cpus=w["num_cpus"] / ranks, num_gpus=w.get("num_gpus", 0) / ranks,
+                actor_cls = ray.remote(num_cpus=w.num_cpus / w.ranks, num_gpus=w.num_gpus / w.ranks,
                                        max_restarts=0)(worker_cls)
-                cores = w.get("cores") or []
+                cores = list(w.cores)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
-                    *args, 1, device, [cores[r % len(cores)]] if cores else None, rank=r, world=ranks, store=store,
-                    backend="nccl" if use_gpu else "gloo", rollout=rollout, **extra) for r in range(ranks)]
-            group = WorkerGroup(name, handles, model=model_name)
+                    *args, threads=1, cores=[cores[r % len(cores)]] if cores else None, rank=r, world=w.ranks,
+                    store=store, backend="nccl" if gpu else "gloo", tp=w.tp, pp=w.pp, **common)
+                    for r in range(w.ranks)]
+            group = WorkerGroup(name, handles, model=w.model)
             self.workers[name] = group
             refs[name] = group.ready.remote()   # the health check: every rank has built its model
         return refs
@@ -158,25 +158,28 @@ class Cluster:
                 remove_ray_temp(self.ray_temp)
 
 
-def _group_class(trainer: str, w: dict, precision: str = "fp32") -> tuple[type, dict]:
-    """The worker class of a multi-rank group and its extra keyword arguments (the megatron trainer runs
-    fp32 only: ``check`` refuses bf16 with it)."""
-    if trainer == "megatron":
-        import importlib.util
+def worker_class(w: WorkerPlan, precision: str = "fp32") -> type:
+    """The worker class of ``w``'s train backend (its registered ``runtime``), after checking what the
+    backend needs: its package installed, the run's precision (the rollout engine checks its own package
+    when it starts)."""
+    traits = train_traits(w.trainer)
+    if precision not in traits.precisions:
+        raise JobError(f"model '{w.model}' runs under trainer = {traits.name}, which runs "
+                       f"{' or '.join(traits.precisions)} only, but the plan asks for precision = {precision}",
+                       f"compile with precision = {traits.precisions[0]}, or another trainer")
+    if traits.package and not installed(traits.package):
+        raise JobError(f"model '{w.model}' runs under trainer = {traits.name} but {traits.package} is not "
+                       "installed", traits.install)
+    module, _, cls = traits.runtime.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
-        from .mcore_model import INSTALL_HINT
-        from .megatron import MegatronWorker
 
-        if precision != "fp32":
-            raise JobError(f"model '{w.get('model')}' runs under trainer = megatron, which runs fp32 only, but the "
-                           f"plan asks for precision = {precision}", "compile with precision = fp32, or another trainer")
-        if importlib.util.find_spec("megatron.core") is None:
-            raise JobError(f"model '{w.get('model')}' runs under trainer = megatron but megatron-core is not "
-                           "installed", INSTALL_HINT)
-        return MegatronWorker, {"tp": int(w.get("tp", 1)), "pp": int(w.get("pp", 1))}
-    from .parallel import DataParallelWorker
-
-    return DataParallelWorker, {"precision": precision}
+def installed(package: str) -> bool:
+    """Whether ``package`` (a dotted import name) can be imported."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:   # its parent package is missing
+        return False
 
 
 def _free_port() -> tuple[str, int]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhfc.contract.engines import rollout_traits
+
 from . import algorithms, ppo
 from .guards import check_finite
 from .rewards import resolve_rule, rule_scores
@@ -136,7 +138,7 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
         rollout = select_rows(rollout, index)
         old, adv = old[index.to(old.device)], adv[index.to(adv.device)]
         ref = ref[index.to(ref.device)] if ref is not None else None
-    if rollout.logprobs is not None and rollout.rollout_engine != "torch":
+    if rollout.logprobs is not None and not rollout_traits(rollout.rollout_engine).trainer_numerics:
         from .algorithms import rollout_logprob_gap
 
         weight, gap = rollout_logprob_gap(old, rollout.logprobs.to(old.device), rollout.mask.to(old.device), tis_cap)

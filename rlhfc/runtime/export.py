@@ -24,12 +24,13 @@ without one, the checkpoint's manifest (config-built models only).
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shutil
 
 import torch
+
+from rlhfc.contract.plan import Plan, PlanFormatError, load_plan
 
 from .checkpoint import checkpoint_root, latest_checkpoint, read_meta
 from .errors import JobError
@@ -67,14 +68,16 @@ def find_checkpoint(run: str, step: int | None = None) -> str:
     return os.path.join(root, f"step_{step}")
 
 
-def _plan(run: str, job: str | None) -> dict | None:
+def _plan(run: str, job: str | None) -> Plan | None:
     path = os.path.join(job or os.path.join(run, "job"), "plan.json")
     if not os.path.isfile(path):
         if job:
             raise ExportError(f"{job} is not a job folder (no plan.json)", "give the job folder the run ran")
         return None
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    try:
+        return load_plan(path)
+    except PlanFormatError as exc:
+        raise ExportError(exc.message, exc.hint) from None
 
 
 def find_model(run: str, checkpoint: str, name: str | None, job: str | None = None) -> tuple[str, dict, str]:
@@ -83,9 +86,9 @@ def find_model(run: str, checkpoint: str, name: str | None, job: str | None = No
     plan = _plan(run, job)
     manifest = read_meta(checkpoint).get("manifest", {})
     if plan is not None:
-        specs = {m: entry["spec"] for m, entry in plan["models"].items()}
-        workers = {w: entry.get("model", w) for w, entry in plan["placement"]["workers"].items()}
-        trained = {m for m, entry in plan["models"].items() if entry.get("trainable")}
+        specs = {m: entry.spec.as_dict() for m, entry in plan.models.items()}
+        workers = {w: entry.model for w, entry in plan.placement.workers.items()}
+        trained = plan.trained_models()
     else:   # the manifest's shapes: enough to build config models
         specs = {m: {k: v for k, v in s.items() if k != "params"} for m, s in manifest.get("models", {}).items()}
         workers = {m: m for m in specs}

@@ -36,7 +36,6 @@ resumes it and exits with status 130.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -46,6 +45,9 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from . import checkpoint, rewards
+from rlhfc.contract.plan import Plan, PlanFormatError, load_plan
+from rlhfc.contract.plugins import PluginError, import_plugin
+
 from .cluster import Cluster
 from .cluster import import_ray as _ray
 from .data import PromptSource, prompt_source_from_spec
@@ -53,11 +55,20 @@ from .errors import JobError
 from .errors import out_of_memory as _out_of_memory
 from .group import WorkerGroup
 from .metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
-from .samples import DEFAULT_LOG_SAMPLES, SampleLog
+from .samples import SampleLog
 from .trace import Timeline
 from .transfers import WeightTransfers
 
 __all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
+
+
+def import_plugins(plugins) -> None:
+    """Import the plan's plugins in this process (a missing one is a :class:`JobError`)."""
+    for spec in plugins:
+        try:
+            import_plugin(spec)
+        except PluginError as exc:
+            raise JobError(f"the job's plugin {spec}: {exc.message}", exc.hint) from None
 
 
 class Interrupted(JobError):
@@ -74,17 +85,20 @@ class Job(WeightTransfers):
                  ray_address: str | None = None, progress: bool = True, resume_command: list[str] | None = None,
                  trace: bool = False):
         self.job_dir = os.path.abspath(job_dir)
-        with open(os.path.join(self.job_dir, "plan.json"), encoding="utf-8") as fh:
-            self.plan = json.load(fh)
-        run = self.plan["run"]
+        try:
+            self.plan: Plan = load_plan(os.path.join(self.job_dir, "plan.json"))
+        except PlanFormatError as exc:
+            raise JobError(exc.message, exc.hint) from None
+        import_plugins(self.plan.plugins)
+        run = self.plan.run
         if steps is not None and int(steps) < 1:
             raise JobError(f"steps must be at least 1, not {steps}",
                            "steps is the total number of steps to train (with --resume: including those "
                            "the checkpoint already trained)")
-        self.steps = int(steps if steps is not None else run["steps"])
-        self.checkpoint_every = int(run["checkpoint_every"])
-        self.seed = int(run["seed"])
-        self.out = os.path.abspath(out or os.path.join("runs", self.plan["module"]))
+        self.steps = int(steps if steps is not None else run.steps)
+        self.checkpoint_every = run.checkpoint_every
+        self.seed = run.seed
+        self.out = os.path.abspath(out or os.path.join("runs", self.plan.module))
         self.resume = resume
         self.ray_address = ray_address
         #: the command that resumes this run (printed on Ctrl-C and failures)
@@ -94,13 +108,13 @@ class Job(WeightTransfers):
             *(["--ray-address", ray_address] if ray_address else [])]
         self.step = 0   # the step running (or about to run)
         self.show_progress = progress
-        self.data: dict[str, PromptSource] = {name: prompt_source_from_spec(spec)
-                                              for name, spec in self.plan["data"].items()}
+        self.data: dict[str, PromptSource] = {name: prompt_source_from_spec(d.as_spec())
+                                              for name, d in self.plan.data.items()}
         for name, source in self.data.items():
             if source.truncated:
                 print(f"note: data @{name}: {source.truncated} of {len(source)} prompts truncated "
                       f"({getattr(source, 'truncate', '?')}) to fit max_seq less max_new_tokens", file=sys.stderr)
-        rewards.configure(self.plan.get("program_dir"), self.plan["run"].get("reward_modules", ()))
+        rewards.configure(self.plan.program_dir, self.plan.run.reward_modules)
         self.cluster: Cluster | None = None
         #: worker name -> its WorkerGroup (also ``self.handles.<name>``, the step function's ``w``)
         self.workers: dict[str, WorkerGroup] = {}
@@ -115,6 +129,7 @@ class Job(WeightTransfers):
         #: per overcommitted stage: {"delta": current Δ, "carry": unfinished samples (plain JSON)}
         self.overcommit: dict[str, dict] = {}
         self.timeline = Timeline(self.out, self.plan, self.job_dir) if trace else None   # --trace
+        self.value_to_stage = self.plan.graph.value_to_stage
 
     # -- called by the generated step function ---------------------------------------------------
     def next_prompts(self, data: str, batch: int) -> list[str]:
@@ -149,7 +164,7 @@ class Job(WeightTransfers):
         return list(out.values())
 
     def _stage_of(self, value: str) -> str:
-        return self.plan["graph"]["value_to_stage"].get(value, value)
+        return self.value_to_stage.get(value, value)
 
     def stream(self, stage: str, launch: Callable, *, prompts: list[str] | None = None,
                data: str | None = None, batch: int | None = None, consumers: dict[str, Callable] | None = None,
@@ -257,8 +272,8 @@ class Job(WeightTransfers):
         return path
 
     def _stage_failed(self, stage: str, why: str) -> JobError:
-        info = self.plan["graph"]["stages_by_name"].get(stage, {})
-        where = f"stage %{stage}" + (f" ({info.get('op')} on model '{info['target']}')" if info.get("target") else "")
+        info = self.plan.graph.stages_by_name.get(stage)
+        where = f"stage %{stage}" + (f" ({info.op} on model '{info.target}')" if info and info.target else "")
         last = self.last_checkpoint
         hint = (f"last good checkpoint: {last}; continue with: {shlex.join(self.resume_command)}" if last else
                 f"no checkpoint was written yet; metrics so far are in {self.out}/metrics.jsonl")
@@ -314,7 +329,7 @@ class Job(WeightTransfers):
         ``checkpoint``, and the previous checkpoint stays ``latest``."""
         self.current_stage = "checkpoint"
         meta = {"step": step, "data": {k: v.state() for k, v in self.data.items()},
-                "overcommit": self.overcommit, "module": self.plan["module"], "seed": self.seed,
+                "overcommit": self.overcommit, "module": self.plan.module, "seed": self.seed,
                 "manifest": checkpoint.manifest(self.plan, step)}
         try:
             self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_root(), step, self.workers, meta)
@@ -351,7 +366,7 @@ class Job(WeightTransfers):
 
     # -- metrics (metrics.py) --------------------------------------------------------------------
     def step_metrics(self, step: int, values: dict[str, Any], seconds: float) -> dict[str, float]:
-        return step_metrics(self.plan["metrics"], self.overcommit, step, values, seconds)
+        return step_metrics(self.plan.metrics, self.overcommit, step, values, seconds)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, step_fn: Callable[["Job", Any], dict[str, Any]]) -> list[dict[str, float]]:
@@ -363,10 +378,10 @@ class Job(WeightTransfers):
             raise checkpoint.RunFolderError(f"--resume: no checkpoint in {self.checkpoint_root()}",
                                             "run without --resume to start fresh")
         else:   # before any worker starts: a checkpoint of another program is refused at once
-            for note in checkpoint.check_resume(existing, self.plan, self.plan["placement"]["workers"]):
+            for note in checkpoint.check_resume(existing, self.plan, self.plan.placement.workers):
                 print(f"note: {note}", file=sys.stderr)
         log = MetricsLog(self.out)
-        samples = SampleLog(self.out, self.plan["run"].get("log_samples", DEFAULT_LOG_SAMPLES))
+        samples = SampleLog(self.out, self.plan.run.log_samples)
         self.start()
         kept = kept_samples = None
         if self.resume:
@@ -392,11 +407,11 @@ class Job(WeightTransfers):
                     if tl is not None:   # after the step's time is taken: collecting spans is not the step's
                         tl.end_step(step, t_trace, self.workers, end=t0 + m["step_time_s"] + tl.clock)
                     m["wait_s"] = {k: round(v, 6) for k, v in self.stage_seconds.items()}
-                    m["ranks"] = model_ranks(self.plan["placement"]["workers"])   # processes per model
+                    m["ranks"] = model_ranks(self.plan.placement.workers)   # processes per model
                     log.write(m)
-                    roles = self.plan["metrics"]
-                    roll = values.get(roles.get("rollout"))
-                    samples.write(step, roll, values, roles.get("reward"),      # with its prompt's data fields
+                    roles = self.plan.metrics
+                    roll = values.get(roles.rollout) if roles.rollout else None
+                    samples.write(step, roll, values, roles.reward,      # with its prompt's data fields
                                   fields=roll.fields if roll is not None and any(roll.fields) else None)
                     history.append(m)
                     bar.update(m)

@@ -69,7 +69,9 @@ class MegatronWorker(ModelWorker):
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
                  cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int], tp: int = 1,
-                 pp: int = 1, backend: str = "gloo", rollout: dict | None = None):
+                 pp: int = 1, backend: str = "gloo", rollout: dict | None = None, precision: str = "fp32"):
+        if precision != "fp32":
+            raise ValueError(f"the megatron trainer runs fp32 only, not precision = {precision}")
         super().__init__(name, spec, init, seed, threads, device, cores, rollout=rollout)   # the replica
         from megatron.core import parallel_state as ps
 
@@ -389,11 +391,10 @@ class MegatronWorker(ModelWorker):
     @stage_call
     def generate_chunks(self, prompts: list[str], **kwargs):
         from .parallel import skip_draw
-        from .vllm_engine import rank_ready
 
         self._refresh()
-        with _swapped(self):   # vLLM: every rank starts and refits its engine from its copy (collectives)
-            rank_ready(self, kwargs.get("refit_mb", 64))
+        with _swapped(self):   # every rank starts and refits its engine from its copy (collectives)
+            self.rollout_engine.prepare(kwargs.get("refit_mb", 64))
         if self.rank != 0:
             skip_draw(self)
             return

@@ -14,24 +14,26 @@ import os
 import sys
 from typing import Any
 
+from rlhfc.contract.plan import MetricRoles, Plan, WorkerPlan
+
 from .values import Rollout, TokenValues
 
 
-def step_metrics(roles: dict, overcommit: dict[str, dict], step: int, values: dict[str, Any],
+def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, values: dict[str, Any],
                  seconds: float) -> dict[str, float]:
     """The metric row of one step; ``roles`` is the plan's ``metrics``, ``overcommit`` the driver's state."""
     m: dict[str, float] = {"step": step}
-    roll: Rollout | None = values.get(roles.get("rollout")) if roles.get("rollout") else None
-    scores = values.get(roles.get("reward")) if roles.get("reward") else None
+    roll: Rollout | None = values.get(roles.rollout) if roles.rollout else None
+    scores = values.get(roles.reward) if roles.reward else None
     if scores is not None:
         m["reward_mean"] = float(scores.float().mean())
         m["reward_std"] = float(scores.float().std()) if scores.numel() > 1 else 0.0
-    if roles.get("kl"):
-        logp, ref = (values.get(n) for n in roles["kl"])
+    if roles.kl:
+        logp, ref = (values.get(n) for n in roles.kl)
         if isinstance(logp, TokenValues) and isinstance(ref, TokenValues):
             diff = TokenValues(logp.values - ref.values, logp.mask)
             m["kl"] = diff.mean()
-    for key, name in (("policy", roles.get("policy_train")), ("value", roles.get("value_train"))):
+    for key, name in (("policy", roles.policy_train), ("value", roles.value_train)):
         stats = values.get(name) if name else None
         if not stats:
             continue
@@ -90,14 +92,13 @@ def padding_efficiency(roll: Rollout) -> dict[str, float]:
     return out
 
 
-def model_ranks(workers: dict) -> dict[str, int]:
+def model_ranks(workers: dict[str, WorkerPlan]) -> dict[str, int]:
     """Processes per model: the ``ranks`` of each of its workers in the plan's ``placement.workers``,
     summed over the workers that host it (a model with a generation copy on other devices counts both
     groups). Written into every metrics row as ``ranks``."""
     out: dict[str, int] = {}
-    for name, w in workers.items():
-        model = w.get("model", name)
-        out[model] = out.get(model, 0) + int(w.get("ranks", 1))
+    for w in workers.values():
+        out[w.model] = out.get(w.model, 0) + w.ranks
     return out
 
 
@@ -214,7 +215,7 @@ def _clip(raw: bytes, n: int = 60) -> str:
 class Progress:
     """A rich progress bar showing reward, KL, losses and throughput per step."""
 
-    def __init__(self, enabled: bool, total: int, start: int, plan: dict):
+    def __init__(self, enabled: bool, total: int, start: int, plan: Plan):
         self.enabled = enabled
         self.total, self.start = total, start
         self.plan = plan
@@ -233,7 +234,7 @@ class Progress:
                                  transient=False, console=console)
         self.progress.__enter__()
         self.task = self.progress.add_task("train", total=self.total, completed=self.start,
-                                           name=self.plan["module"], stats="starting workers…")
+                                           name=self.plan.module, stats="starting workers…")
         return self
 
     def update(self, m: dict[str, float]) -> None:

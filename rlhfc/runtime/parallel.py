@@ -131,7 +131,10 @@ class DataParallelWorker(ModelWorker):
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
                  cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int],
-                 backend: str = "gloo", precision: str = "fp32", rollout: dict | None = None):
+                 backend: str = "gloo", precision: str = "fp32", rollout: dict | None = None, tp: int = 1,
+                 pp: int = 1):
+        if tp != 1 or pp != 1:
+            raise ValueError(f"the fsdp trainer splits a model over data-parallel ranks only, not tp = {tp}, pp = {pp}")
         super().__init__(name, spec, init, seed, threads, device, cores, precision, rollout)
         self.rank, self.world = int(rank), int(world)
         timeout = timedelta(seconds=GROUP_TIMEOUT_S)
@@ -204,12 +207,10 @@ class DataParallelWorker(ModelWorker):
         gathers tensor by tensor, so ``bucket_mb`` does not apply). Returns (bytes received, gathers).
         On vLLM the generation copy is each rank's engine: refitted here, in buckets of ``bucket_mb``, when it
         runs (else the first generate starts it and refits); returns (bytes received, buckets)."""
-        if self._vllm:
-            if self.engine is None or self.engine.version == self.version:
+        if self._own_weights:
+            if not self.rollout_engine.refit_pending():
                 return 0, 0
-            from .vllm_engine import ensure_engine
-
-            ensure_engine(self, bucket_mb)
+            self.rollout_engine.prepare(bucket_mb)
             mb, buckets = self.engine_stats.get("refit_mb", 0.0), self.engine_stats.get("refit_buckets", 0.0)
             return int(mb * 2**20 * (self.world - 1) / self.world), int(buckets)
         fresh = self._replica is not None and self._replica_version == self.version
@@ -220,24 +221,23 @@ class DataParallelWorker(ModelWorker):
         self._replica_version = None
 
     @property
-    def _vllm(self) -> bool:
-        """Whether this rank generates on its own vLLM engine (refitted from the shards: no gathered copy)."""
-        return self.rollout.get("engine") == "vllm"
+    def _own_weights(self) -> bool:
+        """Whether this rank generates on an engine with weights of its own (refitted from the shards: no
+        gathered copy)."""
+        return not self.rollout_engine.decodes_trainer_copy
 
     @stage_call
     def generate(self, prompts: list[str], **kwargs):
-        if self._vllm:   # each rank its share on its own engine (rlhfc.runtime.vllm_engine)
+        if self._own_weights:   # each rank its share on its own engine (e.g. rlhfc.runtime.vllm_engine)
             return split_generate(self, prompts, self.rank, self.world, **kwargs)
         with _swapped(self, self._generation_model()):   # a collective: every rank gathers the weights
             return split_generate(self, prompts, self.rank, self.world, **kwargs)
 
     @stage_call
     def generate_chunks(self, prompts: list[str], **kwargs):
-        if self._vllm:
-            from .vllm_engine import rank_ready
-
-            rank_ready(self, kwargs.get("refit_mb", 64))   # every rank: engine start and refit are collectives
-        model = self.model if self._vllm else self._generation_model()
+        # every rank: an engine's start and refit may be collectives
+        self.rollout_engine.prepare(kwargs.get("refit_mb", 64))
+        model = self.model if self._own_weights else self._generation_model()
         if self.rank != 0:
             skip_draw(self)
             return
@@ -314,7 +314,7 @@ def split_generate(worker: ModelWorker, prompts: list[str], rank: int, world: in
     each rank decodes its share on its own engine (one seed per rank's call, from its rows' keys) and the
     rollout keeps vLLM's log-probs, as one worker's does."""
     inputs = worker._inputs(prompts, n, chat=chat)
-    logprobs = logprobs or worker.rollout.get("engine") == "vllm"
+    logprobs = logprobs or not worker.rollout_engine.traits.trainer_numerics   # the behaviour policy's
     samples = list(worker._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   logprobs=logprobs, share=row_share(len(inputs), rank, world),
                                   slots=-(-slots // world) if slots else None, refit_mb=refit_mb))

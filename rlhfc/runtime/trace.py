@@ -37,6 +37,8 @@ import os
 import time
 from typing import Any
 
+from rlhfc.contract.plan import Plan
+
 #: the op family each worker method runs
 METHOD_OPS = {"generate": "generate", "generate_chunks": "generate", "logprobs": "forward.logprobs",
               "values": "forward.values", "score": "forward.score", "train": "train"}
@@ -163,7 +165,7 @@ def recorded(fn, method: str, generator: bool):
 class Timeline:
     """The driver side of ``--trace``: driver and sync spans, the workers' spans, written as trace.json."""
 
-    def __init__(self, out: str, plan: dict, job_dir: str):
+    def __init__(self, out: str, plan: Plan, job_dir: str):
         self.path = os.path.join(out, "trace.json")
         self.plan = plan
         self.job_dir = job_dir
@@ -172,16 +174,16 @@ class Timeline:
         self.events: list[dict] = []
         self.tasks: dict[str, str] = {}   # Ray task id -> stage
         self.step = 0
-        names = list(plan["placement"]["workers"])
+        names = list(plan.placement.workers)
         self.pid = {name: WORKER_PID0 + i for i, name in enumerate(names)}
-        stages = plan["graph"]["stages"]
-        self.syncs = [s["name"] for s in stages if s["op"] == "sync"]
-        self.ops = {s["name"]: s["op"] for s in stages}
+        stages = plan.graph.stages
+        self.syncs = [s.name for s in stages if s.op == "sync"]
+        self.ops = {s.name: s.op for s in stages}
         self.by_method: dict[tuple[str, str], list[str]] = {}
         for s in stages:
             for method, op in METHOD_OPS.items():
-                if s["op"] == op and s.get("target"):
-                    self.by_method.setdefault((s["target"], method), []).append(s["name"])
+                if s.op == op and s.target:
+                    self.by_method.setdefault((s.target, method), []).append(s.name)
         self.ranks_named: set = set()
 
     # -- the driver's events ----------------------------------------------------------------------
@@ -286,7 +288,7 @@ class Timeline:
                 *[{"name": "thread_name", "ph": "M", "pid": SYNC_PID, "tid": i + 1, "args": {"name": s}}
                   for i, s in enumerate(self.syncs)]]
         doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
-               "otherData": {"module": self.plan["module"], "kind": "measured", "job": self.job_dir,
+               "otherData": {"module": self.plan.module, "kind": "measured", "job": self.job_dir,
                              "origin": self.origin, "cores": os.cpu_count()}}
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as fh:

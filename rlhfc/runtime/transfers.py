@@ -26,7 +26,7 @@ class WeightTransfers:
         try:
             if transport == "collective":
                 if stage not in self.collectives:
-                    backend = "gloo" if self.plan["cluster"]["device"] == "cpu" else "nccl"
+                    backend = "nccl" if self.plan.cluster.gpu else "gloo"
                     host, port = ray.get(src.sync_open.remote(stage))
                     ray.get([src.sync_join.remote(stage, 0, host, port, backend),
                              dst.sync_join.remote(stage, 1, host, port, backend)])

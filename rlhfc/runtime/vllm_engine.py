@@ -56,9 +56,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .decoding import FinishedSample, PartialSample
+from .rollout import RolloutEngine
 
-__all__ = ["VllmEngine", "EngineError", "engine_env", "ensure_engine", "rank_ready", "worker_stream", "batch_seed",
-           "INSTALL_HINT"]
+__all__ = ["VllmEngine", "VllmRollout", "EngineError", "engine_env", "batch_seed", "INSTALL_HINT"]
 
 #: how to install vLLM (the ``[vllm]`` extra; the README has the CUDA install)
 INSTALL_HINT = "install the extra: pip install -c constraints.txt -e '.[vllm]'"
@@ -356,49 +356,62 @@ def _rank_options(model, hf_dir: str, rank: int, world: int, device: str) -> dic
     return {"distributed_executor_backend": "external_launcher", "load_format": "dummy"}
 
 
-def ensure_engine(worker, refit_mb: int = 64) -> None:
-    """Bring ``worker``'s engine up to its weights: started at the first call (``engine_start_s``), woken up
-    (CUDA: ``engine_wake_s``), and refitted when the worker's weights version is not the engine's
-    (``refit_s``, ``refit_mb``, ``refit_buckets``); the statistics are kept in ``worker.engine_stats`` for the
-    next rollout. On a rank of a group (a worker with ``rank`` and ``world``) every rank calls it together:
-    the start builds vLLM's process groups over the group's world, and an FSDP2 refit gathers each
-    parameter; all ranks hold the same weights version, so they agree on whether to refit."""
-    if worker.engine is None:
-        start = time.perf_counter()
-        folder = os.path.join(os.path.abspath(worker.rollout.get("folder") or "vllm"), worker.name)
-        ranked = hasattr(worker, "world")
-        written = not ranked and not os.path.isfile(os.path.join(folder, "hf", "config.json"))
-        worker.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
-                                   version=worker.version if written else -1,
-                                   rank=(int(worker.rank), int(worker.world)) if ranked else None,
-                                   gpu_memory=worker.rollout.get("gpu_memory"))
-        worker.engine_stats["engine_start_s"] = time.perf_counter() - start
-    wake = worker.engine.wake_up()   # CUDA: the engine slept while the trainer trained
-    if wake:
-        worker.engine_stats["engine_wake_s"] = wake
-    if worker.engine.version != worker.version:
-        worker.engine_stats.update(worker.engine.refit(worker.model, worker.version, refit_mb))
+class VllmRollout(RolloutEngine):
+    """The ``vllm`` rollout engine of a worker (:class:`~rlhfc.runtime.rollout.RolloutEngine`): its
+    :class:`VllmEngine` (``engine``) starts at the first :meth:`prepare` and is refitted from the worker's
+    weights whenever their version moved on; the rows of a call sample from one generator seeded with
+    :func:`batch_seed` of their keys (the module docstring: a data-parallel rank's keys are its share's, so the
+    ranks sample from different seeds). ``slots`` is vLLM's own continuous batching here (its scheduler admits
+    requests as KV-cache blocks free up)."""
 
+    decodes_trainer_copy = False   # its own weights, refitted from the trainer's (an FSDP rank's shards)
 
-def rank_ready(worker, refit_mb: int = 64) -> None:
-    """:func:`ensure_engine` on a rank whose group streams from rank 0 alone (the others still start and
-    refit their engines with it: both are collectives); nothing under the torch engine."""
-    if worker.rollout.get("engine") == "vllm":
-        ensure_engine(worker, refit_mb)
+    def __init__(self, worker, options):
+        super().__init__(worker, options)
+        self.engine: VllmEngine | None = None
 
+    def prepare(self, refit_mb: int = 64) -> None:
+        """Bring the engine up to the worker's weights: started at the first call (``engine_start_s``), woken up
+        (CUDA: ``engine_wake_s``), and refitted when the worker's weights version is not the engine's
+        (``refit_s``, ``refit_mb``, ``refit_buckets``); the statistics are kept in ``worker.engine_stats`` for the
+        next rollout. On a rank of a group (a worker with ``rank`` and ``world``) every rank calls it together:
+        the start builds vLLM's process groups over the group's world, and an FSDP2 refit gathers each
+        parameter; all ranks hold the same weights version, so they agree on whether to refit."""
+        worker = self.worker
+        if self.engine is None:
+            start = time.perf_counter()
+            folder = os.path.join(os.path.abspath(self.options.get("folder") or "vllm"), worker.name)
+            ranked = hasattr(worker, "world")
+            written = not ranked and not os.path.isfile(os.path.join(folder, "hf", "config.json"))
+            self.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
+                                     version=worker.version if written else -1,
+                                     rank=(int(worker.rank), int(worker.world)) if ranked else None,
+                                     gpu_memory=self.options.get("gpu_memory"))
+            worker.engine_stats["engine_start_s"] = time.perf_counter() - start
+        wake = self.engine.wake_up()   # CUDA: the engine slept while the trainer trained
+        if wake:
+            worker.engine_stats["engine_wake_s"] = wake
+        if self.engine.version != worker.version:
+            worker.engine_stats.update(self.engine.refit(worker.model, worker.version, refit_mb))
 
-def worker_stream(worker, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_id: int, pad_id: int,
-                  temperature: float, top_p: float, budgets=None, stop_after=None, logprob_temperature=None,
-                  resumed=None, row_keys=None, slots=None):
-    """:func:`~rlhfc.runtime.decoding.generate_stream`'s arguments, decoded by ``worker``'s vLLM engine, brought
-    up to the worker's weights first (:func:`ensure_engine`); the rows sample from one generator seeded with
-    :func:`batch_seed` of ``row_keys`` (the module docstring: a data-parallel rank's keys are its share's,
-    so the ranks sample from different seeds). ``slots`` is vLLM's own continuous batching here (its
-    scheduler admits requests as KV-cache blocks free up)."""
-    del pad_id, slots
-    ensure_engine(worker, refit_mb)
-    keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
-    return worker.engine.stream(rows, list(budgets) if budgets is not None else [max_new_tokens] * len(rows),
-                                eos_id=eos_id, temperature=temperature, top_p=top_p,
-                                seed=batch_seed(keys), stop_after=stop_after,
-                                logprobs=logprob_temperature is not None, resumed=resumed)
+    def refit_pending(self) -> bool:
+        return self.engine is not None and self.engine.version != self.worker.version
+
+    def stream(self, model, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_id: int, pad_id: int,
+               temperature: float, top_p: float, budgets=None, stop_after=None, logprob_temperature=None,
+               resumed=None, row_keys=None, slots=None):
+        del model, pad_id, slots   # the engine decodes its own copy of the weights
+        self.prepare(refit_mb)
+        keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
+        return self.engine.stream(rows, list(budgets) if budgets is not None else [max_new_tokens] * len(rows),
+                                  eos_id=eos_id, temperature=temperature, top_p=top_p,
+                                  seed=batch_seed(keys), stop_after=stop_after,
+                                  logprobs=logprob_temperature is not None, resumed=resumed)
+
+    def sleep(self) -> None:
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -20,12 +20,13 @@ from safetensors.torch import load_file, save_file
 from .allocator import retain_freed_memory, retaining
 from . import ppo
 from .generation import (FinishedSample, PartialSample, collate, decode_responses, encode_prompts,
-                         generate_stream, response_logprobs, response_values, sequence_scores)
+                         response_logprobs, response_values, sequence_scores)
 from .guards import NonFiniteError, check_finite
 from .models import build_model, copy_weights, get_weights, set_weights
 from .data import prompt_parts
 from .packing import bucketed
 from .recompute import apply_recompute
+from .rollout import build_rollout
 from .precision import autocast, under_autocast
 from .tokenizer import load_tokenizer
 from .values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
@@ -52,10 +53,10 @@ class ModelWorker(CollectiveSync, TracedWorker):
     weights of model NAME (built here from the same seed, so no transfer is needed).
     ``precision``: ``"fp32"``, or ``"bf16"`` — generation, forwards and the loss's forward run under bf16
     autocast; the weights, gradients and optimizer state stay as built (float32).
-    ``rollout``: the engine of its generate calls — ``{"engine": "torch"}`` (rlhfc's decode loop, the default)
-    or ``{"engine": "vllm", "folder": DIR}``: a vLLM engine this worker starts at its first generate, in
-    ``DIR/<name>`` (:mod:`rlhfc.runtime.vllm_engine`), refitted before a generate whenever the worker's
-    weights version moved on.
+    ``rollout``: the engine of its generate calls and its options — ``{"engine": "torch"}`` (rlhfc's decode
+    loop, the default) or another registered engine (:mod:`rlhfc.runtime.rollout`), e.g. ``{"engine": "vllm",
+    "folder": DIR}``: a vLLM engine this worker starts at its first generate, in ``DIR/<name>``, refitted
+    before a generate whenever the worker's weights version moved on.
     """
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
@@ -92,7 +93,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
         self._groups: dict[str, Any] = {}    # collective sync: two-rank process groups, by key
         self.rollout = dict(rollout or {"engine": "torch"})
         self.seed = seed
-        self.engine = None                   # the vLLM engine (rollout = vllm), started by the first generate
+        self.rollout_engine = build_rollout(self.rollout, self)   # what decodes its generate calls
         self.engine_stats: dict[str, float] = {}   # its start/refit statistics, reported with the next rollout
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -171,12 +172,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
                   budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
                   stop_after=take, logprob_temperature=temperature if logprobs else None,
                   resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)), slots=slots)
-        if self.rollout.get("engine") == "vllm":   # the worker's vLLM engine, refitted first
-            from .vllm_engine import worker_stream
-
-            stream = worker_stream(self, rows, max_new_tokens, refit_mb=refit_mb, **kw)
-        else:
-            stream = generate_stream(self.model, rows, max_new_tokens, **kw)
+        stream = self.rollout_engine.stream(self.model, rows, max_new_tokens, refit_mb=refit_mb, **kw)
         for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
@@ -189,7 +185,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
     def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
                   unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64):
         inputs = self._inputs(prompts, n, carry, chat)
-        logprobs = logprobs or self.rollout.get("engine") == "vllm"
+        logprobs = logprobs or not self.rollout_engine.traits.trainer_numerics   # the behaviour policy's
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         buf: list[FinishedSample] = []
         left: list[dict] = []
@@ -231,7 +227,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
                        max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
                        computed_tokens=sum(s.computed for s in samples),
                        fields=[inputs[i].get("fields") or {} for i in rows], engine=self._take_engine_stats(),
-                       rollout_engine=self.rollout.get("engine", "torch"))
+                       rollout_engine=self.rollout_engine.name)
 
     def _take_engine_stats(self) -> dict[str, float]:
         """The rollout engine's statistics since the last rollout (the first chunk of a stream carries them)."""

@@ -60,7 +60,7 @@ def test_plan_has_models_placement_metrics_and_the_ir(tmp_path):
     job = _emit("ppo_tiny", tmp_path)
     plan = json.load(open(os.path.join(job, "plan.json")))
     assert set(plan["models"]) == {"actor", "critic", "ref", "reward"}
-    assert plan["models"]["ref"]["init"]["kind"] == "copy" and plan["models"]["ref"]["init"]["from"] == "actor"
+    assert plan["models"]["ref"]["init"]["kind"] == "copy" and plan["models"]["ref"]["init"]["source_model"] == "actor"
     assert plan["placement"]["bundles"] == [{"CPU": 2.0}]
     assert sum(w["num_cpus"] for w in plan["placement"]["workers"].values()) == pytest.approx(2.0)
     assert plan["metrics"] == {"rollout": "roll", "reward": "scores", "kl": ["logp", "ref_logp"],

@@ -119,7 +119,7 @@ def test_compile_marks_the_engines_share_and_the_job_starts_vllm_with_it(tmp_pat
             assert workers["actor"]["gpu_memory_utilization"] == VLLM_GPU_MIN_FRACTION
             assert f"gpu_memory = {VLLM_GPU_MIN_FRACTION}" in ir
         else:
-            assert "gpu_memory_utilization" not in workers["actor"] and "gpu_memory" not in ir
+            assert workers["actor"]["gpu_memory_utilization"] is None and "gpu_memory" not in ir
 
 
 def test_the_engine_is_started_with_the_plans_share_on_cuda(tmp_path, monkeypatch):

@@ -140,7 +140,7 @@ def test_auto_picks_vllm_where_its_measured_speed_is_higher_and_torch_otherwise_
         text = print_module(out)
         assert print_module(parse_ir(text)) == text   # the choice is canonical IR
         ops = [s.op for s in out.graph.stages]
-        workers = placement(out)["workers"]
+        workers = placement(out).workers
         notes = build_report(out, config=CostConfig(profile=prof)).notes
         choice = next(n for n in notes if n.startswith("rollout = auto runs @actor"))
         assert "on vllm (refit included)" in choice and "on torch" in choice   # both prices
@@ -148,10 +148,10 @@ def test_auto_picks_vllm_where_its_measured_speed_is_higher_and_torch_otherwise_
         assert "log-prob forward its sampling log-probs replace" in choice   # torch is credited with reuse
         if picked[name] == "vllm":   # the trainer's log-prob forward stays; the worker starts the engine
             assert 'engine = "vllm"' in text and "forward.logprobs" in ops and gen.annotations["refit_mb"] == 64
-            assert [w.get("engine") for w in workers.values()] == ["vllm"]
+            assert [w.engine for w in workers.values()] == ["vllm"]
         else:   # torch reuses its sampling log-probs; nothing new is printed
             assert "engine =" not in text and "compute.sample_logprobs" in ops
-            assert all("engine" not in w for w in workers.values())
+            assert all(w.engine == "torch" for w in workers.values())
     assert picked == {"fast": "vllm", "slow": "torch"}
 
 

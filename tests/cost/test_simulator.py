@@ -301,8 +301,8 @@ def test_cpu_workers_match_the_runtime_placement():
         m, _, _ = load_file(str(EXAMPLES / "ppo_tiny.rlhf"))
         m = PassManager(parse_pipeline(f"dce,parallelize,stream,placement{{strategy={strategy}}},realloc")).run(m)
         sim = workers(m)
-        run = placement(m)["workers"]
-        assert {w.name: w.threads for w in sim.values()} == {name: w["threads"] for name, w in run.items()}
+        run = placement(m).workers
+        assert {w.name: w.threads for w in sim.values()} == {name: w.threads for name, w in run.items()}
 
 
 def test_gpu_sync_through_the_object_store_pays_two_host_copies():

@@ -17,10 +17,9 @@ import statistics
 
 import pytest
 
-from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
-from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
 from rlhfc.runtime.job import run_job
+
+from .conftest import compile_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARITH = os.path.join(ROOT, "examples", "arith_tiny.rlhf")
@@ -35,11 +34,7 @@ pytestmark = [pytest.mark.e2e]   # the README's first command: not slow-marked, 
 
 
 def test_arith_tiny_learns_by_more_than_3_standard_errors(tmp_path):
-    module, _, _ = load_file(ARITH)
-    passes = PIPELINES["O2"]
-    module = PassManager(parse_pipeline(",".join(passes))).run(module)
-    job_dir = str(tmp_path / "job")
-    emit_job(module, job_dir, source_path=ARITH, opt_level="O2", passes=passes)
+    job_dir = compile_job(ARITH, str(tmp_path / "job"), level="O2")
     spec = importlib.util.spec_from_file_location("arith_job", os.path.join(job_dir, "main.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -12,7 +12,6 @@ Four 40-step runs, about 2.5 minutes on 2 cores: e2e, not slow-marked (the defau
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -20,15 +19,13 @@ import statistics
 import pytest
 from safetensors.torch import load_file as load_safetensors
 
-from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
-from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
 from rlhfc.runtime.job import run_job
+
+from .conftest import compile_job, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
 GRPO = os.path.join(ROOT, "examples", "grpo_tiny.rlhf")
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}
 
 #: the README's figures (seed 0, this repository's 2-core VM): mean reward of the first and of the last
 #: 5 steps, and the band each must hold within on any machine. Another CPU's float kernels can flip a
@@ -46,19 +43,16 @@ pytestmark = [pytest.mark.e2e]   # the README's claims: not slow-marked, so CI r
 def _train(tmp, program: str, level: str):
     """Compile ``program`` at ``level`` and train its full run; returns (metric rows without timings,
     per step the rollout as [(prompt, response token ids)] in batch order, run folder, job folder)."""
-    module, _, _ = load_file(program)
-    passes = PIPELINES[level]
-    module = PassManager(parse_pipeline(",".join(passes))).run(module)
     name = os.path.basename(program).split(".")[0]
-    job_dir, out = str(tmp / f"job_{name}_{level}"), str(tmp / f"run_{name}_{level}")
-    emit_job(module, job_dir, source_path=program, opt_level=level, passes=passes)
+    job_dir = compile_job(program, str(tmp / f"job_{name}_{level}"), level=level)
+    out = str(tmp / f"run_{name}_{level}")
     samples: list[list[tuple[str, tuple[int, ...]]]] = []
     rows = run_job(job_dir, _recording(job_dir, samples), out=out, progress=False)
     return _strip(rows), samples, out, job_dir
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return untimed(rows, layout=True)
 
 
 def _recording(job_dir: str, samples: list):
@@ -71,7 +65,7 @@ def _recording(job_dir: str, samples: list):
 
     def step(job, w):
         values = mod.step(job, w)
-        name = job.plan["metrics"]["rollout"]
+        name = job.plan.metrics.rollout
         roll = job.resolve({name: values[name]})[name]
         b = roll.batch
         samples.append([(p, tuple(b.responses[i, :int(n)].tolist()))

@@ -19,35 +19,27 @@ import os
 import pytest
 from safetensors.torch import load_file as load_safetensors
 
-from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
-from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
+from rlhfc.passes import PIPELINES
 from rlhfc.runtime.job import run_job
 
-HERE = os.path.dirname(__file__)
-PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")          # batch 4, max_new_tokens 6
+from .conftest import HERE, compile_job, metrics, untimed
+from .conftest import TINY_PPO as PROGRAM              # batch 4, max_new_tokens 6
+
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")        # batch 8, long-tailed lengths up to 48 tokens
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}
 MODELS = ("actor", "critic", "ref", "reward")
 
 pytestmark = pytest.mark.e2e
 
 
 def _job(tmp, program: str, passes: list[str], tag: str) -> str:
-    module, _, _ = load_file(program)
-    module = PassManager(parse_pipeline(",".join(passes))).run(module)
-    job_dir = str(tmp / f"job_{tag}")
-    emit_job(module, job_dir, source_path=program, opt_level="custom", passes=passes)
-    return job_dir
+    return compile_job(program, str(tmp / f"job_{tag}"), level=None, passes=passes)
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return untimed(rows, layout=True)
 
 
-def _metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
+_metrics = metrics
 
 
 def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
@@ -92,7 +84,7 @@ def _tokens(job_dir: str, samples: list):
 
     def step(job, w):
         values = mod.step(job, w)
-        name = job.plan["metrics"]["rollout"]
+        name = job.plan.metrics.rollout
         roll = job.resolve({name: values[name]})[name]
         b = roll.batch
         samples.append([(p, b.responses[i, :int(n)].tolist()) for i, (p, n) in

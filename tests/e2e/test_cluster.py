@@ -9,21 +9,17 @@ import os
 import pytest
 
 from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
 from rlhfc.passes import PassManager, parse_pipeline
 from rlhfc.runtime.job import Job
 
+from .conftest import HERE, compile_job, untimed
+
 pytestmark = pytest.mark.e2e
-HERE = os.path.dirname(__file__)
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 
 
 def _compile(tmp_path, passes: str, name: str) -> str:
-    module, _, _ = load_file(os.path.join(HERE, "two_nodes.rlhf"))
-    module = PassManager(parse_pipeline(passes)).run(module)
-    job = str(tmp_path / name)
-    emit_job(module, job, source_path="two_nodes.rlhf", opt_level="custom", passes=passes.split(","))
-    return job
+    return compile_job(os.path.join(HERE, "two_nodes.rlhf"), str(tmp_path / name), level=None,
+                       passes=passes.split(","), source="two_nodes.rlhf")
 
 
 def _run(job_dir, out, address=None):
@@ -38,7 +34,7 @@ def _run(job_dir, out, address=None):
         info = dict(job.worker_info)
     finally:
         job.shutdown()
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows], info
+    return untimed(rows), info
 
 
 def test_interleaved_plan_lands_on_the_named_nodes_and_trains_like_flatten(tmp_path):

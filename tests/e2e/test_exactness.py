@@ -15,28 +15,23 @@ import os
 
 import pytest
 
-from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
-from rlhfc.passes import PIPELINES, PassManager, get_pass, parse_pipeline
+from rlhfc.passes import PIPELINES, get_pass
 from rlhfc.runtime.job import run_job
 
-HERE = os.path.dirname(__file__)
-PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
+from .conftest import HERE, compile_job, untimed
+from .conftest import TINY_PPO as PROGRAM
+
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")   # long-tailed lengths: unpad really cuts columns
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}   # ranks: processes per model, a layout fact
 
 pytestmark = pytest.mark.e2e
 
 
 def _train(tmp_path, level: str, steps: int = 3, program: str = PROGRAM, passes: list[str] | None = None):
-    module, _, _ = load_file(program)
     passes = PIPELINES[level] if passes is None else passes
-    module = PassManager(parse_pipeline(",".join(passes))).run(module)
     tag = f"{level}_{os.path.basename(program).split('.')[0]}_{len(passes)}"
-    job = str(tmp_path / f"job_{tag}")
-    emit_job(module, job, source_path=program, opt_level=level, passes=passes)
+    job = compile_job(program, str(tmp_path / f"job_{tag}"), level=level, passes=passes)
     rows = run_job(job, out=str(tmp_path / f"run_{tag}"), steps=steps, progress=False)
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows], open(os.path.join(job, "main.py")).read()
+    return untimed(rows, layout=True), open(os.path.join(job, "main.py")).read()
 
 
 def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
@@ -83,17 +78,14 @@ def test_separated_generation_with_weight_sync_trains_identically(tmp_path, tran
     """placement{strategy=separate} puts generation on its own worker; realloc syncs the actor's
     weights to it after each train step: bucketed through the object store, or broadcast in a
     two-rank gloo process group (the code path that is NCCL on GPUs)."""
-    module, _, _ = load_file(PROGRAM)
     passes = f"dce,parallelize,stream,placement{{strategy=separate}},realloc{{transport={transport}}}"
-    module = PassManager(parse_pipeline(passes)).run(module)
-    assert [s.op for s in module.graph.stages].count("sync") == 1
-    job = str(tmp_path / "job_sep")
-    emit_job(module, job, source_path=PROGRAM, opt_level="custom", passes=passes.split(","))
+    job = compile_job(PROGRAM, str(tmp_path / "job_sep"), level=None, passes=passes.split(","))
     code = open(os.path.join(job, "main.py")).read()
+    assert code.count("job.sync(") == 1
     assert "w.actor_at_0_1.generate_chunks" in code and "job.sync('actor_sync', w.actor, w.actor_at_0_1" in code
     assert ("transport='collective'" in code) == (transport == "collective")
     rows = run_job(job, out=str(tmp_path / "run_sep"), steps=3, progress=False)
-    sep = [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    sep = untimed(rows, layout=True)
     o0, _ = _train(tmp_path, "O0")
     assert sep == o0
     assert [r["gen_version"] for r in rows] == [0, 1, 2]   # the copy generates with the newest weights

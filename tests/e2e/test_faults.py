@@ -40,8 +40,9 @@ from rlhfc.runtime import checkpoint
 from rlhfc.runtime import cluster as cluster_mod
 from rlhfc.runtime.job import JobError, run_job
 
+from .conftest import untimed as _strip
+
 HERE = Path(__file__).resolve().parent
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 STEPS = 5
 
 pytestmark = pytest.mark.e2e
@@ -49,10 +50,6 @@ pytestmark = pytest.mark.e2e
 
 def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _strip(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
 @pytest.fixture(scope="module")

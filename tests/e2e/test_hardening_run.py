@@ -18,6 +18,7 @@ import pytest
 
 import rlhfc
 from rlhfc.cli import main as cli
+from rlhfc.contract.plan import Plan, load_plan
 from rlhfc.runtime import checkpoint
 from rlhfc.runtime.job import JobError, run_job
 from rlhfc.runtime.metrics import MetricsLog
@@ -47,8 +48,8 @@ def _job(tmp_path: Path, program: Path, name: str, level: str = "O1") -> Path:
     return job
 
 
-def _plan(job: Path) -> dict:
-    return json.loads((job / "plan.json").read_text())
+def _plan(job: Path) -> Plan:
+    return load_plan(str(job / "plan.json"))
 
 
 def _rows(out: Path) -> list[dict]:
@@ -63,9 +64,9 @@ def _fake_run(tmp_path: Path, job: Path, step: int = 2) -> Path:
         (out / "job" / f.name).write_bytes(f.read_bytes())
     plan = _plan(job)
     ckpt = out / "checkpoints" / f"step_{step}"
-    for worker in plan["placement"]["workers"]:
+    for worker in plan.placement.workers:
         (ckpt / worker).mkdir(parents=True)
-    (ckpt / "job.json").write_text(json.dumps({"step": step, "data": {}, "module": plan["module"],
+    (ckpt / "job.json").write_text(json.dumps({"step": step, "data": {}, "module": plan.module,
                                                "manifest": checkpoint.manifest(plan, step)}))
     (out / "checkpoints" / "latest").write_text(f"step_{step}\n")
     return out

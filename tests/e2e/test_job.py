@@ -10,27 +10,14 @@ import sys
 import pytest
 
 from rlhfc.cli import main as cli
-from rlhfc.codegen import emit_job
-from rlhfc.frontend import load_file
 from rlhfc.runtime.job import JobError, run_job
 
-HERE = os.path.dirname(__file__)
-PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
+from .conftest import HERE
+from .conftest import TINY_PPO as PROGRAM
+from .conftest import metrics as _metrics
+from .conftest import untimed as _strip
 
 pytestmark = pytest.mark.e2e
-
-
-def _job(tmp_path, name="job"):
-    module, _, _ = load_file(PROGRAM)
-    job_dir = str(tmp_path / name)
-    emit_job(module, job_dir, source_path=PROGRAM, opt_level="O0", passes=[])
-    return job_dir
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
 
 
 def _samples(run_dir):
@@ -38,14 +25,10 @@ def _samples(run_dir):
         return [json.loads(line) for line in fh]
 
 
-def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-
-
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
+def full_run(tmp_path_factory, tiny_ppo_job):
     tmp = tmp_path_factory.mktemp("full")
-    job_dir = _job(tmp)
+    job_dir = tiny_ppo_job
     out = str(tmp / "run")
     run_job(job_dir, out=out, progress=False)
     return job_dir, out
@@ -116,12 +99,12 @@ def test_existing_run_is_never_overwritten(full_run):
     assert _metrics(out) == before
 
 
-def test_dead_worker_names_stage_and_last_checkpoint(tmp_path):
+def test_dead_worker_names_stage_and_last_checkpoint(tmp_path, tiny_ppo_job):
     import ray
 
     from rlhfc.runtime import job as job_mod
 
-    job_dir = _job(tmp_path)
+    job_dir = tiny_ppo_job
     spec = __import__("importlib.util").util.spec_from_file_location("tiny_main", os.path.join(job_dir, "main.py"))
     mod = __import__("importlib.util").util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -155,8 +138,8 @@ sys.meta_path.insert(0, _Block())
 '''
 
 
-def test_job_main_runs_with_runtime_only(tmp_path):
-    job_dir = _job(tmp_path)
+def test_job_main_runs_with_runtime_only(tmp_path, tiny_ppo_job):
+    job_dir = tiny_ppo_job
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER)

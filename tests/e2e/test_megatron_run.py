@@ -13,15 +13,14 @@ import re
 
 import pytest
 
-from rlhfc.codegen import emit_job
 from rlhfc.frontend import compile_source
-from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
+from rlhfc.passes import PIPELINES
 from rlhfc.runtime.job import run_job
+
+from .conftest import HERE, TIMING, compile_job
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
-HERE = os.path.dirname(__file__)
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"}
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: what the plan must run: (trainer, dp, tp, pp) per model
@@ -35,9 +34,7 @@ def _job(tmp_path, name: str, layouts: bool) -> str:
         text = re.sub(r" layout\([^)]*\)", "", text).replace("; trainer = auto", "")
     module, _ = compile_source(text, os.path.join(HERE, f"mixed_{name}.rlhf"))
     passes = PIPELINES["O1"] + ["realloc"]   # realloc: the generating actor's group reshards after training
-    module = PassManager(parse_pipeline(",".join(passes))).run(module)
-    job = str(tmp_path / name)
-    emit_job(module, job, source_path="mixed_layouts.rlhf", opt_level="O1", passes=passes)
+    job = compile_job(module, str(tmp_path / name), level="O1", passes=passes, source="mixed_layouts.rlhf")
     main = open(os.path.join(job, "main.py")).read()
     assert ("job.reshard('actor_reshard'" in main) == layouts, main
     workers = json.load(open(os.path.join(job, "plan.json")))["placement"]["workers"]

@@ -10,13 +10,10 @@ import os
 
 import pytest
 
-from rlhfc.codegen import emit_job
 from rlhfc.frontend import compile_source
-from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
 from rlhfc.runtime.job import run_job
 
-HERE = os.path.dirname(__file__)
-TIMING = {"step_time_s", "samples_per_s", "wait_s", "ranks", "pad_eff_generate", "pad_eff_forward"}   # ranks: processes per model, a layout fact
+from .conftest import HERE, compile_job, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,9 +23,7 @@ def _run(tmp_path, trainer: str, steps: int = 2, resume_from: str | None = None,
         "run { steps = 4; seed = 3; checkpoint_every = 2 }",
         f"run {{ steps = 4; seed = 3; checkpoint_every = 2; trainer = {trainer} }}")
     module, _ = compile_source(text, os.path.join(HERE, f"tiny_ppo_{trainer}.rlhf"))
-    module = PassManager(parse_pipeline(",".join(PIPELINES["O1"]))).run(module)
-    job = str(tmp_path / f"job_{trainer}")
-    emit_job(module, job, opt_level="O1", passes=PIPELINES["O1"])
+    job = compile_job(module, str(tmp_path / f"job_{trainer}"), level="O1")
     out = resume_from or str(tmp_path / f"run_{trainer}")
     if step_fn is not None:   # wraps the job's own step function
         import importlib.util
@@ -40,7 +35,7 @@ def _run(tmp_path, trainer: str, steps: int = 2, resume_from: str | None = None,
     rows = run_job(job, step_fn, out=out, steps=steps, progress=False, resume=resume_from is not None)
     with open(os.path.join(job, "plan.json")) as fh:
         plan = json.load(fh)
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows], plan
+    return untimed(rows, layout=True), plan
 
 
 def test_fsdp_groups_train_like_one_process_and_resume_in_another_layout(tmp_path):

@@ -115,7 +115,7 @@ def test_overcommit_on_vllm_resumes_exactly_and_a_killed_engine_keeps_the_last_c
     def kill_engine(worker) -> None:
         """In the actor's process (pickled by value: nested): its vLLM engine core shuts down at the third
         engine step from now, in the middle of the generation."""
-        engine = worker.engine.llm.llm_engine
+        engine = worker.rollout_engine.engine.llm.llm_engine
         real, calls = engine.step, [0]
 
         def step():

@@ -266,6 +266,6 @@ pipeline grpo(batch = 1) {{
     module, _, _ = load_file(str(program))
     assert "chat = true" in print_module(module)
     plan = build_plan(module, source=str(program), opt_level="O0", passes=[])
-    assert plan["data"]["tasks"]["fit"][0]["chat"] is True and plan["data"]["tasks"]["fields"] == ["answer"]
-    source = prompt_source_from_spec(plan["data"]["tasks"])   # the job's view: fits with the template
+    assert plan.data["tasks"].fit[0].chat is True and plan.data["tasks"].options["fields"] == ["answer"]
+    source = prompt_source_from_spec(plan.data["tasks"].as_spec())   # the job's view: fits with the template
     assert prompt_parts(source.next_batch(1)[0]) == ("2 plus 2", {"answer": "4"})

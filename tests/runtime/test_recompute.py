@@ -4,6 +4,7 @@ and gradients with every policy against those without recomputation (tiny llama 
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,7 +120,10 @@ def test_worker_out_of_memory_names_the_stage(tmp_path):
     from rlhfc.runtime.job import Job
 
     job = Job.__new__(Job)
-    job.plan = {"graph": {"stages_by_name": {"actor_train": {"op": "train", "target": "actor"}}}}
+    from rlhfc.contract import plan as contract
+
+    job.plan = SimpleNamespace(graph=contract.GraphPlan("p", {}, (contract.StagePlan("actor_train", "train", "actor",
+                                                                                     ("loss",), ("stats",)),)))
     job.out, job.last_checkpoint, job.resume_command = str(tmp_path), None, ["python", "main.py"]
     err = job._ray_failure("actor_train", RuntimeError("[enforce fail at alloc_cpu.cpp:117] "
                                                        "DefaultCPUAllocator: can't allocate memory"))

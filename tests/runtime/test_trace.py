@@ -70,10 +70,13 @@ def test_work_of_counts_rows_and_tokens_of_what_stages_pass():
 def test_timeline_writes_valid_trace_events_with_driver_sync_and_worker_tracks(tmp_path):
     import time
 
-    plan = {"module": "m", "placement": {"workers": {"actor": {}, "actor_gen": {}}},
-            "graph": {"stages": [{"name": "roll", "op": "generate", "target": "actor"},
-                                 {"name": "adv", "op": "compute.gae", "target": None},
-                                 {"name": "sync_actor", "op": "sync", "target": "actor"}]}}
+    from rlhfc.contract import plan as contract
+
+    plan = SimpleNamespace(module="m", placement=SimpleNamespace(workers={"actor": None, "actor_gen": None}),
+                           graph=contract.GraphPlan("g", {}, (
+                               contract.StagePlan("roll", "generate", "actor", ("prompts",), ("roll",)),
+                               contract.StagePlan("adv", "compute.gae", None, ("roll",), ("adv",)),
+                               contract.StagePlan("sync_actor", "sync", "actor", (), ()))))
     tl = Timeline(str(tmp_path), plan, "job")
     t = tl.begin_step(0)
     tl.driver("adv", time.perf_counter(), "compute", value=(torch.zeros(3, 2),))

@@ -48,8 +48,8 @@ def _restore_environment():
 def llama(tmp_path_factory):
     vllm, torch_ = _pair("llama", tmp_path_factory.mktemp("vllm"))
     yield vllm, torch_
-    if vllm.engine is not None:
-        vllm.engine.shutdown()
+    if vllm.rollout_engine.engine is not None:
+        vllm.rollout_engine.engine.shutdown()
 
 
 def _greedy_rows_agree(vllm: ModelWorker, torch_: ModelWorker, max_new_tokens: int = 24) -> None:
@@ -71,7 +71,7 @@ def _greedy_rows_agree(vllm: ModelWorker, torch_: ModelWorker, max_new_tokens: i
 def test_greedy_tokens_equal_the_torch_engines_at_equal_weights(llama):
     vllm, torch_ = llama
     _greedy_rows_agree(vllm, torch_)
-    assert vllm.engine is not None and (vllm.engine.folder and "vllm" in vllm.engine.folder)
+    assert vllm.rollout_engine.engine is not None and (vllm.rollout_engine.engine.folder and "vllm" in vllm.rollout_engine.engine.folder)
 
 
 def test_after_a_training_step_the_refitted_engine_gives_the_trainers_logprobs(llama):
@@ -87,7 +87,7 @@ def test_after_a_training_step_the_refitted_engine_gives_the_trainers_logprobs(l
     assert stats["rollout_logprob_diff_mean"] < 1e-3 and vllm.version == 1
 
     after = vllm.generate(PROMPTS, max_new_tokens=16, temperature=1.0, top_p=1.0)   # refits first
-    assert after.engine["refit_buckets"] >= 1 and after.engine["refit_s"] > 0 and vllm.engine.version == 1
+    assert after.engine["refit_buckets"] >= 1 and after.engine["refit_s"] > 0 and vllm.rollout_engine.engine.version == 1
     mask = after.mask.bool()
     trainer = vllm.logprobs(after).values
     assert float((after.logprobs - trainer).abs()[mask].max()) < 1e-3
@@ -134,7 +134,7 @@ def test_one_seed_per_call_gives_the_same_tokens_whatever_the_engine_ran_before(
     same rows and seed sample the same tokens after other calls — one aborted midway (overcommit) — as
     before them, another seed samples others, and the process's own random state is left as it was."""
     vllm, _ = llama
-    engine, eos = vllm.engine, vllm.tokenizer.eos_id
+    engine, eos = vllm.rollout_engine.engine, vllm.tokenizer.eos_id
     rows = [vllm.tokenizer.encode(p, add_bos=True) for p in PROMPTS[:10]]
     torch.manual_seed(123)
     outer = torch.get_rng_state()
@@ -150,7 +150,7 @@ def test_one_seed_per_call_gives_the_same_tokens_whatever_the_engine_ran_before(
 
 def test_a_stopped_engine_gives_an_error_naming_it(llama):
     vllm, _ = llama
-    vllm.engine.shutdown()
+    vllm.rollout_engine.engine.shutdown()
     with pytest.raises(EngineError, match="vLLM engine of model 'actor'"):
         vllm.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, top_p=1.0)
 
@@ -166,5 +166,5 @@ def test_gpt2_greedy_tokens_and_refit(tmp_path):
         roll = vllm.generate(PROMPTS[:8], max_new_tokens=8, temperature=1.0, top_p=1.0)
         assert float((roll.logprobs - vllm.logprobs(roll).values).abs()[roll.mask.bool()].max()) < 1e-3
     finally:
-        if vllm.engine is not None:
-            vllm.engine.shutdown()
+        if vllm.rollout_engine.engine is not None:
+            vllm.rollout_engine.engine.shutdown()

@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, store, folder: str) -> dict:
     w.train(PolicyLossInput(roll, old, adv, None, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3",
                             temperature=1.0), lr=3e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)
     out["reshard"] = w.reshard(1)   # the refit: every rank gathers the trained shards into its engine
-    out["engine_version"] = w.engine.version
+    out["engine_version"] = w.rollout_engine.engine.version
     after = w.generate(PROMPTS, temperature=1.0, **GEN)   # no refit left to do
     after = _broadcast(after, rank)
     out.update(roll=roll, logp=logp, after=after, trainer=w.logprobs(after), version=w.version)

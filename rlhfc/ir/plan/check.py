@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 
+from rlhfc.contract.engines import DEFAULT_ROLLOUT, TrainTraits, rollout_engines, rollout_traits, train_backends
+
 from ..core import Model, Module, Stage
 from ..diagnostics import DiagnosticSink, where
-from .attrs import STRATEGIES, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, _is_int, describe
-from .rules import fixed_layout, on_worker, stage_mesh, stream_source, streams, workers
+from .attrs import AUTO, STRATEGIES, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, _is_int, describe
+from .rollout import installed, verify_rollout
+from .rules import backend_traits, fixed_layout, on_worker, stage_mesh, stream_source, streams, workers
 
-#: how to install megatron-core (the ``megatron`` trainer's extra)
-MEGATRON_INSTALL = "pip install -c constraints.txt -e '.[megatron]'"
 LORA_INSTALL = "pip install -c constraints.txt -e '.[lora]' (or: pip install 'peft>=0.21,<0.22')"
 
 # -- verifying a plan ------------------------------------------------------------------------------------
@@ -28,9 +29,13 @@ def verify_plan(module: Module, sink: DiagnosticSink) -> None:
             _verify_stage(module, stage, total, sink)
     if total is not None and all(s.outputs for s in module.graph.stages):
         _verify_layouts(module, total, sink)
-    from .rollout import verify_rollout
-
     verify_rollout(module, sink)
+
+
+def _splits(traits: TrainTraits) -> str:
+    """What a multi-rank backend splits a model into, for messages."""
+    return "data-parallel ranks only" if traits.dims == {"dp"} else \
+        f"{' x '.join(d for d in ('dp', 'tp', 'pp') if d in traits.dims)} ranks"
 
 
 # -- fixed layouts and trainers -------------------------------------------------------------------------
@@ -40,6 +45,7 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
     """Each model's fixed layout (``layout(...)``) fits the cluster, its stages' meshes and the run's
     trainer; every worker the megatron trainer runs is a layout megatron-core can run."""
     trainer = module.run.trainer
+    traits = backend_traits(trainer)
     wrong: set[str] = set()   # models already reported (one diagnostic per model and problem)
     for m in module.models.values():
         fixed = fixed_layout(m)
@@ -55,12 +61,12 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
         if _fixed_off_nodes(module, m, fixed, text, at, sink):
             wrong.add(m.name)
             continue
-        if trainer == "torch" and fixed.size > 1:
-            sink.error(f"model @{m.name}: {text} runs as {fixed.size} processes, but trainer = torch runs every "
+        if trainer != AUTO and not traits.dims and fixed.size > 1:
+            sink.error(f"model @{m.name}: {text} runs as {fixed.size} processes, but trainer = {trainer} runs every "
                        "model as one process", at, "set run { trainer = auto } (or fsdp for a dp-only layout, "
                        "megatron for tp or pp > 1), or remove the layout clause")
-        elif trainer == "fsdp" and (fixed.tp > 1 or fixed.pp > 1):
-            sink.error(f"model @{m.name}: trainer fsdp runs data-parallel ranks only, but {text} has tp = "
+        elif trainer != AUTO and traits.dims and not traits.runs(fixed.dp, fixed.tp, fixed.pp):
+            sink.error(f"model @{m.name}: trainer {trainer} runs {_splits(traits)}, but {text} has tp = "
                        f"{fixed.tp}, pp = {fixed.pp}", where(m, "layout.tp" if fixed.tp > 1 else "layout.pp",
                                                              "layout"),
                        "set run { trainer = auto } or megatron (megatron-core tensor/pipeline parallelism), or use "
@@ -85,40 +91,45 @@ def _verify_layouts(module: Module, total: int, sink: DiagnosticSink) -> None:
                 sink.error(f"stage %{s.name} has parallel = {{dp = {par.dp}, tp = {par.tp}, pp = {par.pp}}}, but "
                            f"@{m.name} fixes {text}", where(s),
                            f"write parallel = {{dp = {fixed.dp}, tp = {fixed.tp}, pp = {fixed.pp}}} or leave it out")
-    missing_reported = False
+    missing_reported: set[str] = set()
     for w in workers(module).values():
         m = module.models.get(w.model)
-        if w.trainer != "megatron" or m is None or m.name in wrong:
+        mine = backend_traits(w.trainer)
+        if not (mine.package or not mine.hf_models or {"tp", "pp"} & mine.dims) or m is None or m.name in wrong:
             continue
         wrong.add(m.name)
-        if not missing_reported and importlib.util.find_spec("megatron.core") is None:
-            missing_reported = True
-            sink.error(f"model @{m.name} runs on the megatron trainer, but megatron-core is not installed",
-                       where(module.run, "trainer") if trainer == "megatron" else where(m, "layout"),
-                       f"install the extra: {MEGATRON_INSTALL}")
-        _verify_megatron(module, m, Parallel(w.dp, w.tp, w.pp), w.mesh.count, sink)
+        if mine.package and mine.name not in missing_reported and not installed(mine.package):
+            missing_reported.add(mine.name)
+            sink.error(f"model @{m.name} runs on the {mine.name} trainer, but {mine.title} is not installed",
+                       where(module.run, "trainer") if trainer != AUTO else where(m, "layout"),
+                       f"install the extra: {mine.install}")
+        _verify_split(module, m, mine, Parallel(w.dp, w.tp, w.pp), w.mesh.count, sink)
     _verify_lora(module, sink)
-    if module.run.precision != "fp32":
-        on_megatron = sorted({w.model for w in workers(module).values() if w.trainer == "megatron"})
-        if on_megatron:
-            sink.error(f"precision = {module.run.precision} is not supported by the megatron trainer yet (it runs "
-                       f"{', '.join('@' + n for n in on_megatron)})", where(module.run, "precision"),
-                       "use precision = fp32 with trainer = megatron, or trainer = torch or fsdp for bf16 "
-                       "(auto runs a layout with tp = pp = 1 on them)")
+    precision = module.run.precision
+    for name in train_backends():
+        mine = backend_traits(name)
+        runs = sorted({w.model for w in workers(module).values() if w.trainer == name})
+        if runs and precision not in mine.precisions:
+            others = [b for b in train_backends() if precision in backend_traits(b).precisions]
+            sink.error(f"precision = {precision} is not supported by the {name} trainer yet (it runs "
+                       f"{', '.join('@' + n for n in runs)})", where(module.run, "precision"),
+                       f"use precision = {mine.precisions[0]} with trainer = {name}, or trainer = "
+                       f"{' or '.join(others)} for {precision} (auto runs a layout with tp = pp = 1 on them)")
 
 
 def _verify_lora(module: Module, sink: DiagnosticSink) -> None:
-    """LoRA adapters need peft, and run under the torch trainer (one process per model)."""
+    """LoRA adapters need peft, and run under a backend that trains them (torch: one process per model)."""
     lora = [m for m in module.models.values() if m.lora]
     if lora and importlib.util.find_spec("peft") is None:
         sink.error(f"model @{lora[0].name} has LoRA adapters, but the peft library is not installed",
                    where(lora[0], "lora"), f"install the extra: {LORA_INSTALL}")
     for w in workers(module).values():
         m = module.models.get(w.model)
-        if m is not None and m.lora and w.trainer != "torch":
-            sink.error(f"model @{m.name} has LoRA adapters, which only the torch trainer runs, not {w.trainer}",
-                       where(module.run, "trainer") if module.run.trainer != "auto" else where(m, "lora"),
-                       "set run { trainer = torch } (one process per model), or drop lora(...)")
+        if m is not None and m.lora and not backend_traits(w.trainer).lora:
+            able = [b for b in train_backends() if backend_traits(b).lora]
+            sink.error(f"model @{m.name} has LoRA adapters, which only the {' or '.join(able)} trainer runs, not "
+                       f"{w.trainer}", where(module.run, "trainer") if module.run.trainer != AUTO else where(m, "lora"),
+                       f"set run {{ trainer = {able[0]} }} (one process per model), or drop lora(...)")
 
 
 def _fixed_off_nodes(module: Module, m: Model, fixed: Parallel, text: str, at, sink: DiagnosticSink) -> bool:
@@ -141,14 +152,18 @@ def _fixed_off_nodes(module: Module, m: Model, fixed: Parallel, text: str, at, s
     return False
 
 
-def _verify_megatron(module: Module, m: Model, par: Parallel, count: int, sink: DiagnosticSink) -> None:
-    """What megatron-core cannot run of ``m`` in layout ``par`` on a mesh of ``count`` devices."""
+def _verify_split(module: Module, m: Model, traits: TrainTraits, par: Parallel, count: int,
+                  sink: DiagnosticSink) -> None:
+    """What backend ``traits`` cannot run of ``m`` in layout ``par`` on a mesh of ``count`` devices: a Hugging
+    Face folder where it builds models from their config only; tensor and pipeline splits that do not divide
+    the model; a layout other than the mesh."""
+    name = traits.name
     fixed = fixed_layout(m) is not None
-    auto = "; or trainer = auto runs it as fsdp/torch with tp = pp = 1" if module.run.trainer == "megatron" else ""
-    if m.source:
-        sink.error(f"model @{m.name} is loaded from a Hugging Face folder, which the megatron trainer cannot run "
+    auto = "; or trainer = auto runs it as fsdp/torch with tp = pp = 1" if module.run.trainer != AUTO else ""
+    if m.source and not traits.hf_models:
+        sink.error(f"model @{m.name} is loaded from a Hugging Face folder, which the {name} trainer cannot run "
                    "yet", where(m, "layout") if fixed else where(m, "source", "init"),
-                   "the megatron trainer builds llama(...)/gpt2(...) models from their config: declare the model "
+                   f"the {name} trainer builds llama(...)/gpt2(...) models from their config: declare the model "
                    f"by its shape{auto}")
     shape = {"heads": m.heads, "kv_heads": m.kv_heads, "ffn": m.ffn, "vocab": m.vocab}
     if par.tp > 1 and all(_is_int(v) and v >= 1 for v in shape.values()):
@@ -157,15 +172,15 @@ def _verify_megatron(module: Module, m: Model, par: Parallel, count: int, sink: 
             ok = [t for t in range(1, m.heads + 1) if all(v % t == 0 for v in shape.values())]
             sink.error(f"model @{m.name}: tp = {par.tp} does not divide its {' and '.join(bad)}",
                        where(m, "layout.tp", "layout") if fixed else where(m),
-                       "megatron splits the attention heads, key/value heads, MLP width and vocabulary over "
+                       f"{name} splits the attention heads, key/value heads, MLP width and vocabulary over "
                        f"tensor-parallel ranks: use tp = {' or '.join(map(str, ok))}")
     if par.pp > 1 and _is_int(m.layers) and m.layers >= 1 and m.layers % par.pp:
         ok = [p for p in range(1, m.layers + 1) if m.layers % p == 0]
         sink.error(f"model @{m.name}: pp = {par.pp} does not divide its {m.layers} layers",
                    where(m, "layout.pp", "layout") if fixed else where(m),
-                   f"megatron gives each pipeline stage layers / pp layers: use pp = {' or '.join(map(str, ok))}")
+                   f"{name} gives each pipeline stage layers / pp layers: use pp = {' or '.join(map(str, ok))}")
     if par.size != count:
-        sink.error(f"model @{m.name} runs dp * tp * pp = {par.size} megatron ranks on a mesh of {count} devices",
+        sink.error(f"model @{m.name} runs dp * tp * pp = {par.size} {name} ranks on a mesh of {count} devices",
                    where(m, "layout") if fixed else where(m),
                    f"dp * tp * pp must equal the mesh size {count}")
 
@@ -190,8 +205,9 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
             par = Parallel.parse(ann[Parallel.key], count)
             for exc in par.verify(count, module.models.get(stage.target or "")):
                 report(exc)
-            if module.run.trainer == "fsdp" and (par.tp > 1 or par.pp > 1):
-                sink.error(f"{label}: trainer fsdp runs data-parallel ranks only, but the layout has tp = {par.tp}, "
+            run = backend_traits(module.run.trainer)
+            if module.run.trainer != AUTO and run.dims and not run.runs(par.dp, par.tp, par.pp):
+                sink.error(f"{label}: trainer {module.run.trainer} runs {_splits(run)}, but the layout has tp = {par.tp}, "
                            f"pp = {par.pp}", at, "use parallel = {dp = N} for this stage, trainer = megatron or auto "
                            "(megatron-core tensor/pipeline parallel ranks), or trainer = torch (one process)")
         except PlanError as exc:
@@ -218,12 +234,13 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
         elif not isinstance(ann[name], bool):
             sink.error(f"{label}: {name} must be true or false, got {describe(ann[name])}", at, f"write {name} = true")
     if "engine" in ann:   # rollout = auto's choice (rlhfc.passes.engine)
-        if stage.op != "generate" or ann["engine"] != "vllm":
+        choices = [e for e in rollout_engines() if rollout_traits(e).auto]
+        if stage.op != "generate" or ann["engine"] not in choices:
             sink.error(f"{label}: engine = {describe(ann['engine'])} is not a rollout choice", at,
-                       "the engine pass marks generate stages engine = \"vllm\" under run { rollout = auto }; "
-                       "torch is the unmarked default")
-        elif module.run.rollout != "auto":
-            sink.error(f"{label}: engine = \"vllm\" marks rollout = auto's choice, but the run has rollout = "
+                       "the engine pass marks generate stages " + " or ".join(f'engine = "{e}"' for e in choices) +
+                       f" under run {{ rollout = auto }}; {DEFAULT_ROLLOUT} is the unmarked default")
+        elif module.run.rollout != AUTO:
+            sink.error(f"{label}: engine = \"{ann['engine']}\" marks rollout = auto's choice, but the run has rollout = "
                        f"{module.run.rollout}", at, "drop the annotation, or write run { rollout = \"auto\" }")
     if "gpu_memory" in ann:   # a CUDA vLLM engine's gpu_memory_utilization (rlhfc.passes.engine.set_gpu_memory)
         share = ann["gpu_memory"]

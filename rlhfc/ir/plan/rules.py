@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlhfc.contract.engines import DEFAULT_TRAINER, TrainTraits, auto_backend, train_backends, train_traits
+
 from ..core import Graph, Model, Module, Stage
-from .attrs import (STRATEGIES, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError,
+from .attrs import (AUTO, STRATEGIES, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError,
                     Recompute, Stream, Sync, _is_int)
 
 # -- reading a plan -------------------------------------------------------------------------------------
@@ -314,14 +316,22 @@ def workers(module: Module) -> dict[tuple[str, Mesh], Worker]:
 
 
 def resolve_trainer(trainer: str, layout: Parallel) -> str:
-    """The trainer that runs a model of ``layout`` under ``run { trainer = ... }``: ``auto`` — megatron when
-    tp or pp > 1, fsdp when dp > 1, torch otherwise; ``fsdp`` — fsdp when dp > 1, else torch (one rank
-    needs no sharding); ``torch`` and ``megatron`` as named."""
-    if trainer == "auto":
-        return "megatron" if layout.tp > 1 or layout.pp > 1 else "fsdp" if layout.dp > 1 else "torch"
-    if trainer == "fsdp":
-        return "fsdp" if layout.dp > 1 or layout.tp > 1 or layout.pp > 1 else "torch"
+    """The train backend that runs a model of ``layout`` under ``run { trainer = ... }``: ``auto`` — the
+    registered backend of lowest ``auto_rank`` that runs the layout (megatron when tp or pp > 1, fsdp when
+    dp > 1, torch otherwise); a named backend as named, or on one rank its ``solo`` backend (fsdp: torch, one
+    rank needs no sharding)."""
+    if trainer == AUTO:
+        return auto_backend(layout.dp, layout.tp, layout.pp)
+    traits = backend_traits(trainer)
+    if traits.solo and layout.size == 1:
+        return traits.solo
     return trainer
+
+
+def backend_traits(trainer: str) -> TrainTraits:
+    """The traits of train backend ``trainer`` (the default backend's for a name no backend registered: the
+    verifier reports the name)."""
+    return train_traits(trainer if trainer in train_backends() else DEFAULT_TRAINER)
 
 
 def planned_layout(module: Module, model: str, where: Mesh) -> Parallel:
@@ -339,10 +349,10 @@ def planned_layout(module: Module, model: str, where: Mesh) -> Parallel:
 
 def worker_layout(module: Module, model: str, where: Mesh) -> tuple[str, Parallel]:
     """(trainer, layout) that runs ``model`` on ``where``: :func:`resolve_trainer` of the run's trainer and
-    :func:`planned_layout`; under the ``torch`` trainer the layout that runs is one process (1 x 1 x 1)."""
+    :func:`planned_layout`; on a one-process backend (``torch``) the layout that runs is 1 x 1 x 1."""
     par = planned_layout(module, model, where)
     trainer = resolve_trainer(module.run.trainer, par)
-    return trainer, (Parallel(1, 1, 1) if trainer == "torch" else par)
+    return trainer, (par if backend_traits(trainer).dims else Parallel(1, 1, 1))
 
 
 def worker_ranks(module: Module, model: str, where: Mesh) -> int:

@@ -1,0 +1,55 @@
+"""Shared set-up of the end-to-end tests: the metrics that vary from run to run (and so are left out when two
+runs are compared), compiling a program into a job folder, reading a run's metrics, and a compiled tiny PPO
+job shared by the tests of a module."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from rlhfc.codegen import emit_job
+from rlhfc.frontend import load_file
+from rlhfc.ir import Module
+from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: the smallest 4-model PPO program
+TINY_PPO = os.path.join(HERE, "tiny_ppo.rlhf")
+
+#: the metrics of a step that are timings: two runs of the same training differ in them
+TIMING = frozenset({"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"})
+#: the metrics that are facts of the layout (processes per model): equal training on another layout differs
+LAYOUT = frozenset({"ranks"})
+
+
+def compile_job(program: str | Module, out: str, *, level: str | None = "O0", passes: list[str] | None = None,
+                source: str | None = None) -> str:
+    """Compile ``program`` (a path, or a loaded module) into the job folder ``out``: the passes of -O ``level``
+    or the given ``passes`` (then the plan says ``custom`` unless ``level`` is given); returns ``out``."""
+    module = load_file(program)[0] if isinstance(program, str) else program
+    passes = list(PIPELINES[level] if passes is None else passes)
+    if passes:
+        module = PassManager(parse_pipeline(",".join(passes))).run(module)
+    emit_job(module, out, source_path=source or (program if isinstance(program, str) else None),
+             opt_level=level or "custom", passes=passes)
+    return out
+
+
+def metrics(run_dir: str) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def untimed(rows: list[dict], *, layout: bool = False) -> list[dict]:
+    """The rows without their timings (and with ``layout``, without the layout's facts)."""
+    drop = TIMING | LAYOUT if layout else TIMING
+    return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def tiny_ppo_job(tmp_path_factory) -> str:
+    """The tiny PPO program compiled at -O0, once per test module (runs write to their own folders)."""
+    return compile_job(TINY_PPO, str(tmp_path_factory.mktemp("tiny_ppo") / "job"))
