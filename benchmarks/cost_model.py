@@ -19,7 +19,7 @@ job runs one stage after another) with other batch sizes and response lengths
 policy, and so the length of its responses, does not drift over the ~100
 steps the benchmark runs). A step runs *in-process* as the job's driver runs it, stage by
 stage in IR order, through the runtime's own
-:class:`~rlhfc.runtime.worker.ModelWorker` (generate / logprobs / values /
+:class:`~rlhfc.runtime.worker.base.ModelWorker` (generate / logprobs / values /
 score / train) and ``rlhfc.runtime.ops`` (driver-side stages), with as many
 torch threads as the job's workers would run (one per whole core of a worker's
 share: 1 when four models share two cores). Ray is not involved, so its
@@ -86,8 +86,8 @@ class InProcessJob:
 
     def __init__(self, module):
         from rlhfc.codegen.plan import build_plan
-        from rlhfc.runtime.data import prompt_source_from_spec
-        from rlhfc.runtime.worker import ModelWorker
+        from rlhfc.runtime.data.prompts import prompt_source_from_spec
+        from rlhfc.runtime.worker.base import ModelWorker
 
         plan = build_plan(module, source=None, opt_level="O1", passes=["dce"])
         # as many torch threads as the job's workers get (one per whole core of their share of the
@@ -383,9 +383,9 @@ def in_job(args) -> dict:
 
     import torch
 
+    from rlhfc.cost.model import CostModel
     from rlhfc.explain.compare import WORKER_FAMILIES, compare, measured_from_trace
     from rlhfc.ir import parse_ir
-    from rlhfc.cost.model import CostModel
 
     work = args.reprice or tempfile.mkdtemp(prefix="rlhfc-injob-")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -45,8 +45,8 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "redu
 
 
 def _rollout():
-    from rlhfc.runtime.generation import FinishedSample, collate
-    from rlhfc.runtime.values import Rollout
+    from rlhfc.runtime.data.values import Rollout
+    from rlhfc.runtime.rollout.generation import FinishedSample, collate
 
     g = torch.Generator().manual_seed(0)
     samples = [FinishedSample(i, tuple([1] + torch.randint(3, SPEC["vocab"], (PROMPT - 1,), generator=g).tolist()),
@@ -80,8 +80,8 @@ def _rank(rank, world, store, layout, rounds, queue):
     try:
         torch.set_num_threads(1)
         counter = _count_bytes()
-        from rlhfc.runtime.megatron import MegatronWorker
-        from rlhfc.runtime.values import PolicyLossInput
+        from rlhfc.runtime.data.values import PolicyLossInput
+        from rlhfc.runtime.worker.megatron import MegatronWorker
 
         dp, tp, pp = layout
         worker = MegatronWorker("actor", SPEC, {"kind": "random"}, seed=1, rank=rank, world=world, store=store,
@@ -115,7 +115,7 @@ def _rank(rank, world, store, layout, rounds, queue):
 def measure(layout, rounds: int) -> dict:
     import torch.multiprocessing as mp
 
-    from rlhfc.runtime.parallel import open_store
+    from rlhfc.runtime.worker.fsdp import open_store
 
     world = layout[0] * layout[1] * layout[2]
     ctx = mp.get_context("spawn")
@@ -210,7 +210,7 @@ def _profile(quick: bool):
 
 
 def _params():
-    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.models.build import build_model
 
     return build_model(SPEC, seed=0).parameters()
 

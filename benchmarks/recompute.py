@@ -6,7 +6,7 @@ attention), and rlhfc's knapsack at three budgets (the bytes Megatron-selective 
 them) — the benchmark measures:
 
 - the bytes kept for backward by one block (storages the forward allocated that are still alive after it:
-  :func:`rlhfc.runtime.recompute.kept_activation_bytes`), against the trace's estimate;
+  :func:`rlhfc.runtime.models.recompute.kept_activation_bytes`), against the trace's estimate;
 - the forward+backward time of the whole model (CPU time; ``--repeat`` rounds run round-robin over the
   policies, each policy's step paired with a step of ``none`` right beside it, which goes first alternating),
   and its overhead over ``none`` — the median of the paired differences — and, measured directly, the CPU time
@@ -47,7 +47,7 @@ those: two steps a round each), up to N pairs each.
 The median, not the best, of paired differences: a shared VM's speed drifts by ±15 % over minutes, and a
 step's time scatters as much (with glibc's default allocator, ``--allocator default``, also by the page faults
 its heap's history decides, a third of a step's CPU time); the best is the luckiest step, not what a step
-costs. By default the benchmark runs with a CPU worker's allocator settings (:mod:`rlhfc.runtime.allocator`:
+costs. By default the benchmark runs with a CPU worker's allocator settings (:mod:`rlhfc.runtime.worker.allocator`:
 freed memory kept, no page faults after the first steps), as jobs and ``rlhfc profile`` do.
 
 With ``--attn eager`` the s x s attention scores are stored (where Megatron's selective pays off); the default
@@ -74,12 +74,17 @@ from rlhfc.calibrate import measure_host
 from rlhfc.cost.hardware import device_spec, own_block
 from rlhfc.cost.profile import Profile, model_key
 from rlhfc.passes import recompute_choice as choice
-from rlhfc.passes.recompute_prices import (measured_dispatch, measured_ops, spec_costs, with_measured_ops,
-                                           with_replay_costs)
+from rlhfc.passes.recompute_prices import (
+    measured_dispatch,
+    measured_ops,
+    spec_costs,
+    with_measured_ops,
+    with_replay_costs,
+)
 from rlhfc.passes.recompute_trace import fit_kind_rates, reprice, trace_block
-from rlhfc.runtime.models import build_model
-from rlhfc.runtime.allocator import retain_freed_memory
-from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.models.recompute import apply_recompute, blocks, kept_activation_bytes, op_key
+from rlhfc.runtime.worker.allocator import retain_freed_memory
 
 SPEC = dict(arch="llama", layers=6, hidden=256, heads=8, vocab=96, max_seq=4096)
 
@@ -138,7 +143,7 @@ def _replay_vs_forward(block, bargs, bkw, trace, op_times: dict, plans: dict) ->
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from rlhfc.runtime.recompute import _selective_context
+    from rlhfc.runtime.models.recompute import _selective_context
 
     kind = {n.key.split("#")[0]: n.kind for n in reversed(trace.nodes) if n.kind != "view"}
     phase, spent = ["fwd"], {}
@@ -274,7 +279,7 @@ def _timed_replays(model, decision: dict) -> None:
     """Apply ``decision`` as the runtime does, each block's checkpointed forward timed when it runs again inside
     backward (the recomputation itself: replayed ops, the selective policy's calls, a kept output's lookup), into
     :data:`_REPLAY` — the overhead measured directly instead of as the difference of two steps."""
-    from rlhfc.runtime.recompute import _checkpointed
+    from rlhfc.runtime.models.recompute import _checkpointed
 
     apply_recompute(model, decision)
     if decision["policy"] == "none":
@@ -348,7 +353,7 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--replay", action="store_true", help="time the replayed ops against a forward, count page faults")
     ap.add_argument("--allocator", default="retain", choices=("retain", "default"),
-                    help="a CPU worker's allocator settings (rlhfc.runtime.allocator, the default) or glibc's own")
+                    help="a CPU worker's allocator settings (rlhfc.runtime.worker.allocator, the default) or glibc's own")
     args = ap.parse_args()
     args.max_repeat = max(args.max_repeat, args.repeat)
     if args.allocator == "retain" and not retain_freed_memory():

@@ -67,7 +67,7 @@ def generation(args, folder: str, prompts: list[str]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     spec = _spec(args.layers, args.hidden)
     w_vllm = ModelWorker("actor", spec, {"kind": "random"}, 0, threads=args.threads,
@@ -75,7 +75,7 @@ def generation(args, folder: str, prompts: list[str]) -> None:
     w_torch = ModelWorker("actor", spec, {"kind": "random"}, 0, threads=args.threads)
     kw = dict(max_new_tokens=args.max_new, temperature=1.0, top_p=1.0, unpad=True)
 
-    from rlhfc.runtime.vllm_engine import batch_seed
+    from rlhfc.runtime.rollout.vllm import batch_seed
 
     call: dict = {}   # the seed and tokens of this round's rlhfc call: the same-seed runs sample the same tokens
 
@@ -148,7 +148,7 @@ def refits(args, folder: str, prompts: list[str]) -> None:
     from rlhfc.cost.engine import predict_refit
     from rlhfc.cost.hardware import device_spec
     from rlhfc.cost.sync import refit_time
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     spec = device_spec("cpu")
     print(f"\n{'hidden':>6} {'params':>8} {'MiB':>7} {'buckets':>7} {'refit s':>8} {'GB/s':>6} {'bytes-only s':>12} "

@@ -12,7 +12,7 @@ from rlhfc.frontend import compile_source
 from rlhfc.ir import all_ops
 from rlhfc.ir.printer import print_module
 from rlhfc.runtime import compute
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.worker.base import ModelWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = (ROOT / "examples" / "grpo_tiny.rlhf").read_text()

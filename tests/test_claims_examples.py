@@ -9,8 +9,8 @@ import torch
 from rlhfc.codegen import emit_job
 from rlhfc.contract.plan import load_plan
 from rlhfc.frontend import load_file
-from rlhfc.runtime.data import prompt_source_from_spec
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.prompts import prompt_source_from_spec
+from rlhfc.runtime.worker.base import ModelWorker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

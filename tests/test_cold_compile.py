@@ -163,7 +163,7 @@ def test_every_size_preset_ships_its_traced_block():
 
 def test_shipped_traces_are_what_tracing_gives_now(tmp_path, monkeypatch):
     """Read with an empty cache under the versions they were made with, they equal a fresh trace (so they are
-    current): python -m rlhfc.passes.trace_cache writes them anew."""
+    current): python -m rlhfc.passes.recompute_trace writes them anew."""
     made, installed = _bundle_versions()
     if made != installed:
         pytest.skip(f"shipped traces are for torch/transformers {made}, installed {installed}: not used here")
@@ -209,10 +209,11 @@ def test_squeeze_retries_skipped_as_unchanged_leave_the_plain_loops_plan(monkeyp
     from rlhfc.cost import fits
     from rlhfc.frontend import load_file
     from rlhfc.passes import PassManager, parse_pipeline
-    from rlhfc.passes import placement as P
     from rlhfc.passes import layouts
-    from rlhfc.passes.layouts import apply, apply_fitting
+    from rlhfc.passes.layouts import apply, apply_fitting, model_stages
     from rlhfc.passes.pipelines import PIPELINES
+    from rlhfc.passes.search import candidate_meshes
+    from rlhfc.passes.strategies import flatten, interleave, separate
 
     calls = []
     monkeypatch.setattr(layouts, "apply", lambda *a, **k: calls.append(k["squeeze"]) or apply(*a, **k))
@@ -222,9 +223,9 @@ def test_squeeze_retries_skipped_as_unchanged_leave_the_plain_loops_plan(monkeyp
     for name in ("ppo_70b", "ppo_7b"):
         base, _, _ = load_file(os.path.join(root, "examples", f"{name}.rlhf"))
         base = PassManager(parse_pipeline(",".join(PIPELINES["O2"][:PIPELINES["O2"].index("placement")]))).run(base)
-        by_model = P._model_stages(base)
-        meshes = P._meshes(base.cluster.num_devices, base.cluster.per_node)
-        plans = [P.flatten(base), P.interleave(base), P.separate(base)]
+        by_model = model_stages(base)
+        meshes = candidate_meshes(base.cluster.num_devices, base.cluster.per_node)
+        plans = [flatten(base), interleave(base), separate(base)]
         for _ in range(12):   # random meshes per model, as the search proposes them
             pick = {m: rng.choice(meshes) for m in by_model}
             plans.append({s.name: pick[m] for m, stages in by_model.items() for s in stages})

@@ -14,7 +14,7 @@ the ``rlhfc`` command) and judging only what a user sees — the exit status and
 * **data files** — the JSONL prompt file the JSONL variant reads is cut mid-line, given values of the
   wrong type, bytes that are not UTF-8, nothing at all, over-long prompts, deep nesting, lone surrogates …
   ``rlhfc check`` must report a bad file as a located diagnostic, the job's own loader
-  (:func:`rlhfc.runtime.data.prompt_source_from_spec`, what a run reads) as a ``DataError``, and the two
+  (:func:`rlhfc.runtime.data.prompts.prompt_source_from_spec`, what a run reads) as a ``DataError``, and the two
   must agree on which files are good.
 * **command lines** — random argv built from the real option set of every command (click's parameters),
   with good and bad values and arguments: exit 0, 1 or 2 with a message, never 3. ``run`` stops before
@@ -389,7 +389,7 @@ def jsonl_spec(world) -> dict:
 def test_fuzz_data_files(world, jsonl_spec, request):
     """A mutated prompt file: ``rlhfc check`` reports a bad one at the program's ``jsonl(...)`` with a hint,
     the job's loader raises a DataError, and the two agree on which files are good."""
-    from rlhfc.runtime.data import DataError, prompt_source_from_spec
+    from rlhfc.runtime.data.prompts import DataError, prompt_source_from_spec
 
     n = max(50, request.config.getoption("fuzz_n") // 20)
     rng = random.Random(1717)
@@ -517,7 +517,7 @@ def cli_world(world, monkeypatch):
 
 def _trained_run(run: Path) -> None:
     """A run folder ``export`` and ``plot`` can read: metrics and a checkpoint of one tiny policy."""
-    from rlhfc.runtime.models import build_model, save_weights
+    from rlhfc.runtime.models.build import build_model, save_weights
 
     spec = {"arch": "llama", "layers": 1, "hidden": 8, "heads": 2, "vocab": 16, "max_seq": 16, "head": "lm"}
     (run / "checkpoints" / "step_2" / "actor").mkdir(parents=True)
@@ -554,7 +554,7 @@ def test_fuzz_command_lines(cli_world, request):
 def test_found_deeply_nested_jsonl_is_a_data_error():
     """A JSONL line nested thousands deep made json raise RecursionError: an internal error at check time
     and a traceback when the job read it (tests/bad/jsonl_nested_too_deep.rlhf covers check)."""
-    from rlhfc.runtime.data import DataError, JsonlPrompts
+    from rlhfc.runtime.data.prompts import DataError, JsonlPrompts
 
     path = ROOT / "tests" / "bad" / "fixtures" / "deep.jsonl"
     with pytest.raises(DataError, match=r"deep.jsonl:2: JSON nested too deeply to read"):

@@ -27,7 +27,7 @@ def test_constraints_pin_torch_and_add_the_cpu_index_and_ci_installs_as_the_read
     lines = [x.strip() for x in _read("constraints.txt").splitlines() if x.strip() and not x.startswith("#")]
     assert lines == [f"--extra-index-url {CPU_INDEX}", "torch==2.13.0", "transformers==5.19.0"]
     assert '"torch==2.13.0"' in _read("pyproject.toml")                 # the same pin as the package's
-    # the traced blocks that ship were made under the pinned versions (python -m rlhfc.passes.trace_cache)
+    # the traced blocks that ship were made under the pinned versions (python -m rlhfc.passes.recompute_trace)
     import glob
     import json
 

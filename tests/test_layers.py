@@ -1,4 +1,4 @@
-"""The import contract: layers import one way, no cycle, plans read through ``rlhfc/ir/plan.py``, no file
+"""The import contract: layers import one way (the runtime's sub-packages too), no cycle, plans read through ``rlhfc/ir/plan.py``, no file
 over 500 lines without a reason at its top.
 
 | package       | may import (besides itself and ``contract``)                  |
@@ -151,3 +151,34 @@ def test_the_contract_imports_no_third_party_package():
             bad += [f"{name} imports {m}" for m in mods
                     if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "__future__"]
     assert not bad, bad
+
+
+#: the runtime's sub-packages, lowest first: each imports only those before it (and the top-level
+#: ``rlhfc.runtime.errors``); the top-level modules (``job``, ``compute``, ``rewards``) may import any
+RUNTIME_ORDER = ("models", "rollout", "data", "rl", "train", "worker", "driver")
+
+
+def test_the_runtime_sub_packages_import_one_way():
+    bad = []
+    for name, path, is_pkg in _modules():
+        parts = name.split(".")
+        if parts[:2] != ["rlhfc", "runtime"] or len(parts) < 3 or parts[2] not in RUNTIME_ORDER:
+            continue
+        mine = RUNTIME_ORDER.index(parts[2])
+        for dep in _imports(name, path, is_pkg):
+            theirs = dep.split(".")
+            if theirs[:2] != ["rlhfc", "runtime"] or len(theirs) < 3:
+                continue
+            if theirs[2] in RUNTIME_ORDER and RUNTIME_ORDER.index(theirs[2]) > mine:
+                bad.append(f"{path.relative_to(PKG.parent)} imports {dep} ({theirs[2]} is above {parts[2]})")
+            elif theirs[2] not in RUNTIME_ORDER and theirs[2] != "errors":
+                bad.append(f"{path.relative_to(PKG.parent)} imports {dep} (a top-level module of the runtime)")
+    assert not bad, "upward imports in rlhfc/runtime:\n" + "\n".join(bad)
+
+
+def test_the_runtime_map_lists_every_sub_package():
+    import rlhfc.runtime as rt
+
+    subs = {p.name for p in (PKG / "runtime").iterdir() if (p / "__init__.py").is_file()}
+    assert subs == set(RUNTIME_ORDER), subs
+    assert all(f"``{s}``" in rt.__doc__ for s in subs)

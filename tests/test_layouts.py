@@ -180,7 +180,7 @@ def test_explain_shows_the_layout_trainer_and_processes_that_run(tmp_path, capsy
 
 
 def test_metrics_rows_carry_processes_per_model(tmp_path):
-    from rlhfc.runtime.metrics import MetricsLog, model_ranks
+    from rlhfc.runtime.driver.metrics import MetricsLog, model_ranks
 
     from types import SimpleNamespace as W
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from rlhfc.cli import main as cli
-from rlhfc.runtime.checkpoint import SHAPE_KEYS
-from rlhfc.runtime.export import char_tokenizer_fast
-from rlhfc.runtime.generation import response_logprobs, response_values, sequence_scores
-from rlhfc.runtime.models import build_model, save_weights
-from rlhfc.runtime.samples import SampleLog, sample_rows, to_markdown
-from rlhfc.runtime.tokenizer import CharTokenizer
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.tokenizer import CharTokenizer
+from rlhfc.runtime.driver.checkpoint import SHAPE_KEYS
+from rlhfc.runtime.driver.export import char_tokenizer_fast
+from rlhfc.runtime.driver.samples import SampleLog, sample_rows, to_markdown
+from rlhfc.runtime.models.build import build_model, save_weights
+from rlhfc.runtime.rollout.generation import response_logprobs, response_values, sequence_scores
+from rlhfc.runtime.worker.base import ModelWorker
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -188,8 +188,8 @@ def test_sample_rows_spread_over_the_batch_with_reward_scores_and_fields(rollout
 
 
 def test_samples_log_resume_keeps_earlier_steps_once_and_replays_them_to_tensorboard(tmp_path, rollout):
-    from torch.utils.tensorboard import SummaryWriter
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
 
     values = {"scores": torch.tensor([1.0, 2.0, 3.0])}
     log = SampleLog(str(tmp_path), 2)
@@ -295,7 +295,7 @@ def test_export_with_a_job_that_did_not_write_the_checkpoint_is_an_error(tmp_pat
 
 
 def test_a_folder_holding_samples_is_an_earlier_run(tmp_path):
-    from rlhfc.runtime.checkpoint import RunFolderError, check_fresh_run_folder, run_folder_contents
+    from rlhfc.runtime.driver.checkpoint import RunFolderError, check_fresh_run_folder, run_folder_contents
 
     (tmp_path / "samples.jsonl").write_text('{"step": 0}\n')
     assert run_folder_contents(str(tmp_path)) == ["samples.jsonl"]

@@ -1,7 +1,7 @@
 """Calibration: measure this machine for a program's models and save a profile (``rlhfc profile``).
 
 This is the one part of the compiler that runs real models: it times the runtime's own worker
-(:class:`rlhfc.runtime.worker.ModelWorker`, the code a job runs) in-process, for every distinct model
+(:class:`rlhfc.runtime.worker.base.ModelWorker`, the code a job runs) in-process, for every distinct model
 shape of a program, at a small grid of batch x length points, and stores the points and their fits in a
 :class:`rlhfc.cost.profile.Profile` (which documents the primitives and the fitted forms). Each model is
 measured with as many torch threads as its workers will run (:func:`rlhfc.ir.plan.workers`: one per whole
@@ -61,12 +61,12 @@ def measure_host(threads: int, device: str = "cpu", quick: bool = False) -> dict
     """FLOP/s of a float32 (cpu) / bf16 (cuda) matmul at 1..threads threads, and memory-copy bandwidth; on a
     cpu also what a recompute pays beyond its ops (``recompute``: fresh outputs, the checkpoint itself). On a
     cpu the measuring process first takes a CPU worker's allocator settings
-    (:func:`rlhfc.runtime.allocator.retain_freed_memory`), so what it measures is what a worker pays
+    (:func:`rlhfc.runtime.worker.allocator.retain_freed_memory`), so what it measures is what a worker pays
     (``allocator``: ``"retain"``, or ``"default"`` where they are off)."""
     import torch
 
     from rlhfc.calibrate.recompute import FRESH_SIZES, measure_checkpoint, measure_fresh_bytes, measure_kinds
-    from rlhfc.runtime.allocator import retain_freed_memory
+    from rlhfc.runtime.worker.allocator import retain_freed_memory
 
     out: dict = {}
     if device == "cpu":
@@ -117,7 +117,7 @@ def _synthetic_batch(B: int, P: int, R: int, vocab: int, device):
     and R response tokens; random ids."""
     import torch
 
-    from rlhfc.runtime.generation import RolloutBatch
+    from rlhfc.runtime.rollout.generation import RolloutBatch
 
     g = torch.Generator().manual_seed(B * 1000 + P * 10 + R)
     ids = torch.randint(3, max(vocab, 4), (B, P + R), generator=g)
@@ -207,8 +207,8 @@ def measure_model(spec: dict, threads: int, *, device: str = "cpu", quick: bool 
     """
     import torch
 
-    from rlhfc.runtime.values import PolicyLossInput, Rollout, ValueLossInput
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.data.values import PolicyLossInput, Rollout, ValueLossInput
+    from rlhfc.runtime.worker.base import ModelWorker
 
     old = torch.get_num_threads()
     sync = (lambda: torch.cuda.synchronize()) if device != "cpu" else (lambda: None)
@@ -318,7 +318,7 @@ def measure_compute(ops: list[str], threads: int, *, reps: int = 5) -> dict:
     import torch
 
     from rlhfc.runtime import compute as rt_ops
-    from rlhfc.runtime.values import Rollout, TokenValues
+    from rlhfc.runtime.data.values import Rollout, TokenValues
 
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))

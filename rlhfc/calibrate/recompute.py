@@ -96,7 +96,7 @@ TINY_BLOCK = dict(arch="llama", layers=1, hidden=64, heads=4, vocab=32, attn="ea
 def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, seq: int = 64) -> dict[str, float]:
     """CPU seconds a checkpointed block pays beyond its recomputed ops, on one block of ``spec`` (a runtime
     model spec; default :data:`TINY_BLOCK`, what ``rlhfc profile`` measures) at a micro-batch of ``rows x seq``
-    tokens, one thread, the runtime's own checkpoint (:mod:`rlhfc.runtime.recompute`):
+    tokens, one thread, the runtime's own checkpoint (:mod:`rlhfc.runtime.models.recompute`):
 
     - ``ckpt_op_s``: per aten call seen by a selective checkpoint's policy (Python dispatch on every op of the
       forward and of the replay, and the outputs it caches): a block that keeps every op's output (nothing
@@ -117,7 +117,7 @@ def measure_checkpoint(reps: int = 5, spec: dict | None = None, rows: int = 1, s
     """
     import torch
 
-    from rlhfc.runtime.recompute import apply_recompute
+    from rlhfc.runtime.models.recompute import apply_recompute
 
     model, block, args, kwargs = _block_at(spec, rows, seq)
     seen = {"k": kwargs}
@@ -161,7 +161,7 @@ def _calls(block, args, kwargs) -> tuple[list[str], list[str]]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rlhfc.runtime.recompute import op_key
+    from rlhfc.runtime.models.recompute import op_key
 
     counts: dict = {}
     keys, allocating = [], []
@@ -207,7 +207,7 @@ def dispatch_samples(spec: dict | None = None, rows: int = 1, seq: int = 64, rep
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from rlhfc.runtime.recompute import _selective_context
+    from rlhfc.runtime.models.recompute import _selective_context
 
     model, block, args, kwargs = _block_at(spec, rows, seq)
     keys, allocating = _calls(block, args, kwargs)
@@ -242,7 +242,7 @@ def _model_and_batch(spec: dict, rows: int, seq: int):
     tokens whose first row is left-padded, as generation leaves them."""
     import torch
 
-    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.models.build import build_model
 
     spec = dict(spec, max_seq=max(int(spec.get("max_seq") or 0), seq))
     model = build_model(spec, seed=0)
@@ -260,7 +260,7 @@ def _block_at(spec: dict | None, rows: int, seq: int):
     it; the hidden-state input requires grad (a block inside a trained model)."""
     import torch
 
-    from rlhfc.runtime.recompute import blocks
+    from rlhfc.runtime.models.recompute import blocks
 
     model, ids, mask = _model_and_batch(dict(spec or TINY_BLOCK, layers=1), rows, seq)
     block = blocks(model)[0]
@@ -275,7 +275,7 @@ def _block_at(spec: dict | None, rows: int, seq: int):
 def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, reps: int = 5) -> dict[str, float]:
     """CPU seconds of each aten call of a block of ``spec`` (the program's model, all its blocks) as a
     checkpoint's replay runs it, at ``rows x seq`` tokens, one thread, by op key
-    (:func:`rlhfc.runtime.recompute.op_key`): the model trains ``reps`` steps after a warm-up (forward, a
+    (:func:`rlhfc.runtime.models.recompute.op_key`): the model trains ``reps`` steps after a warm-up (forward, a
     loss, backward) with every block under a full checkpoint (non-reentrant, as the runtime's), and each op of
     every block's replay in backward is timed; an op's time is the median over blocks and steps (ops after
     the replay's early stop: their forward's). These are the replay's prices on the program's block at its
@@ -287,7 +287,7 @@ def measure_block_ops(spec: dict | None = None, rows: int = 1, seq: int = 64, re
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from rlhfc.runtime.recompute import blocks, op_key
+    from rlhfc.runtime.models.recompute import blocks, op_key
 
     model, ids, mask = _model_and_batch(dict(spec or TINY_BLOCK), rows, seq)
     times: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}   # forward / replay

@@ -30,7 +30,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
     from rlhfc.cost.engine import fit_vllm_entry
     from rlhfc.contract.engines import rollout_traits
     from rlhfc.ir.plan import head_problem
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     problem = head_problem(rollout_traits("vllm"), int(spec["hidden"]), int(spec["heads"]))
     if problem is not None:
@@ -45,7 +45,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
         start = time.perf_counter()
         try:
             worker.generate(["a"], max_new_tokens=1, temperature=1.0, top_p=1.0)   # starts the engine
-        except Exception as exc:   # rlhfc.runtime.vllm_engine.EngineError: the engine did not start
+        except Exception as exc:   # rlhfc.runtime.rollout.vllm.EngineError: the engine did not start
             return {"unsupported": f"the vLLM engine did not start: {exc}"}
         entry: dict = {"threads": threads, "engine_start_s": time.perf_counter() - start, "copy_bw": copy_bw,
                        "points": {"generate": [], "refit": []}}

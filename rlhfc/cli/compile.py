@@ -123,7 +123,7 @@ def run(
     A new run never writes into a folder holding an earlier run (exit 2; continue that one with
     --resume). Ctrl-C stops the run, keeps the last complete checkpoint, prints the command that
     resumes it and exits with status 130."""
-    from rlhfc.runtime import checkpoint as ckpt
+    from rlhfc.runtime.driver import checkpoint as ckpt
     from rlhfc.runtime.job import JobError, run_job
 
     def resume_command(folder: str) -> list[str]:
@@ -171,7 +171,7 @@ def run(
 def emit_job_for_resume(done: Optimised, out: str, source: str, plugins: list[str] | None = None) -> None:
     """``run --resume``: write the new job beside ``OUT/job``, check the latest checkpoint's manifest against
     it, and only then replace ``OUT/job`` — a refused resume leaves the run's own job untouched."""
-    from rlhfc.runtime import checkpoint as ckpt
+    from rlhfc.runtime.driver import checkpoint as ckpt
 
     root = ckpt.checkpoint_root(out)
     latest = ckpt.latest_checkpoint(root)

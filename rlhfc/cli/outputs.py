@@ -57,7 +57,7 @@ def export(
     The policy (lm head) loads with AutoModelForCausalLM and gives the trainer's log-probs; a reward
     model (score head) loads with AutoModelForSequenceClassification, a critic (value head) with
     AutoModelForTokenClassification (num_labels = 1)."""
-    from rlhfc.runtime.export import ExportError, export_model, find_checkpoint, find_model
+    from rlhfc.runtime.driver.export import ExportError, export_model, find_checkpoint, find_model
 
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         _fail(f"{output} exists and is not an empty folder; nothing was written",

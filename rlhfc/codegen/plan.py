@@ -24,12 +24,12 @@ from rlhfc.ir.verify_fields import rollout_readers, tokenizer_key
 def model_spec(m) -> contract.ModelSpec:
     return contract.ModelSpec(m.arch, m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab, m.max_seq, m.head,
                               os.path.abspath(m.source) if m.source else None,
-                              dict(m.lora) if m.lora else None)   # adapters (rlhfc.runtime.lora): only they train
+                              dict(m.lora) if m.lora else None)   # adapters (rlhfc.runtime.models.lora): only they train
 
 
 def _trained_spec(module: Module, m) -> contract.ModelSpec:
     """The model's spec, with the recompute decision of its train stage (``recompute``, for the trainer:
-    :func:`rlhfc.runtime.recompute.apply_recompute`) when it recomputes anything."""
+    :func:`rlhfc.runtime.models.recompute.apply_recompute`) when it recomputes anything."""
     spec = model_spec(m)
     for s in module.graph.stages_on(m.name):
         decision = plan.recompute_decision(s)

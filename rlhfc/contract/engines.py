@@ -139,16 +139,16 @@ DEFAULT_ROLLOUT = "torch"
 DEFAULT_TRAINER = "torch"
 
 # -- the built-in engines ------------------------------------------------------------------------------------
-register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout:TorchDecoder", title="torch"))
+register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout.base:TorchDecoder", title="torch"))
 register_rollout(RolloutTraits(
-    "vllm", "rlhfc.runtime.vllm_engine:VllmRollout", title="vLLM", trainer_numerics=False, own_weights=True,
+    "vllm", "rlhfc.runtime.rollout.vllm:VllmRollout", title="vLLM", trainer_numerics=False, own_weights=True,
     head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256), top_p_zero=False, package="vllm",
     install=EXTRA_INSTALL.format(extra="vllm"), auto=True))
 
-register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.worker:ModelWorker", title="torch", lora=True))
-register_train(TrainTraits("fsdp", "rlhfc.runtime.parallel:DataParallelWorker", title="FSDP2", dims=frozenset({"dp"}),
+register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.worker.base:ModelWorker", title="torch", lora=True))
+register_train(TrainTraits("fsdp", "rlhfc.runtime.worker.fsdp:DataParallelWorker", title="FSDP2", dims=frozenset({"dp"}),
                            shards=frozenset({"dp"}), packs_rows=False, auto_rank=1, solo=DEFAULT_TRAINER))
-register_train(TrainTraits("megatron", "rlhfc.runtime.megatron:MegatronWorker", title="megatron-core",
+register_train(TrainTraits("megatron", "rlhfc.runtime.worker.megatron:MegatronWorker", title="megatron-core",
                            dims=frozenset({"dp", "tp", "pp"}), shards=frozenset({"tp", "pp"}), packs_rows=False,
                            precisions=("fp32",), package="megatron.core", hf_models=False,
                            install=EXTRA_INSTALL.format(extra="megatron"), auto_rank=2))

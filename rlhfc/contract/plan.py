@@ -14,7 +14,7 @@ Format history (``format``):
 A plan of another format is refused with a hint to recompile (:class:`PlanFormatError`).
 
 Opaque parts: a stage's ``attrs`` and ``annotations`` are the IR's (the runtime reads none of them), a data
-source's ``options`` are the options of its kind (:mod:`rlhfc.runtime.data` checks them).
+source's ``options`` are the options of its kind (:mod:`rlhfc.runtime.data.prompts` checks them).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ class ClusterPlan:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a worker builds a model from (:func:`rlhfc.runtime.models.build_model` takes :meth:`as_dict`).
+    """What a worker builds a model from (:func:`rlhfc.runtime.models.build.build_model` takes :meth:`as_dict`).
     ``source``: a local Hugging Face folder (absolute) or None for seeded random weights; ``lora``: adapter
-    settings; ``recompute``: the training's activation recomputation (:mod:`rlhfc.runtime.recompute`)."""
+    settings; ``recompute``: the training's activation recomputation (:mod:`rlhfc.runtime.models.recompute`)."""
 
     arch: str
     layers: int
@@ -126,7 +126,7 @@ class DataPlan:
     fit: tuple[PromptFit, ...] = ()
 
     def as_spec(self) -> dict:
-        """The dict :func:`rlhfc.runtime.data.prompt_source_from_spec` takes."""
+        """The dict :func:`rlhfc.runtime.data.prompts.prompt_source_from_spec` takes."""
         spec = {"kind": self.kind, **self.options}
         if self.fit:
             spec["fit"] = [{"model": f.model, "tokenizer": {"source": f.tokenizer_source, "vocab": f.vocab},

@@ -3,7 +3,7 @@
 * :data:`GROUP_COST_TOKENS` — what one more length group of a packed forward or training call costs, in
   computed tokens (a call's fixed overhead: kernel launches, Python). Measured on a 2-core CPU for 1-25M
   parameter models: a call costs about as much as 64-256 tokens; fewer, wider groups past that gain little.
-  The runtime groups rows by it (:func:`rlhfc.runtime.packing.length_groups`); the cost model prices the
+  The runtime groups rows by it (:func:`rlhfc.runtime.train.packing.length_groups`); the cost model prices the
   groups it makes (:func:`rlhfc.cost.lengths.packed_tokens`).
 * :data:`DECODE_COMPACT_FRACTION` — the torch decoder drops finished rows (and their KV cache) from the
   decode batch once this fraction of the batch has finished; the cost model prices the live rows by it.

@@ -233,7 +233,7 @@ def engine_prices(module, stages, config=None) -> dict[str, float]:
 
 def vllm_inputs(cm, stage, model, lay: dict) -> dict:
     """The work of one wave of ``stage`` on vLLM; sets the layout arrays' ``mb`` to the waves. A group of
-    ``dp`` ranks runs an engine per rank (:mod:`rlhfc.runtime.vllm_engine`), each on its share of the rows:
+    ``dp`` ranks runs an engine per rank (:mod:`rlhfc.runtime.rollout.vllm`), each on its share of the rows:
     the formulas divide each wave's rows by ``dp``, and the waves are one share's (candidate layouts of
     different ``dp`` are priced with the fewest ranks' waves, an upper bound for the others)."""
     dp = int(np.min(np.asarray(lay["dp"]))) if np.size(lay["dp"]) else 1

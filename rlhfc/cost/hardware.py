@@ -113,7 +113,7 @@ CATALOG: dict[str, DeviceSpec] = {
                       kind_eff=(("softmax", 0.3),),
                       # a recompute's extra costs, as `rlhfc profile` measures them there: the checkpoint's
                       # dispatch; no fresh-output page faults (a CPU worker keeps freed memory for reuse:
-                      # rlhfc.runtime.allocator; with RLHFC_RETAIN_MEMORY=0 a profile measures them)
+                      # rlhfc.runtime.worker.allocator; with RLHFC_RETAIN_MEMORY=0 a profile measures them)
                       ckpt_region_s=1e-3, ckpt_op_s=3e-5),
 }
 

@@ -162,7 +162,7 @@ class PromptLengths:
 
 
 #: what one more length group costs the torch trainer, in computed tokens (a call's fixed overhead); the
-#: runtime's grouping uses the same figure (``rlhfc.runtime.packing.GROUP_COST_TOKENS``)
+#: runtime's grouping uses the same figure (``rlhfc.runtime.train.packing.GROUP_COST_TOKENS``)
 GROUP_COST_TOKENS = 128
 
 

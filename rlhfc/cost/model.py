@@ -277,7 +277,7 @@ class CostModel:
             kv_tokens = float(wave * (prompt + steps_w.sum()))
         if micro > 1 and not continuous:
             # the torch engine runs the M waves as one continuous batch of `wave` slots: prompts join as rows
-            # finish (rlhfc.runtime.decoding). While prompts wait, the slots stay about full (a quarter frees
+            # finish (rlhfc.runtime.rollout.decoding). While prompts wait, the slots stay about full (a quarter frees
             # before they join); then the last `wave` rows drain like one wave. Same row-steps, fewer steps.
             queue = max(n - wave, 0) * dist.mean() / (wave * (2.0 - COMPACT_OVERHANG))
             f = (queue + dist.expected_max(wave)) / max(micro * float(steps_w.sum()), 1e-12)

@@ -1,6 +1,6 @@
 """``rlhfc compare``: the predicted timeline beside a run's measured one, per stage and per step.
 
-:func:`measured_from_trace` reads a run's ``trace.json`` (:mod:`rlhfc.runtime.trace`'s layout, read as
+:func:`measured_from_trace` reads a run's ``trace.json`` (:mod:`rlhfc.runtime.worker.trace`'s layout, read as
 plain JSON: the compiler does not import the runtime) and :func:`measured_from_metrics` its
 ``metrics.jsonl`` (``step_time_s``; per stage the driver's ``wait_s``, a stage's run time only where
 nothing overlapped it). :func:`compare` sets them beside the simulation of the run's own plan:

@@ -7,12 +7,13 @@ off vLLM."""
 
 from __future__ import annotations
 
+from rlhfc.contract.engines import DEFAULT_ROLLOUT, rollout_traits
 from rlhfc.ir import Module, plan
 
 
 def engine_notes(module: Module, cm) -> list[str]:
     """Notes for ``explain`` (none under ``rollout = torch``)."""
-    if module.run.rollout == "torch":
+    if module.run.rollout == DEFAULT_ROLLOUT:
         return []
     from rlhfc.cost.engine import unsupported
 
@@ -21,20 +22,24 @@ def engine_notes(module: Module, cm) -> list[str]:
     for s in gens:
         c = cm.stage_cost(s)
         engine = plan.stage_engine(module, s)
-        if engine == "vllm":
+        traits = rollout_traits(engine)
+        if traits.own_weights:
             refit = c.parts.get("refit")
             rates = "measured by the profile" if c.work.get("engine_source") == "profile" else \
-                "the catalog assumption (no vLLM measurement in the profile: run `rlhfc profile` with vLLM installed)"
+                (f"the catalog assumption (no {traits.title} measurement in the profile: run `rlhfc profile` with "
+                 f"{traits.title} installed)")
             extra = f", of which refit {refit * 1e3:.1f} ms ({c.work.get('refit_source')})" if refit else ""
             dp = c.layout.dp if c.layout is not None else 1
             ranks = f" on {dp} ranks, an engine each decoding its share of the {c.work['rows']:g} rows" \
                 if dp > 1 else ""
             share = c.work.get("gpu_memory_utilization")
             share = f"; its engine starts with gpu_memory_utilization = {share:g} of each GPU" if share else ""
-            notes.append(f"%{s.name} generates on vllm{ranks}: {c.time_s * 1e3:.1f} ms a step{extra}; "
-                         f"vLLM's rates: {rates}{share}")
+            notes.append(f"%{s.name} generates on {engine}{ranks}: {c.time_s * 1e3:.1f} ms a step{extra}; "
+                         f"{traits.title}'s rates: {rates}{share}")
         else:
-            notes.append(f"%{s.name} generates on torch (rlhfc's decode loop): {c.time_s * 1e3:.1f} ms a step")
+            notes.append(f"%{s.name} generates on {engine} (rlhfc's decode loop): {c.time_s * 1e3:.1f} ms a step"
+                         if engine == DEFAULT_ROLLOUT else f"%{s.name} generates on {engine}: {c.time_s * 1e3:.1f} "
+                         "ms a step (priced at the trainer's decoding rates)")
     if module.run.rollout != "auto":
         return notes
     from rlhfc.cost.engine import engine_prices
@@ -43,13 +48,14 @@ def engine_notes(module: Module, cm) -> list[str]:
     for name in dict.fromkeys(s.target for s in gens):
         mine = [s for s in gens if s.target == name]
         engine = plan.model_engine(module, name)
-        problem = plan.engine_problem(module, name, "vllm") or unsupported(cm.profile, module.models[name])
-        if problem is not None and engine == "torch":
-            notes.append(f"rollout = auto keeps @{name} on torch: {problem}")
+        other = plan.auto_engine()
+        problem = plan.engine_problem(module, name, other) or unsupported(cm.profile, module.models[name])
+        if problem is not None and engine == DEFAULT_ROLLOUT:
+            notes.append(f"rollout = auto keeps @{name} on {DEFAULT_ROLLOUT}: {problem}")
             continue
         prices = engine_prices(module, mine, cm.config)
         why = f" (the engine pass chose it before placement: {chosen[name].why})" if name in chosen else ""
         notes.append(f"rollout = auto runs @{name} on {engine}: at this plan its generate stages cost "
-                     f"{prices['vllm'] * 1e3:.1f} ms a step on vllm (refit included) vs {prices['torch'] * 1e3:.1f} ms "
-                     f"on torch{why}")
+                     f"{prices[other] * 1e3:.1f} ms a step on {other} (refit included) vs "
+                     f"{prices[DEFAULT_ROLLOUT] * 1e3:.1f} ms on {DEFAULT_ROLLOUT}{why}")
     return notes

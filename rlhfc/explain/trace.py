@@ -1,6 +1,6 @@
 """The predicted timeline (``--format trace``): the simulator's tasks as Chrome trace events.
 
-The layout is the measured timeline's (``rlhfc run --trace``, :mod:`rlhfc.runtime.trace`, described in
+The layout is the measured timeline's (``rlhfc run --trace``, :mod:`rlhfc.runtime.worker.trace`, described in
 ``docs/runtime.md``), so the two open side by side in Perfetto: ``pid 1`` the driver (``tid 1`` steps,
 ``tid 2`` driver-side stages), ``pid 2`` the syncs (a ``tid`` per ``sync`` stage), ``pid 10 + i`` the
 i-th worker of the plan (:func:`rlhfc.ir.plan.workers`, the order of ``plan.json``'s

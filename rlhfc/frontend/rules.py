@@ -83,7 +83,7 @@ def rollout_fields(module, graph, rollout) -> tuple[str, list[str]] | None:
     return data.name, [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else []
 
 
-#: the extractors rule(..., extract = ...) takes by name (rlhfc.runtime.answers.EXTRACTORS; a test keeps the
+#: the extractors rule(..., extract = ...) takes by name (rlhfc.runtime.data.answers.EXTRACTORS; a test keeps the
 #: two lists equal — the compiler imports no runtime code)
 EXTRACTORS = ("strip", "first_line", "last_line", "first_number", "last_number", "boxed")
 

@@ -1,6 +1,6 @@
 """LoRA adapters of a model (``model @actor {…, lora = {alpha = 16, rank = 8, targets = ["q_proj", "v_proj"]}}``):
 the modules each architecture lets adapters target, the adapter parameter count, and the check of the
-setting (the runtime side is :mod:`rlhfc.runtime.lora`, through peft)."""
+setting (the runtime side is :mod:`rlhfc.runtime.models.lora`, through peft)."""
 
 from __future__ import annotations
 

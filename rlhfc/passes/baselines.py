@@ -23,10 +23,13 @@ leaves out are in docs/benchmarks.md ("Baselines").
 
 from __future__ import annotations
 
+from rlhfc.cost import CostModel, memory_issues
+from rlhfc.cost.baselines import SYSTEMS
 from rlhfc.ir import Module, plan
 from rlhfc.ir.plan import Layout
 
 from .layouts import apply_fitting, set_meshes
+from .strategies import separate, work_per_model, work_shares
 
 #: annotations of passes the baseline systems do not have
 UNDONE = ("stream", "stream_from", "unpad", "logprobs")
@@ -42,8 +45,6 @@ def is_baseline(name: str | None) -> bool:
 
 def build(module: Module, name: str) -> Module:
     """Annotate ``module`` with the plan of baseline ``name`` (``dschat``, ``openrlhf``, ``verl``, ``nemo``)."""
-    from rlhfc.cost.baselines import SYSTEMS
-
     system = SYSTEMS[name]
     plan.set_strategy(module, f"baseline:{name}")
     for s in module.graph.stages:
@@ -68,7 +69,6 @@ def _kv_waves(module: Module) -> None:
     """Generation in as many waves as the KV cache needs (the fewest, up to 128, whose cache fits beside the
     weights and optimizer state the devices hold): static batches one after another, or the concurrency a
     paged KV cache (vLLM) admits."""
-    from rlhfc.cost import CostModel
     for gen in (s for s in _model_stages(module) if s.op == "generate"):
         cm = CostModel(module)
         lay = plan.stage_layout(module, gen)
@@ -92,8 +92,6 @@ def _model_stages(module: Module) -> list:
 def _micro_batches(module: Module) -> None:
     """Each forward and train stage with the fewest micro-batches (1..16) whose activations fit beside what
     its devices hold (every model's weights and optimizer state there)."""
-    from rlhfc.cost import CostModel
-
     for s in _model_stages(module):
         if s.op == "generate":
             continue
@@ -110,8 +108,6 @@ def _micro_batches(module: Module) -> None:
 def _generation_tp(module: Module, gen, count: int, resident: float) -> int:
     """The smallest tp (dividing the node, heads and kv heads) whose weight shard and one KV sequence fit
     beside ``resident`` bytes per device."""
-    from rlhfc.cost import CostModel
-
     cm = CostModel(module)
     m = module.models[gen.target]
     per = min(module.cluster.per_node, count)
@@ -133,8 +129,6 @@ def _zero3(module: Module, stages: list, first: int, count: int) -> None:
 
 def _resident(module: Module, devices: range, skip: str | None = None) -> float:
     """Weights and optimizer state per device of the models on ``devices`` under their current layouts."""
-    from rlhfc.cost import CostModel
-
     cm = CostModel(module)
     held: dict[str, float] = {}
     for s in _model_stages(module):
@@ -156,8 +150,6 @@ def _dschat(module: Module) -> None:
 
 
 def _openrlhf(module: Module) -> None:
-    from .placement import _shares, _work, separate
-
     n, per = module.cluster.num_devices, module.cluster.per_node
     gen_mesh = next((m for name, m in separate(module).items() if module.graph.stage(name).op == "generate"),
                     (0, n))
@@ -165,7 +157,7 @@ def _openrlhf(module: Module) -> None:
     stages = _model_stages(module)
     rest = module.clone()
     rest.cluster.nodes, rest.cluster.per_node = ((n - k) // per, per) if k % per == 0 and k else (1, n - k)
-    shares = _shares(rest, _work(rest)) if n - k > 1 else {m: (0, 1) for m in module.models}
+    shares = work_shares(rest, work_per_model(rest)) if n - k > 1 else {m: (0, 1) for m in module.models}
     for s in stages:
         if s.op == "generate":
             continue
@@ -182,8 +174,6 @@ def _openrlhf(module: Module) -> None:
 def _apply_fitting(module: Module, assign: dict) -> None:
     """:func:`~rlhfc.passes.layouts.apply`, its budgets tightened (as the placement pass does) until the plan fits, if
     it can."""
-    from rlhfc.cost import memory_issues
-
     apply_fitting(module, assign, lambda m: not memory_issues(m))
 
 
@@ -192,11 +182,9 @@ def _verl(module: Module) -> None:
 
 
 def _nemo(module: Module) -> None:
-    from .placement import _work
-
     n, per = module.cluster.num_devices, max(module.cluster.per_node, 1)
     stages = _model_stages(module)
-    work = _work(module)
+    work = work_per_model(module)
     actor = next((s.target for s in stages if s.op == "generate"), None)
     policy_side = {actor} | {m for m in module.models if m != actor and not module.models[m].trainable
                              and module.models[m].head == "lm"}

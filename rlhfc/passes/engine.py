@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhfc.contract.engines import DEFAULT_ROLLOUT, rollout_traits
 from rlhfc.ir import Module
 from rlhfc.ir import plan
 
@@ -57,28 +58,32 @@ def choose_engines(module: Module, downstream_names=(), config=None) -> list[Eng
     config = config or CostConfig()
     out = []
     models = list(dict.fromkeys(s.target for s in g.stages if s.op == "generate" and s.target in module.models))
+    other = plan.auto_engine()
+    title = rollout_traits(other).title
     for name in models:
         gens = [s for s in g.stages if s.op == "generate" and s.target == name]
-        problem = plan.engine_problem(module, name, "vllm") or unsupported(config.profile, module.models[name])
+        problem = plan.engine_problem(module, name, other) or unsupported(config.profile, module.models[name])
         if problem is not None:
-            out.append(EngineChoice(name, "torch", {}, 0.0, f"vLLM cannot run @{name} here: {problem}"))
+            out.append(EngineChoice(name, DEFAULT_ROLLOUT, {}, 0.0, f"{title} cannot run @{name} here: {problem}"))
             continue
         prices = engine_prices(module, gens, config)
         saved = 0.0
         if "reuse_logprobs" in downstream_names:   # torch's own sampling log-probs replace the trainer's forward
             cm = CostModel(module, config)
             saved = sum(cm.stage_cost(s).time_s for s in reusable_forwards(module, gens))
-        torch_s, vllm_s = prices["torch"] - saved, prices["vllm"]
-        engine = "vllm" if vllm_s < torch_s else "torch"
+        default_s, other_s = prices[DEFAULT_ROLLOUT] - saved, prices[other]
+        engine = other if other_s < default_s else DEFAULT_ROLLOUT
         credit = f" minus the {saved * 1e3:.1f} ms log-prob forward its sampling log-probs replace" if saved else ""
-        why = f"vllm {vllm_s * 1e3:.1f} ms (refit included) vs torch {prices['torch'] * 1e3:.1f} ms{credit}, per step"
-        if engine == "vllm" and not _engine_fits(module, gens, config):
-            engine, why = "torch", why + "; but the vLLM engine's weights copy and KV cache do not fit where torch's do"
+        why = (f"{other} {other_s * 1e3:.1f} ms (refit included) vs {DEFAULT_ROLLOUT} "
+               f"{prices[DEFAULT_ROLLOUT] * 1e3:.1f} ms{credit}, per step")
+        if engine != DEFAULT_ROLLOUT and not _engine_fits(module, gens, config, engine):
+            engine, why = DEFAULT_ROLLOUT, why + (f"; but the {title} engine's weights copy and KV cache do not fit "
+                                                  f"where {DEFAULT_ROLLOUT}'s do")
         out.append(EngineChoice(name, engine, prices, saved, why))
     return out
 
 
-def _engine_fits(module: Module, gens: list, config) -> bool:
+def _engine_fits(module: Module, gens: list, config, engine: str) -> bool:
     """Whether the plan still fits in memory with ``gens`` on vLLM, or did not fit on torch either (then the
     placement's memory check speaks, not this choice): :func:`rlhfc.cost.engine.engine_bytes`."""
     from dataclasses import replace
@@ -90,10 +95,10 @@ def _engine_fits(module: Module, gens: list, config) -> bool:
     trial = module.clone()
     for s in trial.graph.stages:
         if s.name in names:
-            s.annotations[plan.ENGINE_KEY] = "vllm"
+            s.annotations[plan.ENGINE_KEY] = engine
     if fits(trial, cost_model=CostModel(trial, replace(config, engine=None))):
         return True
-    return not fits(module, cost_model=CostModel(module, replace(config, engine="torch")))
+    return not fits(module, cost_model=CostModel(module, replace(config, engine=DEFAULT_ROLLOUT)))
 
 
 @register_pass
@@ -123,10 +128,10 @@ class Engine(Pass):
             raise error(f"engine: {exc}", None, "give a file `rlhfc profile` wrote, or no profile") from None
         choices = choose_engines(module, [p.name for p in downstream], CostConfig(profile=prof))
         for c in choices:
-            if c.engine == "vllm":
+            if c.engine != DEFAULT_ROLLOUT:
                 for s in module.graph.stages:
                     if s.op == "generate" and s.target == c.model:
-                        s.annotations[plan.ENGINE_KEY] = "vllm"
+                        s.annotations[plan.ENGINE_KEY] = c.engine
         module.engine_choices = choices   # not IR: what explain reports about the choice
         return module
 
@@ -146,7 +151,8 @@ def set_gpu_memory(module: Module, config=None) -> Module:
         s.annotations.pop(GPU_MEMORY_KEY, None)
     if module.cluster.device == "cpu":
         return module
-    gens = [s for s in module.graph.stages if s.op == "generate" and plan.stage_engine(module, s) == "vllm"]
+    gens = [s for s in module.graph.stages
+            if s.op == "generate" and rollout_traits(plan.stage_engine(module, s)).own_weights]
     if not gens:
         return module
     cm = CostModel(module, config or CostConfig())

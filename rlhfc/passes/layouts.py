@@ -12,28 +12,53 @@ there hold (their chosen layout's weights and optimizer state, or the least any 
 while not yet chosen), beside what its own model already holds there. No device's capacity is split per
 model or shrunk beyond that; ``squeeze`` (placement's retry when the simulated peak of stages running at
 the same time overflows) divides only that remaining headroom.
+
+:func:`place` places a plan as the ``placement`` pass emits it (its search prices every candidate that way):
+the layouts chosen until the devices' totals fit, and the earlier passes' decisions the plan takes back
+(:data:`STREAMS`, :data:`OLD_LOGPROBS`: plan keys that are never a stage's name).
 """
 
 from __future__ import annotations
 
+from rlhfc.cost import CostModel, candidate_layouts, evaluate, fits
 from rlhfc.ir import Module, plan
 from rlhfc.ir.plan import Layout
 
+from .reuse_logprobs import take_back
+
+#: a plan's key (never a stage name) whose value ``False`` says the plan runs without the ``stream`` pass's
+#: chunked generation (its ``stream``/``stream_from`` annotations taken back): the baseline systems' plans do
+#: not stream, and on some meshes streaming costs more than it overlaps, so the search prices both
+STREAMS = "(streams)"
+#: a plan's key whose value ``False`` says the plan recomputes the policy's old log-probs with a forward, as the
+#: program wrote it (``reuse_logprobs``' decision taken back: :func:`rlhfc.passes.reuse_logprobs.take_back`,
+#: the stages regrouped by the pipeline's ``parallelize``): the baseline systems recompute them, and on some
+#: clusters (2 CPU cores) the forward beside the others costs less than keeping them during generation
+OLD_LOGPROBS = "(sampled logprobs)"
+
 
 def runnable(module: Module, model, lay: Layout) -> bool:
-    """Whether the run's trainer can run ``model`` in ``lay``'s split: a fixed layout only as fixed; under
-    fsdp dp only; under megatron (or auto picking it) tp dividing heads, kv_heads, ffn and vocab, pp dividing
-    layers. ``torch`` runs one process whatever the split (the split only prices the plan)."""
+    """Whether the run's trainer can run ``model`` in ``lay``'s split: a fixed layout only as fixed; else the
+    backend's factors only (fsdp: dp), with tp dividing heads, kv_heads, ffn and vocab and pp dividing layers
+    (megatron, or auto picking it). A one-process backend (torch) runs whatever the split (it only prices the
+    plan)."""
     fixed = plan.fixed_layout(model)
     if fixed is not None:
         return (lay.dp, lay.tp, lay.pp) == (fixed.dp, fixed.tp, fixed.pp)
-    trainer = plan.resolve_trainer(module.run.trainer, plan.Parallel(lay.dp, lay.tp, lay.pp))
-    if trainer == "fsdp":
-        return lay.tp == 1 and lay.pp == 1
-    if trainer == "megatron":
-        return all(v % lay.tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab)) \
-            and model.layers % lay.pp == 0
-    return True
+    traits = plan.backend_traits(plan.resolve_trainer(module.run.trainer, plan.Parallel(lay.dp, lay.tp, lay.pp)))
+    if not traits.dims:
+        return True
+    return traits.runs(lay.dp, lay.tp, lay.pp) and model.layers % lay.pp == 0 \
+        and all(v % lay.tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
+
+
+def model_stages(module: Module) -> dict[str, list]:
+    """The stages of each model (the stages a plan places), by model in the order they first appear."""
+    out: dict[str, list] = {}
+    for s in module.graph.stages:
+        if s.target in module.models:
+            out.setdefault(s.target, []).append(s)
+    return out
 
 
 def mesh_of(value) -> tuple[int, int]:
@@ -75,6 +100,39 @@ def apply_fitting(module: Module, assign: dict, fits) -> None:
             return
 
 
+def place(module: Module, assign: dict, strategy: str, regroup=None) -> None:
+    """Annotate ``module`` with the plan ``assign`` (meshes, or pinned layouts, per stage; :data:`STREAMS`,
+    :data:`OLD_LOGPROBS`) as the pass emits it: each stage's layout (:func:`apply`), each stage's memory budget
+    tightened until the devices' totals fit, the strategy. ``regroup``: the pipeline's ``parallelize`` pass
+    (None if it has none), run again when the plan takes ``reuse_logprobs``' decision back."""
+    if assign.get(OLD_LOGPROBS) is False:
+        take_back(module)
+        if regroup is not None:
+            regroup.run(module)
+        assign = {**assign, **_restored_meshes(module, assign)}
+    if assign.get(STREAMS) is False:
+        for s in module.graph.stages:
+            plan.unset(s, "stream", "stream_from")
+    # each stage's memory budget tightened until the devices' totals fit
+    apply_fitting(module, assign, lambda m: m.cluster.device == "cpu" or fits(m))
+    plan.set_strategy(module, strategy)
+
+
+def _restored_meshes(module: Module, assign: dict) -> dict:
+    """A mesh for each model stage ``assign`` does not place (a forward :data:`OLD_LOGPROBS` restored): its
+    model's mesh for stages other than generation (as the search places a model's stages together)."""
+    out = {}
+    stages = [s for group in model_stages(module).values() for s in group]
+    for s in stages:
+        if s.name not in assign:
+            siblings = [mesh_of(assign[o.name]) for o in stages if o.target == s.target and o.name in assign]
+            others = [mesh_of(assign[o.name]) for o in stages if o.target == s.target and o.name in assign
+                      and o.op != "generate"]
+            if others or siblings:
+                out[s.name] = (others or siblings)[0]
+    return out
+
+
 class Picks:
     """What :func:`apply` chose for each stage it chose among candidates, and what decided it: the candidates
     in order of time, each one's peak and the devices' base (``need``, ``base``), so that another squeeze's
@@ -103,13 +161,11 @@ def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) 
     set_meshes(module, assign)
     if not layouts or module.cluster.device == "cpu":
         return Picks(0.0)
-    from rlhfc.cost import CostModel
-
     cm = CostModel(module)
     picks = Picks(cm.spec.memory)
     # a group of processes runs one split: beyond torch (one process), a model's stages on one mesh share
     # the split its train stage (else its first stage there) gets
-    one_split = module.run.trainer != "torch"
+    one_split = module.run.trainer == plan.AUTO or bool(plan.backend_traits(module.run.trainer).dims)
     stages = [s for s in sorted(module.graph.stages, key=lambda s: (not isinstance(assign.get(s.name), Layout),
                                                                    s.op != "train"))
               if s.name in assign and s.op.split(".")[0] in ("generate", "forward", "train")]
@@ -139,8 +195,8 @@ def apply(module: Module, assign: dict, layouts: bool = True, squeeze: int = 1) 
         base, need = held.need(s, r, idx)
         room = (cm.spec.memory - base) / squeeze
         order = sorted(idx, key=r["total"].tolist().__getitem__)
-        fits = [i for i in order if need[i] - base <= room]
-        pick = (fits or sorted(idx, key=lambda i: need[i]))[0]
+        fitting = [i for i in order if need[i] - base <= room]
+        pick = (fitting or sorted(idx, key=lambda i: need[i]))[0]
         picks.stages.append((order, need, base, idx, pick))
         plan.set_layout(s, c[pick])
         held.choose(s, *(float(r[k][pick]) for k in ("weights_bytes", "state_bytes", "transient_bytes")))
@@ -153,8 +209,6 @@ def layout_table(module: Module, cm, stage, first: int, count: int) -> tuple[lis
     run's trainer) and their prices (:func:`rlhfc.cost.evaluate`, arrays aligned with the list; None when there
     are none). Kept in ``cm``'s cache: a placement search asks again for every candidate plan that puts the
     stage there (inside ``shared_prices()`` the cache outlives the cost model)."""
-    from rlhfc.cost import candidate_layouts, evaluate
-
     key = ("layout-table", stage.name, first, count, repr(plan.recompute_decision(stage)))
     if key not in cm._cache:
         model = module.models[stage.target]

@@ -35,13 +35,14 @@ Exact: the copy holds bit-identical weights before it is used again.
 Under ``run { rollout = vllm }`` the generating worker's vLLM engine holds one more copy: the pass marks
 each generate stage of a trained model ``refit_mb = N`` (option ``refit_mb``), the bucket size in MiB in
 which that worker loads its new weights into the engine, in memory, before it generates with them
-(:meth:`rlhfc.runtime.vllm_engine.VllmEngine.refit`; each step's ``refit_s`` metric).
+(:meth:`rlhfc.runtime.rollout.vllm.VllmEngine.refit`; each step's ``refit_s`` metric).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, Stage, Value, ValueType
 from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_engine, stage_mesh, worker_ranks
 
@@ -95,7 +96,7 @@ class Realloc(Pass):
                 at += 1
         for s in g.stages:
             s.annotations.pop("refit_mb", None)
-            if s.op == "generate" and stage_engine(module, s) == "vllm" and \
+            if s.op == "generate" and rollout_traits(stage_engine(module, s)).own_weights and \
                     any(t.op == "train" and t.target == s.target for t in g.stages):
                 s.annotations["refit_mb"] = self.refit_mb
         module.refresh_versions()

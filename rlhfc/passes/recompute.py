@@ -15,7 +15,7 @@ traces the model's transformer block with ``torch.fx`` at the stage's micro-batc
 The decision is the stage's ``recompute`` annotation (:class:`rlhfc.ir.plan.Recompute`: the aten calls whose
 outputs are kept, bytes kept per block before → after, seconds added); ``none`` leaves no annotation. The cost
 model prices memory and time from those numbers, ``explain`` shows them, and the trainers apply them
-(:mod:`rlhfc.runtime.recompute`; megatron: ``full``/``selective``, the nearest its settings express). A block that
+(:mod:`rlhfc.runtime.models.recompute`; megatron: ``full``/``selective``, the nearest its settings express). A block that
 cannot be traced (an unsupported architecture, a model from a folder) gets a located warning and the coarse
 policy placement chose.
 
@@ -30,10 +30,19 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from rlhfc.ir import Module, plan
+from rlhfc.cost import CostModel, ProfileError, fits, load_profile
+from rlhfc.cost import formulas as F
+from rlhfc.cost.hardware import device_spec
+from rlhfc.cost.model import hw_numbers
+from rlhfc.cost.profile import model_key
+from rlhfc.cost.simulator import resident_bytes
+from rlhfc.ir import Module, error, plan
 from rlhfc.ir.plan import Recompute
 
+from . import recompute_choice as choice
 from .base import Pass, register_pass
+from .recompute_prices import measured_dispatch, measured_ops, spec_costs, with_measured_ops, with_replay_costs
+from .recompute_trace import trace_block
 
 POLICIES = ("auto", "none", "full", "selective", "budget")
 
@@ -57,8 +66,6 @@ class RecomputePass(Pass):
                              "budget=1000000})")
 
     def run(self, module: Module) -> Module:
-        from rlhfc.cost import fits
-
         rates = replay_spec(module, self.profile)
         trains = []
         for s in [s for s in module.graph.stages if s.op == "train" and s.target in module.models]:
@@ -94,10 +101,6 @@ def replay_spec(module: Module, profile: str):
     and checkpoint costs) when one is given for the cluster's device kind, else None (the cost model's)."""
     if not profile:
         return None
-    from rlhfc.cost import ProfileError
-    from rlhfc.cost.hardware import device_spec
-    from rlhfc.ir import error
-
     try:
         prof = _load_profile(profile, os.path.getmtime(profile) if os.path.exists(profile) else 0.0)
     except ProfileError as exc:
@@ -107,21 +110,12 @@ def replay_spec(module: Module, profile: str):
 
 @functools.lru_cache(maxsize=4)
 def _load_profile(path: str, mtime: float):   # the search runs this pass on every candidate: read the file once
-    from rlhfc.cost import load_profile
-
     return load_profile(path)
 
 
 def stage_trace(module: Module, stage, cm=None, rates=None):
     """(trace of the stage's block at its micro-batch shape, cost model, the stage's price inputs);
     ``rates``: the device spec to price ops at (:func:`replay_spec`; None: the cost model's)."""
-    from rlhfc.cost import CostModel
-    from rlhfc.cost.model import hw_numbers
-    from rlhfc.cost.profile import model_key
-
-    from .recompute_prices import measured_dispatch, measured_ops, spec_costs, with_measured_ops, with_replay_costs
-    from .recompute_trace import trace_block
-
     cm = cm or CostModel(module)
     model = module.models[stage.target]
     layout = cm.layout(stage)
@@ -155,8 +149,6 @@ def train_shapes(module: Module) -> dict[str, tuple[int, int]]:
     """``{model key: (rows, seq)}``: the micro-batch each trained, traceable model's block trains at under
     ``module``'s plan (what ``rlhfc profile`` measures the checkpoint's costs at; the first stage's where a model
     trains in several)."""
-    from rlhfc.cost.profile import model_key
-
     out: dict[str, tuple[int, int]] = {}
     for s in module.graph.stages:
         model = module.models.get(s.target)
@@ -172,9 +164,6 @@ def train_shapes(module: Module) -> dict[str, tuple[int, int]]:
 
 def block_budget(module: Module, stage, trace, cm, inp, recompute: bool) -> float:
     """Bytes one block may keep per micro-batch (its input aside) so that the stage fits its devices."""
-    from rlhfc.cost import formulas as F
-    from rlhfc.cost.simulator import resident_bytes
-
     n = module.cluster.nodes * module.cluster.per_node
     resident = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n, cm)
     layout = cm.layout(stage)
@@ -195,8 +184,6 @@ _WITHIN: dict[tuple[int, float], tuple] = {}
 
 def _within(trace, budget: float):
     """:func:`rlhfc.passes.recompute_choice.within`, memoised (it is pure)."""
-    from . import recompute_choice as choice
-
     key = (id(trace), budget)
     if key not in _WITHIN:
         if len(_WITHIN) > 4096:
@@ -209,8 +196,6 @@ def decide(module: Module, stage, policy: str, budget: float | None = None, sque
            rates=None) -> Recompute | None:
     """The decision for one train stage (None: leave the stage as it is); ``squeeze``: auto's budget is
     1/squeeze of what the stage's devices have left; ``rates``: :func:`replay_spec`."""
-    from . import recompute_choice as choice
-
     model = module.models[stage.target]
     if traceable(model) is not None:
         return None

@@ -1,6 +1,6 @@
 """Which activations of a block to keep: prices of the recompute policies, and the knapsack that picks one.
 
-The runtime recomputes through a selective checkpoint (:mod:`rlhfc.runtime.recompute`): the outputs of the
+The runtime recomputes through a selective checkpoint (:mod:`rlhfc.runtime.models.recompute`): the outputs of the
 ops in a *save set* S are kept; in backward the block's forward is replayed from its inputs — ops in S return
 their kept outputs, every other op runs again — until the last op whose backward keeps a tensor (the
 checkpoint's early stop). So, per block and micro-batch, with the ops ``o_1 .. o_n`` of a

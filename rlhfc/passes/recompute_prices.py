@@ -9,7 +9,7 @@ block's forward misses is:
   every time it runs — a recomputed s x s attention op pays it again in backward. The profile measures the
   cost per byte at 32 and 64 MiB (:func:`rlhfc.calibrate.recompute.measure_fresh_bytes`); an op pays ``bytes x`` the
   rate of the largest measured size not above its allocation (nothing below 32 MiB: the heap reuses those).
-  A CPU worker keeps freed memory (:mod:`rlhfc.runtime.allocator`) and the profile measures with the same
+  A CPU worker keeps freed memory (:mod:`rlhfc.runtime.worker.allocator`) and the profile measures with the same
   settings, so there the rate comes out near zero; with ``RLHFC_RETAIN_MEMORY=0`` it is glibc's;
 - **the checkpoint**: a checkpointed block costs ``ckpt_region_s`` beyond its replayed ops (a full
   checkpoint), and a selective one ``ckpt_op_s`` more per aten call its policy sees — every op of the forward

@@ -21,7 +21,7 @@ trace at that shape (:func:`fresh_trace`; a test compares them). On the aten-lev
   profile's, or rates fitted from a measured block forward: :func:`fit_kind_rates`).
 
 The node keys (``mm.default#3``: the 4th ``aten.mm`` call) are the names the runtime's selective checkpoint
-policy counts (:mod:`rlhfc.runtime.recompute`). :mod:`rlhfc.passes.recompute_choice` chooses from this.
+policy counts (:mod:`rlhfc.runtime.models.recompute`). :mod:`rlhfc.passes.recompute_choice` chooses from this.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from .trace_cache import RawOp, load, monomials, primes_above, save, value_at
+from .trace_cache import BUNDLED, RawOp, bundled_keys, load, monomials, primes_above, save, value_at
 
 #: tiny proxy shapes whose dimensions are all distinct: a captured block input's dims map back by size
 _PROXY = {"rows": 3, "seq": 7, "head_dim": 4, "heads": 2}
@@ -272,6 +272,14 @@ def traced(key: tuple) -> tuple[list[RawOp], tuple]:
     return _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn)
 
 
+def bundle(folder: str = BUNDLED) -> list[str]:
+    """Trace every :func:`~rlhfc.passes.trace_cache.bundled_keys` block under the installed torch and transformers
+    and write it to ``folder`` (the traces that ship with rlhfc; run with the versions ``constraints.txt`` pins:
+    ``python -m rlhfc.passes.recompute_trace``); returns the files written."""
+    written = (save(key, *traced(key), folder) for key in bundled_keys())
+    return [path for path in written if path is not None]
+
+
 def _raw_trace(arch, hidden, heads, kv_heads, ffn, vocab, rows, seq, dtype, attn) -> tuple[list[RawOp], tuple]:
     """The block's aten ops traced at ``rows x seq`` (see the module docstring) and the bytes autograd saves in
     all, sizes as sums of monomials in ``rows`` and ``seq`` (:class:`RawOp`: a true polynomial when those
@@ -427,3 +435,8 @@ def retime(trace: BlockTrace, seconds: dict[str, float]) -> BlockTrace:
 
     nodes = tuple(replace(n, seconds=float(seconds.get(n.key, n.seconds))) for n in trace.nodes)
     return replace(trace, nodes=nodes, forward_s=sum(n.seconds for n in nodes))
+
+
+if __name__ == "__main__":   # python -m rlhfc.passes.recompute_trace: write the shipped traces anew
+    for path in bundle():
+        print(path)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
@@ -55,7 +56,7 @@ class ReuseLogprobs(Pass):
             except KeyError:
                 continue
             temperature = float(s.attrs.get("temperature", 1.0))
-            if gen.op != "generate" or plan.stage_engine(module, gen) == "vllm":   # not the trainer's log-probs
+            if gen.op != "generate" or not rollout_traits(plan.stage_engine(module, gen)).trainer_numerics:
                 continue
             if gen.target != s.target or temperature <= 0 \
                     or float(gen.attrs.get("temperature", 1.0)) != temperature:
@@ -81,7 +82,7 @@ def reuses(module: Module) -> bool:
 def take_back(module: Module) -> Module:
     """The pass's decision taken back: each ``compute.sample_logprobs`` becomes the generating model's
     ``forward.logprobs`` over the rollout again (as the program wrote it) and the generate stage no longer
-    keeps its sampled log-probs. The placement search prices a plan this way too (:data:`rlhfc.passes.placement.
+    keeps its sampled log-probs. The placement search prices a plan this way too (:data:`rlhfc.passes.layouts.
     OLD_LOGPROBS`): the baseline systems recompute them, and where a forward beside the others costs less
     than the log-probs' bookkeeping during generation (on 2 CPU cores) the forward is faster."""
     g = module.graph

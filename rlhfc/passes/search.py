@@ -1,9 +1,9 @@
 """The placement search: a seeded walk over plans, each priced exactly as ``compile`` will emit it.
 
 One pricing path. A candidate plan is a mesh per model stage (``{stage: (first, count)}``), or a whole layout
-for a pinned stage, and :data:`~rlhfc.passes.placement.STREAMS` when it runs without streaming. To price it,
+for a pinned stage, and :data:`~rlhfc.passes.layouts.STREAMS` when it runs without streaming. To price it,
 :class:`PlanPricer` does what the compile does with it: a copy of the module before placement is placed
-(:func:`rlhfc.passes.placement.place`: each stage's fastest layout that fits, memory budgets tightened until the
+(:func:`rlhfc.passes.layouts.place`: each stage's fastest layout that fits, memory budgets tightened until the
 devices' totals fit), then the passes that follow ``placement`` in the running pipeline (``recompute``, ``realloc``
 at -O2) are run on it, and the result is simulated as ``rlhfc explain`` simulates a compiled job
 (:func:`rlhfc.cost.simulate`, 3 unrolled steps, the pass's cost configuration: catalog rates and its
@@ -13,22 +13,22 @@ fast because everything that does not change between candidates is computed once
 (:func:`rlhfc.cost.shared_prices`), weight-sync times, traced blocks.
 
 The walk (ReaL's Metropolis search): it starts from the best of the seeds — the strategies' plans (flatten,
-interleave, separate) and each baseline system's plan twice (its whole plan: meshes and layouts pinned, without
-streaming, as it runs; and its meshes with rlhfc's layouts), all priced under rlhfc's runtime terms — then, when
-the space of per-model meshes is small, prices every assignment; else it proposes a new mesh for one model (or
-for one model's generation alone), accepts it if faster, or with probability ``exp(-Δ/T)`` (``T`` = 5 % of the
-best price), restarts from the best plan at twice the temperature after ``PATIENCE`` proposals without
-improvement. On GPU clusters the last fifth of the budget goes to a layout search beyond each stage's greedy
-choice (:func:`_polish_layouts`: one stage pinned to another layout of its mesh, the others re-chosen around it;
-the plan with and without streaming); if it settles early the walk goes on. The search stops after
+interleave, separate: :mod:`rlhfc.passes.strategies`) and each baseline system's plan twice (its whole plan: meshes
+and layouts pinned, without streaming, as it runs; and its meshes with rlhfc's layouts), all priced under rlhfc's
+runtime terms — then, when the space of per-model meshes is small, prices every assignment; else it proposes a new
+mesh for one model (or for one model's generation alone), accepts it if faster, or with probability ``exp(-Δ/T)``
+(``T`` = 5 % of the best price), restarts from the best plan at twice the temperature after ``PATIENCE`` proposals
+without improvement. On GPU clusters the last fifth of the budget goes to a layout search beyond each stage's
+greedy choice (:func:`_polish_layouts`: one stage pinned to another layout of its mesh, the others re-chosen around
+it; the plan with and without streaming); if it settles early the walk goes on. The search stops after
 ``candidates`` distinct plans priced (or 20 times as many proposals, when the walk keeps revisiting plans it
-priced). Plans that overflow memory cost 3× (as ReaL), and the result is the fastest plan that fits — never
-slower than any seed, since those are candidates too, hence never slower than any strategy's plan or any
-baseline system's plan as that system runs it (its own slowness terms only add cost; a test checks it over the
-examples and a table of clusters). A plan whose weights and optimizer state alone overflow a device cannot be
-emitted by any pipeline (the passes after placement do not change them); the walk scores it by its placed
-price without running those passes. Seeded: the same program and seed give the same plan on any machine and
-load (the budget is counted in plans, not seconds).
+priced). Plans that overflow memory cost 3× (as ReaL), and the result is the fastest plan that fits — never slower
+than any seed, since those are candidates too, hence never slower than any strategy's plan or any baseline system's
+plan as that system runs it (its own slowness terms only add cost; a test checks it over the examples and a table
+of clusters). A plan whose weights and optimizer state alone overflow a device cannot be emitted by any pipeline
+(the passes after placement do not change them); the walk scores it by its placed price without running those
+passes. Seeded: the same program and seed give the same plan on any machine and load (the budget is counted in
+plans, not seconds).
 """
 
 from __future__ import annotations
@@ -43,8 +43,19 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from rlhfc.ir import CompileError, Module
+from rlhfc.cost import CostModel, shared_prices
+from rlhfc.cost.quick import search_price   # simulate's step time and memory check, no more
+from rlhfc.cost.simulator import resident_bytes
+from rlhfc.ir import CompileError, Module, plan
+from rlhfc.ir.plan import BASELINES
 
+from .baselines import build
+from .layouts import OLD_LOGPROBS, STREAMS, layout_table, mesh_of, model_stages, place, runnable
+from .reuse_logprobs import reuses
+from .strategies import fixed_sizes, flatten, interleave, respect_fixed, separate
+
+#: whether search may put a model's generation on other devices than its training (needs realloc)
+SPLIT_GENERATION = True
 #: proposals without improvement after which the walk restarts from the best plan at twice the temperature
 PATIENCE = 150
 #: the walk's starting temperature, as a fraction of the best strategy's price (ReaL: a few percent)
@@ -108,8 +119,6 @@ class PlanPricer:
         return self._downstream(self._placed(assign))
 
     def _placed(self, assign: dict) -> Module:
-        from .placement import place
-
         # the models, data sources and cluster are shared with the base module: no pass after placement
         # changes them (placement, recompute and realloc annotate and add stages), and copying 70B programs'
         # declarations for every candidate is most of a candidate's price otherwise
@@ -128,9 +137,6 @@ class PlanPricer:
         """(seconds per step, whether it fits in memory) of ``assign`` as compiled; cached per plan."""
         key = tuple(sorted(assign.items()))
         if key not in self.prices:
-            from rlhfc.cost import CostModel
-            from rlhfc.cost.quick import search_price   # simulate's step time and memory check, no more
-
             trial = self._placed(assign)
             cm = CostModel(trial, self.config)
             if not _resident_fits(trial, cm):
@@ -172,8 +178,6 @@ class _Snapshot:
 
 def _resident_fits(module: Module, cm) -> bool:
     """Whether what stays on every device for the whole run (weights, gradients and optimizer state) fits."""
-    from rlhfc.cost.simulator import resident_bytes
-
     n = module.cluster.nodes * module.cluster.per_node
     held = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n, cm)
     return all(sum(h.values()) <= cm.spec.memory for h in held)
@@ -200,32 +204,43 @@ def _fewer_collections():
         gc.set_threshold(*before)
 
 
+def candidate_meshes(n: int, per_node: int) -> list[tuple[int, int]]:
+    """The meshes the walk moves a model to: aligned power-of-two ranges (within a node, or whole nodes), and the
+    whole cluster."""
+    out = []
+    size = 1
+    while size <= n:
+        if size <= per_node or size % per_node == 0:
+            out += [(first, size) for first in range(0, n - size + 1, size)
+                    if plan.mesh_aligned(first, size, per_node)]
+        size *= 2
+    if (0, n) not in out:
+        out.append((0, n))
+    return out
+
+
 def search(module: Module, candidates: int, seed: int, downstream: list, config,
            upstream: list = ()) -> tuple[dict, SearchReport]:
     """The fastest plan that fits (else the best penalised one), and what the search did. ``upstream``: the
     passes that ran before placement (their ``parallelize`` regroups a plan that takes ``reuse_logprobs``'
     decision back; a ``stream`` given its ``chunk`` keeps its streaming)."""
-    from rlhfc.cost import shared_prices
-
-    from . import placement as P
-
     start = time.perf_counter()
     # built outside shared_prices(): a baseline-marked module is priced with that system's costs, which
     # must not enter the shared stage prices
     takeback = takeback_keys(module, upstream)
-    baselines = _baseline_meshes(module, P._model_stages(module), takeback)
+    baselines = _baseline_meshes(module, model_stages(module), takeback)
     with shared_prices(), _fewer_collections():
         pricer = PlanPricer(module, downstream, config,
                             regroup=next((p for p in upstream if p.name == "parallelize"), None))
-        by_model = P._model_stages(module)
-        seeds = {"flatten": P.flatten(module), "interleave": P.interleave(module)}
-        if P.SPLIT_GENERATION and module.cluster.num_devices > 1:
-            seeds["separate"] = P.separate(module)
+        by_model = model_stages(module)
+        seeds = {"flatten": flatten(module), "interleave": interleave(module)}
+        if SPLIT_GENERATION and module.cluster.num_devices > 1:
+            seeds["separate"] = separate(module)
         seeds.update(baselines)
-        seeds = {name: P.respect_fixed(module, a) for name, a in seeds.items()}
+        seeds = {name: respect_fixed(module, a) for name, a in seeds.items()}
         n = module.cluster.num_devices
-        fixed = P._fixed_sizes(module)
-        free = P._meshes(n, module.cluster.per_node)
+        fixed = fixed_sizes(module)
+        free = candidate_meshes(n, module.cluster.per_node)
         # a fixed-layout model moves only between meshes of its size (aligned to it)
         meshes_of = {m: [(f, fixed[m]) for f in range(0, n - fixed[m] + 1, fixed[m])] if m in fixed else free
                      for m in by_model}
@@ -238,7 +253,7 @@ def search(module: Module, candidates: int, seed: int, downstream: list, config,
             report.seeds[name] = pricer.price(a)[0]
         polish = candidates // POLISH_SHARE
         keys = [(m, False) for m in models]
-        if P.SPLIT_GENERATION:
+        if SPLIT_GENERATION:
             keys += [(m, True) for m in models if m not in fixed and any(s.op == "generate" for s in by_model[m])]
         if space <= EXHAUSTIVE:
             for combo in itertools.product(*(meshes_of[m] for m in models)):
@@ -266,13 +281,6 @@ def _baseline_meshes(module: Module, by_model: dict, keys: list) -> dict[str, di
     meshes with the layouts rlhfc picks on them. So the plan found is never slower than another system's plan
     run by rlhfc, nor than its placement compiled by rlhfc. A baseline layout the run's trainer cannot run
     (:func:`rlhfc.passes.layouts.runnable`) leaves that stage to rlhfc's choice on the same mesh."""
-    from rlhfc.ir import plan
-    from rlhfc.ir.plan import BASELINES
-
-    from . import placement as P
-    from .baselines import build
-    from .layouts import runnable
-
     out = {}
     undone = {k: False for k in keys}
     stages = [s for group in by_model.values() for s in group]
@@ -285,8 +293,8 @@ def _baseline_meshes(module: Module, by_model: dict, keys: list) -> dict[str, di
             if s.op.split(".")[0] in ("generate", "forward", "train") and \
                     runnable(module, module.models[s.target], lay):
                 whole[s.name] = lay
-        streams = {P.STREAMS: False} if P.STREAMS in keys else {}
-        if undone.get(P.OLD_LOGPROBS) is False:   # also with rlhfc's sampled log-probs (the system's plan else)
+        streams = {STREAMS: False} if STREAMS in keys else {}
+        if undone.get(OLD_LOGPROBS) is False:   # also with rlhfc's sampled log-probs (the system's plan else)
             out[f"baseline:{name}:sampled"] = {**whole, **streams}
         out[f"baseline:{name}"] = {**whole, **undone}
         out[f"baseline:{name}:meshes"] = meshes
@@ -295,13 +303,10 @@ def _baseline_meshes(module: Module, by_model: dict, keys: list) -> dict[str, di
 
 def takeback_keys(module: Module, upstream: list = ()) -> list[str]:
     """The earlier passes' decisions a plan may take back: ``stream``'s chunking
-    (:data:`~rlhfc.passes.placement.STREAMS`; not when the pipeline's ``stream`` was given its ``chunk``, the
-    user's choice) and ``reuse_logprobs``' sampled log-probs (:data:`~rlhfc.passes.placement.OLD_LOGPROBS`)."""
-    from . import placement as P
-    from .reuse_logprobs import reuses
-
+    (:data:`~rlhfc.passes.layouts.STREAMS`; not when the pipeline's ``stream`` was given its ``chunk``, the
+    user's choice) and ``reuse_logprobs``' sampled log-probs (:data:`~rlhfc.passes.layouts.OLD_LOGPROBS`)."""
     chosen = any(p.name == "stream" and getattr(p, "chunk", 0) for p in upstream)
-    return ([P.STREAMS] if _streams(module) and not chosen else []) + ([P.OLD_LOGPROBS] if reuses(module) else [])
+    return ([STREAMS] if _streams(module) and not chosen else []) + ([OLD_LOGPROBS] if reuses(module) else [])
 
 
 def _decisions(cur: dict, keys: list) -> list[dict]:
@@ -354,19 +359,13 @@ def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int, key
     memory lets the stages beside it take faster layouts); also the plan with the earlier passes' decisions
     ``keys`` taken back (without streaming; then with the old log-probs recomputed). First improvement is kept; sweeps repeat until one improves nothing or ``limit`` plans are
     priced. Only improvements are kept, so the result is never slower than the walk's."""
-    from rlhfc.cost import CostModel
-    from rlhfc.ir import plan
-
-    from . import placement as P
-    from .layouts import layout_table, mesh_of
-
     pricer = walk.pricer
     if walk.best_fit is None:
         return
     stages = [s for group in by_model.values() for s in group if s.op.split(".")[0] in ("generate", "forward", "train")
               and plan.fixed_layout(module.models[s.target]) is None]
     stages.sort(key=lambda s: (s.op != "train", s.op != "generate", s.name))
-    same_split = module.run.trainer != "torch"
+    same_split = module.run.trainer == plan.AUTO or bool(plan.backend_traits(module.run.trainer).dims)
     improved = True
     while improved and len(pricer.prices) < limit:
         improved = False
@@ -374,7 +373,7 @@ def _polish_layouts(walk: _Walk, module: Module, by_model: dict, limit: int, key
         placed = pricer._placed(cur)
         cm = CostModel(placed, pricer.config)
         moves = _decisions(cur, keys)
-        later = [m for m in moves if m.get(P.OLD_LOGPROBS) != cur.get(P.OLD_LOGPROBS)]
+        later = [m for m in moves if m.get(OLD_LOGPROBS) != cur.get(OLD_LOGPROBS)]
         moves = [m for m in moves if m not in later]
         for s in stages:
             first, count = mesh_of(cur[s.name])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlhfc.cost import CostModel
 from rlhfc.ir import CompileError, Module, where
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import Stream as StreamAttr
@@ -85,9 +86,7 @@ def auto_chunk(module: Module, gen, consumers) -> int:
 def forward_seconds(module: Module, stage, gen) -> float:
     """Predicted time of one forward stage over the whole rollout (the cost model, catalog rates). A
     cost-model failure is a compile error located at ``gen`` (the stage whose chunk size it decides)."""
-    from rlhfc.cost import CostModel  # catalog rates: the same build on every machine
-
-    try:
+    try:   # catalog rates: the same build on every machine
         seconds = float(CostModel(module).stage_cost(stage).time_s)
     except CompileError:
         raise

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhfc.cost import CostConfig, CostModel, ProfileError, load_profile
+from rlhfc.cost.threads import stage_speedup
 from rlhfc.ir import Module
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.schedule import stage_threads
@@ -48,9 +50,6 @@ class ThreadsPass(Pass):
             s.annotations.pop(KEY, None)
         if module.cluster.device != "cpu" or not self.profile:
             return module
-        from rlhfc.cost import CostConfig, CostModel, ProfileError, load_profile
-        from rlhfc.cost.threads import stage_speedup
-
         try:
             prof = load_profile(self.profile)
         except ProfileError as exc:

@@ -8,15 +8,22 @@ them nor traces again; ``RLHFC_TRACE_CACHE=0`` turns that off.
 
 Traces of the built-in size presets (:data:`rlhfc.ir.arch.PRESETS`, in bfloat16 with sdpa and eager attention:
 what a GPU cluster's plan traces) ship with rlhfc in ``rlhfc/passes/traces/``, made by ``python -m
-rlhfc.passes.trace_cache`` under the torch and transformers versions ``constraints.txt`` pins. They are read
-when the cache has no trace of the key and the installed versions are those (so the first compile on a machine
-of a program using the presets imports neither torch nor transformers); under other versions they are not used.
+rlhfc.passes.recompute_trace`` (:func:`rlhfc.passes.recompute_trace.bundle`) under the torch and transformers
+versions ``constraints.txt`` pins. They are read when the cache has no trace of the key and the installed versions
+are those (so the first compile on a machine of a program using the presets imports neither torch nor
+transformers); under other versions they are not used.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
+from importlib import metadata
+
+from rlhfc.cost.profile import cache_dir
+from rlhfc.ir.arch import PRESETS
 
 #: bump when what a cached trace holds changes (files of another format are ignored)
 FORMAT = 1
@@ -77,8 +84,6 @@ def monomials(values, rows: int, seq: int) -> tuple:
 
 def load(key: tuple):
     """The cached ``(ops, autograd)`` of the block ``key``, or None (no file, another format, unreadable)."""
-    import json
-
     path = _path(key)
     if path is not None and not os.path.exists(path):   # not traced on this machine: shipped with rlhfc?
         path = os.path.join(BUNDLED, os.path.basename(path))
@@ -96,14 +101,13 @@ def load(key: tuple):
         return None   # unreadable: traced again and written anew
 
 
-def save(key: tuple, ops: list, autograd: tuple, folder: str | None = None) -> None:
+def save(key: tuple, ops: list, autograd: tuple, folder: str | None = None) -> str | None:
     """Keep the trace of ``key`` on disk (written whole, then renamed: readers never see half a file); in
-    ``folder`` instead of the cache when given (:func:`bundle`)."""
-    import json
-
+    ``folder`` instead of the cache when given (:func:`rlhfc.passes.recompute_trace.bundle`). Returns the file
+    written (None when the cache is off or cannot be written)."""
     path = _path(key)
     if path is None:
-        return
+        return None
     if folder is not None:
         path = os.path.join(folder, os.path.basename(path))
     try:
@@ -115,7 +119,8 @@ def save(key: tuple, ops: list, autograd: tuple, folder: str | None = None) -> N
                                for o in ops]}, fh)
         os.replace(tmp, path)
     except OSError:
-        pass   # a read-only cache only costs the next process a trace
+        return None   # a read-only cache only costs the next process a trace
+    return path
 
 
 #: the traces shipped with rlhfc (see the module docstring)
@@ -124,29 +129,12 @@ BUNDLED = os.path.join(os.path.dirname(__file__), "traces")
 
 def bundled_keys() -> list[tuple]:
     """The keys of the traces that ship with rlhfc: every size preset, bfloat16, sdpa and eager attention."""
-    from rlhfc.ir.arch import PRESETS
-
     return [(arch, p["hidden"], p["heads"], p["kv_heads"], p["ffn"], p["vocab"], "bfloat16", attn)
             for arch, sizes in PRESETS.items() for p in sizes.values() for attn in ("sdpa", "eager")]
 
 
-def bundle(folder: str = BUNDLED) -> list[str]:
-    """Trace every :func:`bundled_keys` block under the installed torch and transformers and write it to
-    ``folder`` (what ships; run with the versions ``constraints.txt`` pins); returns the files written."""
-    from .recompute_trace import traced
-
-    os.makedirs(folder, exist_ok=True)
-    out = []
-    for key in bundled_keys():
-        save(key, *traced(key), folder)
-        out.append(os.path.join(folder, os.path.basename(_path(key))))
-    return out
-
-
 def _versions() -> tuple[str, str] | None:
     """The installed torch and transformers versions (None when either is missing)."""
-    from importlib import metadata
-
     try:
         return metadata.version("torch"), metadata.version("transformers")
     except metadata.PackageNotFoundError:
@@ -155,21 +143,11 @@ def _versions() -> tuple[str, str] | None:
 
 def _path(key: tuple) -> str | None:
     """Where the trace of ``key`` is kept on disk (None when the cache is off or the versions are unknown)."""
-    import hashlib
-
     if os.environ.get("RLHFC_TRACE_CACHE", "1") == "0":
         return None
-    from rlhfc.cost.profile import cache_dir
-
     versions = _versions()
     if versions is None:
         return None
     name = "-".join(map(str, (*key, *versions, FORMAT)))
     return os.path.join(cache_dir(), "traces", hashlib.sha1(name.encode()).hexdigest()[:20] + ".json")
 
-
-
-
-if __name__ == "__main__":   # python -m rlhfc.passes.trace_cache: write the shipped traces anew
-    for written in bundle():
-        print(written)

@@ -4,34 +4,50 @@ The runtime imports no compiler code (``rlhfc.frontend``, ``ir``, ``passes``,
 ``cost``, ``codegen``, ``explain``, ``cli``): a job runs with only this package and
 ``rlhfc.contract`` (the typed ``plan.json``, the engine registries, the shared rules) installed.
 
-Modules:
+Sub-packages, by concept; each imports only those listed before it (tests/test_layers.py checks it):
 
-* ``models``     build a policy / value / score model from a dict spec; weights in/out.
-* ``tokenizer``  the built-in character tokenizer and a Hugging Face wrapper.
-* ``generation`` KV-cached sampling (plain and streaming) and rollout forwards.
-* ``rollout``    the rollout-engine interface a worker decodes through, and the torch decoder behind it
-                 (``vllm_engine``: the vLLM engine); built from the registry of ``rlhfc.contract.engines``.
-* ``ppo``        KL, rewards, GAE, whitening, PPO/value losses, GRPO/RLOO, train loop.
-* ``data``       prompt sources (synthetic task, JSONL) with a checkpointable cursor.
-* ``rewards``    rule rewards ``fn(prompt, response) -> float`` and their resolver.
+* ``models``   a model as a worker holds it: built from a spec, LoRA, precision, recomputation, megatron-core.
+* ``rollout``  generation: the rollout-engine interface, the torch decoder and vLLM, the rollout forwards.
+* ``data``     prompt sources, tokenizers, the runtime values of the IR's types, answer extraction.
+* ``rl``       the RL math: masked reductions, KL, advantages, losses; the algorithm family; guards; refill.
+* ``train``    the minibatch training loop and length-grouped packing.
+* ``worker``   the Ray actors hosting a model, one module per train backend (``base`` torch, ``fsdp``,
+               ``megatron``), the stage-call decorator, traces, collective transfers.
+* ``driver``   around the step loop: cluster start-up, worker groups, weight transfers, checkpoints,
+               metrics, samples, Ray hygiene, export.
 
-Running a compiled job (imported by the generated ``main.py``, not re-exported here):
+Modules at the top, what compiled jobs and programs name directly:
 
-* ``job``        the driver (``Job``: what ``step`` calls; the loop; ``main``).
-* ``cluster``    Ray start-up, placement group, worker creation (each group's class from its train backend's
-                 registration: ``worker`` torch, ``parallel`` FSDP2, ``megatron`` megatron-core).
-* ``group``      ``WorkerGroup``, the handle ``w.<worker>`` (one rank today).
-* ``worker``     ``ModelWorker``, the Ray actor hosting one model.
-* ``checkpoint`` atomic save / resume; ``metrics``: metrics.jsonl, TensorBoard, progress.
-* ``samples``    samples.jsonl and TensorBoard text: a few samples per step.
-* ``precision``  bf16 autocast of forwards (``run { precision = bf16 }``).
-* ``compute``    driver-side stages (GAE, losses, ...).
+* ``job``      the driver the generated ``main.py`` calls (``Job``: what ``step`` calls; the loop; ``main``).
+* ``compute``  the driver-side stages the generated ``main.py`` calls (GAE, losses, ...).
+* ``rewards``  rule rewards ``fn(prompt, response) -> float`` (``rule("rlhfc.runtime.rewards:fn")``) and
+               their resolver.
+* ``errors``   ``JobError``, the one error type of a running job.
 
-Reading a run folder (``rlhfc export``): ``export``, a checkpoint's model as a Hugging Face folder.
+Below, the names a user's own code most often needs, re-exported.
 """
 
-from .data import JsonlPrompts, PromptSource, SyntheticPrompts, prompt_source_from_spec, repeat_each
-from .generation import (
+from rlhfc.runtime.data.prompts import (
+    JsonlPrompts,
+    PromptSource,
+    SyntheticPrompts,
+    prompt_source_from_spec,
+    repeat_each,
+)
+from rlhfc.runtime.data.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
+from rlhfc.runtime.models.build import (
+    PolicyModel,
+    ScoreModel,
+    ValueModel,
+    build_model,
+    copy_weights,
+    get_weights,
+    load_weights,
+    normalize_spec,
+    save_weights,
+    set_weights,
+)
+from rlhfc.runtime.rollout.generation import (
     FinishedSample,
     RolloutBatch,
     collate,
@@ -47,20 +63,8 @@ from .generation import (
     response_values,
     sequence_scores,
 )
-from .models import (
-    PolicyModel,
-    ScoreModel,
-    ValueModel,
-    build_model,
-    copy_weights,
-    get_weights,
-    load_weights,
-    normalize_spec,
-    save_weights,
-    set_weights,
-)
+
 from .rewards import resolve_rule, rule_scores
-from .tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "JsonlPrompts",

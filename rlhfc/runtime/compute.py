@@ -3,7 +3,7 @@
 Each function takes the runtime values of its IR operands, in operand order,
 and the op's attributes as keywords; names match the IR ops. Rewards, scores,
 values, advantages and returns are checked where they enter or leave a stage: a
-NaN or infinity raises :class:`~rlhfc.runtime.guards.NonFiniteError` naming the
+NaN or infinity raises :class:`~rlhfc.runtime.rl.guards.NonFiniteError` naming the
 value and the sample, which the driver reports as the stage's error.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from rlhfc.contract.engines import rollout_traits
+from rlhfc.runtime.data.values import PolicyLossInput, Rollout, TokenValues, ValueLossInput, select_rows
+from rlhfc.runtime.rl import algorithms, ppo
+from rlhfc.runtime.rl.guards import check_finite
 
-from . import algorithms, ppo
-from .guards import check_finite
 from .rewards import resolve_rule, rule_scores
-from .values import PolicyLossInput, Rollout, TokenValues, ValueLossInput, select_rows
 
 
 def sample_logprobs(rollout: Rollout, *, temperature: float) -> TokenValues:
@@ -69,7 +69,7 @@ def group_advantages(rollout: Rollout, scores: torch.Tensor, logp: TokenValues |
                      max_refill: int = 0) -> TokenValues:
     """GRPO / RLOO / REINFORCE++ advantages over groups of ``group`` samples of one prompt, on every response
     token; ``filter_groups``: mark the groups whose scores are all equal as left out (``TokenValues.keep``).
-    ``max_refill``: read by the driver, which repeats the sampling round (rlhfc.runtime.refill), not here."""
+    ``max_refill``: read by the driver, which repeats the sampling round (rlhfc.runtime.rl.refill), not here."""
     check_finite(scores, "a score", prompts=rollout.prompts)
     if method.startswith("reinforce_pp"):
         adv = algorithms.reinforce_pp_advantages(
@@ -122,7 +122,7 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
     advantages leave out (``keep``: dynamic sampling) are dropped here, so the loss averages over the rest.
 
     When the rollout carries its engine's log-probs (``rollout = vllm``) the stats report how far they are
-    from the trainer's ``logp`` (:func:`rlhfc.runtime.algorithms.rollout_logprob_gap`) and, with ``tis_cap``,
+    from the trainer's ``logp`` (:func:`rlhfc.runtime.rl.algorithms.rollout_logprob_gap`) and, with ``tis_cap``,
     the advantages are weighted by the truncated importance ratio min(exp(logp - rollout logp), tis_cap) —
     the same loss as weighting each token's clipped surrogate by it, since the weight is positive and
     carries no gradient."""
@@ -131,7 +131,7 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
     if advantages.keep is not None:
         keep = advantages.keep.cpu()
         stats = {"dropped_groups": float(advantages.dropped_groups), "kept_samples": float(keep.sum())}
-        if advantages.sample_rounds:   # refilled (rlhfc.runtime.refill)
+        if advantages.sample_rounds:   # refilled (rlhfc.runtime.rl.refill)
             stats.update(sample_rounds=float(advantages.sample_rounds),
                          sampled_groups=float(advantages.sampled_groups))
         index = keep.nonzero().flatten()
@@ -139,7 +139,7 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
         old, adv = old[index.to(old.device)], adv[index.to(adv.device)]
         ref = ref[index.to(ref.device)] if ref is not None else None
     if rollout.logprobs is not None and not rollout_traits(rollout.rollout_engine).trainer_numerics:
-        from .algorithms import rollout_logprob_gap
+        from rlhfc.runtime.rl.algorithms import rollout_logprob_gap
 
         weight, gap = rollout_logprob_gap(old, rollout.logprobs.to(old.device), rollout.mask.to(old.device), tis_cap)
         stats.update(gap)

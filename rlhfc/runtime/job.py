@@ -11,7 +11,7 @@ The runtime around one job, by concern:
                   loop; :func:`run_job` and :func:`main`.
 * ``transfers``   ``sync`` and ``reshard`` (weights between and within worker groups), mixed into :class:`Job`.
 * ``cluster``     start or connect to Ray, reserve the placement group, create the workers.
-* ``group``       :class:`~rlhfc.runtime.group.WorkerGroup`, the handle ``w.<worker>`` (one rank today).
+* ``group``       :class:`~rlhfc.runtime.driver.group.WorkerGroup`, the handle ``w.<worker>`` (one rank today).
 * ``checkpoint``  save / resume / latest, written atomically.
 * ``metrics``     ``metrics.jsonl``, TensorBoard, the progress line and the end-of-run summary.
 
@@ -44,20 +44,21 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from . import checkpoint, rewards
 from rlhfc.contract.plan import Plan, PlanFormatError, load_plan
 from rlhfc.contract.plugins import PluginError, import_plugin
+from rlhfc.runtime.data.prompts import PromptSource, prompt_source_from_spec
+from rlhfc.runtime.driver import checkpoint
+from rlhfc.runtime.driver.cluster import Cluster
+from rlhfc.runtime.driver.cluster import import_ray as _ray
+from rlhfc.runtime.driver.group import WorkerGroup
+from rlhfc.runtime.driver.metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
+from rlhfc.runtime.driver.samples import SampleLog
+from rlhfc.runtime.driver.transfers import WeightTransfers
+from rlhfc.runtime.worker.trace import Timeline
 
-from .cluster import Cluster
-from .cluster import import_ray as _ray
-from .data import PromptSource, prompt_source_from_spec
+from . import rewards
 from .errors import JobError
 from .errors import out_of_memory as _out_of_memory
-from .group import WorkerGroup
-from .metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
-from .samples import SampleLog
-from .trace import Timeline
-from .transfers import WeightTransfers
 
 __all__ = ["Interrupted", "Job", "JobError", "WorkerGroup", "main", "run_job", "summarize"]
 
@@ -157,8 +158,8 @@ class Job(WeightTransfers):
         return {k: (self.get(self._stage_of(k), v) if isinstance(v, ray.ObjectRef) else v) for k, v in values.items()}
 
     def refill(self, stage: str, round_fn: Callable, w, *, groups: int, group: int, max_rounds: int) -> list[Any]:
-        """Dynamic sampling: run ``round_fn(job, w)`` until ``groups`` groups of unequal scores (rlhfc.runtime.refill)."""
-        from .refill import refill
+        """Dynamic sampling: run ``round_fn(job, w)`` until ``groups`` groups of unequal scores (rlhfc.runtime.rl.refill)."""
+        from rlhfc.runtime.rl.refill import refill
 
         out = refill(lambda: self.resolve(round_fn(self, w)), stage, groups=groups, group=group, max_rounds=max_rounds)
         return list(out.values())
@@ -178,7 +179,7 @@ class Job(WeightTransfers):
         ``data``, trains on the first ``batch`` samples to finish and carries the rest to the next step.
         """
         ray = _ray()
-        from .values import CarryOver, merge_parts, merge_rollouts
+        from rlhfc.runtime.data.values import CarryOver, merge_parts, merge_rollouts
 
         consumers = consumers or {}
         carry: list[dict] = []
@@ -432,7 +433,7 @@ def run_job(job_dir: str, step_fn: Callable | None = None, *, steps: int | None 
 
     Ctrl-C raises :class:`Interrupted` (after Ray is shut down) saying how to resume:
     ``resume_command``, by default ``python JOB/main.py --resume --out OUT``. ``trace``: write the measured
-    timeline, ``OUT/trace.json`` (:mod:`rlhfc.runtime.trace`)."""
+    timeline, ``OUT/trace.json`` (:mod:`rlhfc.runtime.worker.trace`)."""
     if step_fn is None:
         import importlib.util
 

@@ -35,7 +35,7 @@ How a rule is called: once per sample as ``fn(prompt, response, **fields)`` with
 signature names (a parameter ``answer`` receives the sample's field ``answer``; ``**kw`` receives them all);
 or, when its first two parameters are named ``prompts, responses``, once per batch with lists (each field a
 list too), returning one number per sample. ``extract`` replaces each response by its extracted answer
-(:mod:`rlhfc.runtime.answers`) before the call.
+(:mod:`rlhfc.runtime.data.answers`) before the call.
 
 Responses are the decoded texts (special tokens such as EOS removed).
 """
@@ -54,8 +54,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .answers import extract_answer, parse_number
-from .guards import NonFiniteError, RewardError, check_finite, short
+from rlhfc.runtime.data.answers import extract_answer, parse_number
+from rlhfc.runtime.rl.guards import NonFiniteError, RewardError, check_finite, short
 
 __all__ = [
     "vowel_count",
@@ -259,7 +259,7 @@ def rule_scores(fn: RuleFn, prompts: Sequence[str], responses: Sequence[str], na
     """``fn`` applied to each sample -> float32 tensor [B] (on CPU): ``fn(prompt, response, **its fields)``,
     or one call with lists when ``fn`` is batched (:func:`is_batched`). ``fields``: per sample its data
     fields (the rule gets those its signature names); ``extract``: how the answer is cut out of each response
-    first (:mod:`rlhfc.runtime.answers`). A call that raises or returns something other than a finite number
+    first (:mod:`rlhfc.runtime.data.answers`). A call that raises or returns something other than a finite number
     stops with a :class:`RewardError` / :class:`NonFiniteError` naming the function (``name``), the sample
     index and its prompt."""
     if len(prompts) != len(responses):

@@ -130,7 +130,7 @@ def test_the_engine_is_started_with_the_plans_share_on_cuda(tmp_path, monkeypatc
 
     import torch
 
-    from rlhfc.runtime.vllm_engine import VllmEngine
+    from rlhfc.runtime.rollout.vllm import VllmEngine
 
     import tempfile
 

@@ -137,8 +137,8 @@ def test_html_renders_in_a_headless_browser(tmp_path, capsys):
 def test_trace_is_the_predicted_timeline_in_the_measured_layout(capsys, tmp_path):
     """--format trace: valid Chrome trace JSON with the driver's steps, a track per worker of the plan (as
     plan.json orders them) and per sync stage, one span per simulated task (one per chunk where it streams),
-    with rows and tokens; the track numbers are the runtime's (rlhfc.runtime.trace)."""
-    from rlhfc.runtime import trace as measured
+    with rows and tokens; the track numbers are the runtime's (rlhfc.runtime.worker.trace)."""
+    from rlhfc.runtime.worker import trace as measured
     from rlhfc.explain import trace as predicted
 
     assert (predicted.DRIVER_PID, predicted.SYNC_PID, predicted.WORKER_PID0, predicted.STEPS_TID,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rlhfc.cost.lengths import PromptLengths, geometric, packed_tokens
-from rlhfc.runtime.packing import GROUP_COST_TOKENS, length_groups
+from rlhfc.runtime.train.packing import GROUP_COST_TOKENS, length_groups
 
 
 def _sample(dist, rng, n):

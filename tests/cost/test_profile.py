@@ -106,7 +106,7 @@ def test_profile_command_measures_and_explain_uses_it(tmp_path, capsys):
     assert prof.host["matmul_flops_1"] > 1e8 and prof.host["thread_speedup"][0] == 1.0
     rc = prof.host["recompute"]              # what a recompute pays beyond its ops: measured, not assumed
     assert [int(n) for n, _ in rc["fresh_s_per_byte"]] == [2 ** 25]
-    # measured as a CPU worker runs: with the allocator keeping freed memory (rlhfc.runtime.allocator), where a
+    # measured as a CPU worker runs: with the allocator keeping freed memory (rlhfc.runtime.worker.allocator), where a
     # fresh 32 MiB output costs next to nothing beyond writing it (glibc's default: ~0.3 ns a byte of faults)
     assert prof.host["allocator"] == "retain" and rc["fresh_s_per_byte"][0][1] < 1e-10
     assert rc["ckpt_op_s"] > 0 and rc["ckpt_region_s"] >= 0 and all(r >= 0 for _, r in rc["fresh_s_per_byte"])

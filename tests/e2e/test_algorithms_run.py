@@ -10,8 +10,8 @@ import pytest
 
 from rlhfc.codegen import emit_job
 from rlhfc.frontend import load_file
-from rlhfc.runtime.algorithms import lr_factor
 from rlhfc.runtime.job import run_job
+from rlhfc.runtime.rl.algorithms import lr_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRAM = os.path.join(ROOT, "examples", "dapo_tiny.rlhf")

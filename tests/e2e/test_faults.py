@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfc.cli import main as cli
-from rlhfc.runtime import checkpoint
-from rlhfc.runtime import cluster as cluster_mod
+from rlhfc.runtime.driver import checkpoint
+from rlhfc.runtime.driver import cluster as cluster_mod
 from rlhfc.runtime.job import JobError, run_job
 
 from .conftest import untimed as _strip
@@ -143,7 +143,8 @@ def test_each_kind_of_worker_killed_then_resumed_matches_the_uninterrupted_run(j
 # -- the driver SIGKILLed while it writes a metrics line -----------------------------------------------
 DRIVER = textwrap.dedent('''
     import json, os, signal, sys
-    from rlhfc.runtime import job, metrics
+    from rlhfc.runtime import job
+    from rlhfc.runtime.driver import metrics
 
     write = metrics.MetricsLog.write
 

@@ -14,8 +14,8 @@ import pytest
 
 import rlhfc
 from rlhfc.cli import main as cli
-from rlhfc.runtime import cluster as cluster_mod
-from rlhfc.runtime.hygiene import code_identity, remove_ray_temp
+from rlhfc.runtime.driver import cluster as cluster_mod
+from rlhfc.runtime.driver.hygiene import code_identity, remove_ray_temp
 from rlhfc.runtime.job import Interrupted, JobError, run_job
 
 HERE = Path(__file__).resolve().parent

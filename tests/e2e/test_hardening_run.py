@@ -19,9 +19,9 @@ import pytest
 import rlhfc
 from rlhfc.cli import main as cli
 from rlhfc.contract.plan import Plan, load_plan
-from rlhfc.runtime import checkpoint
+from rlhfc.runtime.driver import checkpoint
+from rlhfc.runtime.driver.metrics import MetricsLog
 from rlhfc.runtime.job import JobError, run_job
-from rlhfc.runtime.metrics import MetricsLog
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

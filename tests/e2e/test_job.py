@@ -71,7 +71,7 @@ def test_export_of_the_trained_policy_gives_its_logprobs_and_plot_draws_the_run(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhfc.runtime.models import build_model, load_weights
+    from rlhfc.runtime.models.build import build_model, load_weights
 
     job_dir, out = full_run
     assert cli(["export", out, "--job", job_dir, "-o", str(tmp_path / "hf")]) == 0

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from rlhfc.cli import main as cli
-from rlhfc.runtime import checkpoint
-from rlhfc.runtime.data import SyntheticPrompts
+from rlhfc.runtime.data.prompts import SyntheticPrompts
+from rlhfc.runtime.driver import checkpoint
 
 HERE = Path(__file__).resolve().parent
 

@@ -9,7 +9,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import pytest
 import torch
 
-from rlhfc.runtime.models import build_model
+from rlhfc.runtime.models.build import build_model
 
 ARCHS = ("llama", "gpt2")
 

@@ -1,4 +1,4 @@
-"""The algorithm family (rlhfc.runtime.algorithms): each formula against a hand computation on fixed tensors."""
+"""The algorithm family (rlhfc.runtime.rl.algorithms): each formula against a hand computation on fixed tensors."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import statistics
 import pytest
 import torch
 
-from rlhfc.runtime import algorithms, compute, ppo
-from rlhfc.runtime.generation import RolloutBatch
-from rlhfc.runtime.values import Rollout, TokenValues
+from rlhfc.runtime import compute
+from rlhfc.runtime.data.values import Rollout, TokenValues
+from rlhfc.runtime.rl import algorithms, ppo
+from rlhfc.runtime.rollout.generation import RolloutBatch
+from rlhfc.runtime.train import loop
 
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
 
@@ -161,7 +163,7 @@ def test_sequence_loss_units_weigh_pieces_by_rows():
 def test_lr_schedule_reaches_the_optimizer_and_resumes_exactly(make_spec, tmp_path):
     """A worker's train uses lr × the schedule at its train step, reports it as ``lr``, and a worker loaded
     from a checkpoint continues the same lr sequence and the same weights."""
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     spec = make_spec("gpt2", vocab=32)
     sched = dict(lr=1e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0, lr_schedule="cosine",
@@ -204,7 +206,7 @@ def test_data_parallel_shares_weigh_a_sequence_mean_by_rows(loss_agg):
         model = torch.nn.Module()
         model.w = torch.nn.Parameter(torch.tensor(0.5))
         batch = {"x": torch.ones(4, 4), "y": target, "response_mask": mask, "loss_agg": loss_agg}
-        ppo.train_epochs(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, loss_fn, max_grad_norm=None,
+        loop.train_epochs(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, loss_fn, max_grad_norm=None,
                          generator=torch.Generator().manual_seed(0), shard=shard)
         return float(model.w.detach()) - 0.5
 
@@ -217,11 +219,11 @@ def test_truncated_importance_weights_scale_the_clipped_loss():
     """ppo_clip(tis_cap = C) under rollout = vllm: the advantages carry w = min(exp(logp - rollout_logp), C),
     which gives the loss of weighting each token's clipped surrogate by w (Yao et al. 2025); the gap between
     the engine's and the trainer's log-probs is reported over response tokens only."""
-    from rlhfc.runtime.algorithms import rollout_logprob_gap
     from rlhfc.runtime.compute import ppo_clip
-    from rlhfc.runtime.generation import RolloutBatch
-    from rlhfc.runtime.ppo import policy_loss
-    from rlhfc.runtime.values import Rollout, TokenValues
+    from rlhfc.runtime.data.values import Rollout, TokenValues
+    from rlhfc.runtime.rl.algorithms import rollout_logprob_gap
+    from rlhfc.runtime.rl.ppo import policy_loss
+    from rlhfc.runtime.rollout.generation import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])

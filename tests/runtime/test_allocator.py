@@ -1,4 +1,4 @@
-"""A CPU worker keeps the memory a step frees (rlhfc.runtime.allocator): a step's large activations stop faulting
+"""A CPU worker keeps the memory a step frees (rlhfc.runtime.worker.allocator): a step's large activations stop faulting
 their pages in again every step. Measured in fresh processes, so the settings of this one do not matter."""
 
 import json
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or os.confs
 LOOP = """
 import json, resource, sys
 import torch
-from rlhfc.runtime.allocator import retain_freed_memory, retaining
+from rlhfc.runtime.worker.allocator import retain_freed_memory, retaining
 on = retain_freed_memory() if sys.argv[1] == "call" else False
 for _ in range(4):                       # the heap grows to hold it (two rounds here)
     torch.ones(16 << 20)
@@ -53,8 +53,8 @@ def test_the_opt_out_keeps_glibcs_defaults():
 def test_a_cpu_worker_takes_the_settings():
     code = """
 import json
-from rlhfc.runtime.allocator import retaining
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.worker.allocator import retaining
+from rlhfc.runtime.worker.base import ModelWorker
 before = retaining()
 ModelWorker("m", dict(arch="llama", layers=1, hidden=32, heads=2, vocab=32, max_seq=32), {"kind": "random"}, seed=0)
 print(json.dumps([before, retaining()]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfc.runtime import ppo
+from rlhfc.runtime.rl import ppo
 
 
 def test_value_clipfrac_is_zero_when_no_value_moved_past_the_clip_range():

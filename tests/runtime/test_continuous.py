@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfc.runtime.decoding import FinishedSample, PartialSample, generate_stream
-from rlhfc.runtime.models import build_model
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.rollout.decoding import FinishedSample, PartialSample, generate_stream
 
 PROMPTS = [[1] + [3 + (i * 7) % 9] * (1 + i % 5) for i in range(14)]
 
@@ -84,7 +84,7 @@ def test_a_generation_planned_in_micro_batches_runs_with_slots(make_spec, tmp_pa
 
     from rlhfc.codegen.emitter import PythonEmitter
     from rlhfc.frontend import load_file
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
     m, _, _ = load_file(str(examples / "ppo_tiny.rlhf"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhfc.runtime import rewards
-from rlhfc.runtime.data import JsonlPrompts, SyntheticPrompts, prompt_source_from_spec, repeat_each
+from rlhfc.runtime.data.prompts import JsonlPrompts, SyntheticPrompts, prompt_source_from_spec, repeat_each
 
 
 def test_synthetic_prompts_are_deterministic_lowercase_and_in_range():

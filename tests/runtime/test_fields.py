@@ -11,12 +11,12 @@ import torch
 
 from rlhfc.frontend.rules import EXTRACTORS as CHECKED_EXTRACTORS
 from rlhfc.runtime import rewards
-from rlhfc.runtime.answers import EXTRACTORS, extract_answer, extract_problem, parse_number
-from rlhfc.runtime.data import DataError, JsonlPrompts, prompt_parts, prompt_source_from_spec, truncate_text
-from rlhfc.runtime.guards import RewardError
-from rlhfc.runtime.tokenizer import CharTokenizer
-from rlhfc.runtime.values import merge_rollouts
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.answers import EXTRACTORS, extract_answer, extract_problem, parse_number
+from rlhfc.runtime.data.prompts import DataError, JsonlPrompts, prompt_parts, prompt_source_from_spec, truncate_text
+from rlhfc.runtime.data.tokenizer import CharTokenizer
+from rlhfc.runtime.data.values import merge_rollouts
+from rlhfc.runtime.rl.guards import RewardError
+from rlhfc.runtime.worker.base import ModelWorker
 
 TASKS = [{"question": "2 plus 2", "answer": "4", "tests": ["a"]},
          {"question": "1 plus 5", "answer": "6", "tests": []},
@@ -213,7 +213,7 @@ def _chat_folder(tmp_path, template: str | None = CHAT_TEMPLATE) -> str:
 
 
 def test_chat_template_wraps_prompts_and_fields_still_follow(tmp_path):
-    from rlhfc.runtime.tokenizer import load_tokenizer
+    from rlhfc.runtime.data.tokenizer import load_tokenizer
 
     folder = _chat_folder(tmp_path)
     tok = load_tokenizer({"source": folder})

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from rlhfc.runtime.generation import (
+from rlhfc.runtime.data.tokenizer import CharTokenizer
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.rollout.generation import (
     RolloutBatch,
     collate,
     decode_responses,
@@ -15,8 +17,6 @@ from rlhfc.runtime.generation import (
     sample_next_token,
     sequence_scores,
 )
-from rlhfc.runtime.models import build_model
-from rlhfc.runtime.tokenizer import CharTokenizer
 
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13], [1, 20, 21]]
 EOS, PAD = 2, 0
@@ -225,8 +225,8 @@ def test_a_resumed_row_with_a_small_budget_does_not_walk_past_max_positions():
     budget; while the other rows go on decoding, its (finished) row must not run past max_seq."""
     import torch
 
-    from rlhfc.runtime.generation import generate_stream
-    from rlhfc.runtime.models import build_model
+    from rlhfc.runtime.models.build import build_model
+    from rlhfc.runtime.rollout.generation import generate_stream
 
     model = build_model(dict(arch="gpt2", layers=1, hidden=32, heads=2, vocab=16, max_seq=40, head="lm"), seed=0)
     long_prefix, short = [1] + [5] * 29, [1, 4, 6]          # 30 + 2 and 3 + 30 tokens: both fit in 40
@@ -236,7 +236,7 @@ def test_a_resumed_row_with_a_small_budget_does_not_walk_past_max_positions():
 
 
 def test_row_streams_sample_the_distribution_and_keep_zero_mass_out():
-    from rlhfc.runtime.generation import row_uniforms
+    from rlhfc.runtime.rollout.generation import row_uniforms
 
     u = row_uniforms(torch.arange(20000), 3)
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0

@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 
+from rlhfc.runtime.driver.group import DP_RULES, WorkerGroup
 from rlhfc.runtime.errors import JobError
-from rlhfc.runtime.group import DP_RULES, WorkerGroup
 
 
 class _Method:
@@ -59,7 +59,7 @@ def test_group_survives_copy_and_pickle():
 def test_more_than_one_rank_splits_rows_or_runs_every_rank(monkeypatch):
     """dp > 1: every rank gets the call; a small Ray task joins the ranks' rows (forwards) or answers with
     rank 0's result once all are done (collectives); rank 0 streams; collective syncs are refused."""
-    import rlhfc.runtime.group as grp
+    import rlhfc.runtime.driver.group as grp
 
     class Task:
         def __init__(self, kind):
@@ -89,7 +89,7 @@ def test_empty_group_is_refused():
 
 
 def test_group_attributes_do_not_shadow_worker_methods():
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     worker_methods = {n for n, _ in inspect.getmembers(ModelWorker, inspect.isfunction) if not n.startswith("_")}
     group_attrs = {n for n in dir(WorkerGroup) if not n.startswith("_")} | {"name", "model", "ranks", "pending"}
@@ -102,7 +102,8 @@ def test_job_module_keeps_its_names_and_runtime_imports_no_compiler_code():
     import os
 
     import rlhfc.runtime as rt
-    from rlhfc.runtime.job import Job, JobError as JobError2, main, run_job  # noqa: F401
+    from rlhfc.runtime.job import Job, main, run_job  # noqa: F401
+    from rlhfc.runtime.job import JobError as JobError2
 
     assert JobError2 is JobError
     folder = os.path.dirname(rt.__file__)
@@ -132,8 +133,8 @@ def test_group_answers_and_fails_fast_naming_the_rank(tmp_path):
     dies or raises — not when the ranks blocked on the failed one time out."""
     import time
 
-    from rlhfc.runtime.cluster import import_ray
-    from rlhfc.runtime.group import RankFailed
+    from rlhfc.runtime.driver.cluster import import_ray
+    from rlhfc.runtime.driver.group import RankFailed
 
     class _Rank:   # defined here: Ray pickles it by value
         """A stand-in rank: answers, dies, or blocks as a rank waiting in a collective does."""

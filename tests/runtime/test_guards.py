@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from rlhfc.runtime import compute, rewards
-from rlhfc.runtime.data import DataError, JsonlPrompts, SyntheticPrompts, prompt_source_from_spec
+from rlhfc.runtime.data.prompts import DataError, JsonlPrompts, SyntheticPrompts, prompt_source_from_spec
+from rlhfc.runtime.data.tokenizer import load_tokenizer
+from rlhfc.runtime.data.values import PolicyLossInput, TokenValues
 from rlhfc.runtime.errors import JobError
-from rlhfc.runtime.guards import NonFiniteError, RewardError, check_finite
-from rlhfc.runtime.tokenizer import load_tokenizer
-from rlhfc.runtime.values import PolicyLossInput, TokenValues
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.rl.guards import NonFiniteError, RewardError, check_finite
+from rlhfc.runtime.worker.base import ModelWorker
 
 
 # -- data files ------------------------------------------------------------------------------------------

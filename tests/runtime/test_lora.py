@@ -1,4 +1,4 @@
-"""LoRA adapters through peft (rlhfc.runtime.lora): what trains, what a step changes, export and resume."""
+"""LoRA adapters through peft (rlhfc.runtime.models.lora): what trains, what a step changes, export and resume."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import torch
 
 from rlhfc.ir.core import Model
 from rlhfc.ir.lora import lora_params
-from rlhfc.runtime import compute, ppo
-from rlhfc.runtime.lora import lora_layers, merged_state, trainable_count
-from rlhfc.runtime.models import build_model, copy_weights, get_weights, save_weights
-from rlhfc.runtime.values import TokenValues
+from rlhfc.runtime import compute
+from rlhfc.runtime.data.values import TokenValues
+from rlhfc.runtime.models.build import build_model, copy_weights, get_weights, save_weights
+from rlhfc.runtime.models.lora import lora_layers, merged_state, trainable_count
+from rlhfc.runtime.train import loop
 
 peft = pytest.importorskip("peft", reason="LoRA needs the optional extra: pip install 'rlhfc[lora]'")
 
@@ -25,7 +26,7 @@ def _ids():
 
 def _step(model, lr=1e-2):
     """One optimizer step on a loss that moves every trainable weight."""
-    opt = ppo.make_optimizer(model, lr=lr, weight_decay=0.0)
+    opt = loop.make_optimizer(model, lr=lr, weight_decay=0.0)
     ids, mask = _ids()
     model.train()
     logp = torch.log_softmax(model.forward_logits(ids, mask), -1)[:, :-1].gather(-1, ids[:, 1:, None])
@@ -62,7 +63,7 @@ def test_only_the_adapters_train_and_their_count_is_the_compilers(arch, make_spe
 def test_export_merges_the_adapters_with_the_trainers_log_probs(arch, make_spec, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlhfc.runtime.export import export_model
+    from rlhfc.runtime.driver.export import export_model
 
     spec = make_spec(arch, lora=LORA[arch])
     model = build_model(spec, seed=0)
@@ -89,7 +90,7 @@ def test_export_merges_the_adapters_with_the_trainers_log_probs(arch, make_spec,
 
 def test_a_resumed_lora_worker_continues_bit_for_bit(make_spec, tmp_path):
     """Checkpoint/resume keeps the adapters and their optimizer state: 2 + 2 steps equal 4."""
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     spec = make_spec("llama", vocab=32, lora=LORA["llama"])
     sched = dict(lr=1e-2, epochs=1, minibatches=1, max_grad_norm=1.0, weight_decay=0.0)

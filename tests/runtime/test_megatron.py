@@ -1,7 +1,7 @@
 """The megatron-core trainer (tensor and pipeline parallel over gloo) equals one rank.
 
-Each case starts ``dp·tp·pp`` processes, each hosting one :class:`~rlhfc.runtime.megatron.MegatronWorker`
-rank of a model; an in-process :class:`~rlhfc.runtime.worker.ModelWorker` built from the same seed is
+Each case starts ``dp·tp·pp`` processes, each hosting one :class:`~rlhfc.runtime.worker.megatron.MegatronWorker`
+rank of a model; an in-process :class:`~rlhfc.runtime.worker.base.ModelWorker` built from the same seed is
 the single-rank reference. Per case, in this order:
 
 1. the forward (log-probs, values or scores) on a rollout — within 1e-5 relative of one rank;
@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhfc.runtime.parallel import join, open_store
-from rlhfc.runtime.values import PolicyLossInput, ValueLossInput
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.values import PolicyLossInput, ValueLossInput
+from rlhfc.runtime.worker.base import ModelWorker
+from rlhfc.runtime.worker.fsdp import join, open_store
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
@@ -99,7 +99,7 @@ def _steps(worker, head: str, roll, save_to: str | None, load_from: str | None) 
 
 
 def _rank_main(rank, world, store, spec, layout, roll, save_to, load_from):
-    from rlhfc.runtime.megatron import MegatronWorker
+    from rlhfc.runtime.worker.megatron import MegatronWorker
 
     torch.set_num_threads(1)
     dp, tp, pp = layout

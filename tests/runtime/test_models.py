@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlhfc.runtime.models import (
+from rlhfc.runtime.models.build import (
     PolicyModel,
     ScoreModel,
     ValueModel,
@@ -146,7 +146,7 @@ def test_normalize_spec_defaults():
 def test_score_head_is_loaded_from_a_sequence_classifier(tmp_path, arch, make_spec):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhfc.runtime.models import _hf_config, normalize_spec
+    from rlhfc.runtime.models.build import _hf_config, normalize_spec
 
     config = _hf_config(normalize_spec(make_spec(arch)))
     config.num_labels = 1
@@ -163,7 +163,7 @@ def test_score_head_is_loaded_from_a_sequence_classifier(tmp_path, arch, make_sp
 def test_a_classifier_of_several_labels_is_refused_as_a_reward_model(tmp_path, make_spec):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhfc.runtime.models import _hf_config, normalize_spec
+    from rlhfc.runtime.models.build import _hf_config, normalize_spec
 
     config = _hf_config(normalize_spec(make_spec("llama")))
     config.num_labels = 2
@@ -176,7 +176,7 @@ def test_a_classifier_of_several_labels_is_refused_as_a_reward_model(tmp_path, m
 def test_parameter_count_matches_the_compilers_model(arch, make_spec, head):
     """The compiler's cost model counts parameters from the spec; the runtime must build those shapes."""
     arch_mod = pytest.importorskip("rlhfc.ir.arch")
-    from rlhfc.runtime.models import count_parameters
+    from rlhfc.runtime.models.build import count_parameters
 
     spec = normalize_spec(make_spec(arch, head=head))
     fields = [spec[k] for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq")]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rlhfc.runtime.values import CarryOver, merge_rollouts
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.values import CarryOver, merge_rollouts
+from rlhfc.runtime.worker.base import ModelWorker
 
 PROMPTS = [f"p{i}" for i in range(12)]
 

@@ -1,4 +1,4 @@
-"""Token-proportional forwards and training (rlhfc.runtime.packing): rows in length groups, each cut to its
+"""Token-proportional forwards and training (rlhfc.runtime.train.packing): rows in length groups, each cut to its
 own width, give the padded results — forwards within 1e-5, a training step's loss, metrics and gradients
 within 1e-5 relative — while computing only a little more than the real tokens."""
 
@@ -9,11 +9,16 @@ import itertools
 import pytest
 import torch
 
-from rlhfc.runtime import ppo
-from rlhfc.runtime.generation import (collate, generate_stream, response_logprobs, response_values,
-                                      sequence_scores)
-from rlhfc.runtime.models import build_model
-from rlhfc.runtime.packing import bucketed, crop_part, crop_rows, length_groups, packed_backward, row_lengths
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.rollout.generation import (
+    collate,
+    generate_stream,
+    response_logprobs,
+    response_values,
+    sequence_scores,
+)
+from rlhfc.runtime.train import loop
+from rlhfc.runtime.train.packing import bucketed, crop_part, crop_rows, length_groups, packed_backward, row_lengths
 
 EOS, PAD = 2, 0
 
@@ -85,7 +90,7 @@ def test_packed_training_step_equals_padded(long_tailed, loss_agg):
     """Also under a sequence-mean loss (DAPO/GRPO aggregations), where each group weighs by its rows."""
     policy, batch = long_tailed
     part = _policy_part(batch, loss_agg, seed=1)
-    loss_fn = ppo.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
+    loss_fn = loop.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
     assert crop_part(part, [1, 2])["old_logp"].shape[1] <= batch.response_width
 
     def grads(run):
@@ -126,11 +131,11 @@ def _padded(model, part, loss_fn):
 def test_micro_batches_accumulate_the_whole_minibatchs_gradient(long_tailed, loss_agg, packed):
     """``train(micro_batch = K)``: pieces of at most K rows (length groups of at most K rows under unpad),
     gradients accumulated: the loss, metrics and gradient of the minibatch in one piece, up to rounding."""
-    from rlhfc.runtime.packing import accumulate, length_groups, row_lengths
+    from rlhfc.runtime.train.packing import accumulate, length_groups, row_lengths
 
     policy, batch = long_tailed
     part = _policy_part(batch, loss_agg, seed=2)
-    loss_fn = ppo.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
+    loss_fn = loop.actor_loss_fn(entropy_coef=0.01, loss_agg=loss_agg)
     sizes = []
 
     def counted(model, piece):
@@ -159,7 +164,7 @@ def test_micro_batches_accumulate_the_whole_minibatchs_gradient(long_tailed, los
 def test_every_data_parallel_rank_runs_as_many_micro_batches():
     """FSDP ranks must make the same number of forward/backward calls: with ``pieces`` from the smallest
     share, every rank's share of every minibatch runs in that many micro-batches."""
-    from rlhfc.runtime.packing import accumulate
+    from rlhfc.runtime.train.packing import accumulate
 
     def calls(rows, micro, pieces):
         n = []

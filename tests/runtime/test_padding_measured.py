@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfc.runtime.generation import FinishedSample, collate, generate_stream
-from rlhfc.runtime.metrics import padding_efficiency
-from rlhfc.runtime.models import build_model
-from rlhfc.runtime.packing import computed_tokens, length_groups, row_lengths
-from rlhfc.runtime.values import Rollout
+from rlhfc.runtime.data.values import Rollout
+from rlhfc.runtime.driver.metrics import padding_efficiency
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.rollout.generation import FinishedSample, collate, generate_stream
+from rlhfc.runtime.train.packing import computed_tokens, length_groups, row_lengths
 
 
 def test_generation_charges_add_up_to_the_tokens_decoding_computed(make_spec):

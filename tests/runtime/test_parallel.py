@@ -1,7 +1,7 @@
 """Data-parallel ranks (FSDP2 over gloo): dp2 equals dp1.
 
-Two processes each host one :class:`~rlhfc.runtime.parallel.DataParallelWorker`; a third, in-process
-:class:`~rlhfc.runtime.worker.ModelWorker` is the single-rank reference built from the same seed. The
+Two processes each host one :class:`~rlhfc.runtime.worker.fsdp.DataParallelWorker`; a third, in-process
+:class:`~rlhfc.runtime.worker.base.ModelWorker` is the single-rank reference built from the same seed. The
 forwards, the sampled tokens and one training step's loss and metrics must agree within 1e-5 relative
 (float rounding: batched products over fewer rows, gradients summed in another order); the updated
 weights, and a checkpoint saved by the group and loaded by a single rank, within 1e-4 absolute (see
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhfc.runtime.parallel import join, open_store, row_share
-from rlhfc.runtime.values import PolicyLossInput, ValueLossInput
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.values import PolicyLossInput, ValueLossInput
+from rlhfc.runtime.worker.base import ModelWorker
+from rlhfc.runtime.worker.fsdp import join, open_store, row_share
 
 PROMPTS = ["abc", "hello there", "x", "the quick brown", "fox", "jumps over", "a lazy", "dog!"]
 GEN = dict(max_new_tokens=8, temperature=1.0, top_p=1.0)
@@ -38,7 +38,7 @@ def _policy_loss(roll, old, adv) -> PolicyLossInput:
 def _rank_main(rank: int, world: int, store, specs: dict, role: str, folder: str) -> dict:
     """One rank's work: the actor generates, computes log-probs, trains and checkpoints; the critic
     computes values and trains (one data-parallel rank per process, as the runtime starts them)."""
-    from rlhfc.runtime.parallel import DataParallelWorker
+    from rlhfc.runtime.worker.fsdp import DataParallelWorker
 
     torch.set_num_threads(1)
     worker = DataParallelWorker(role, specs[role], {"kind": "random"}, seed=7, rank=rank, world=world, store=store)

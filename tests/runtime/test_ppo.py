@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfc.runtime import ppo
+from rlhfc.runtime.rl import ppo
+from rlhfc.runtime.train import loop
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -250,14 +251,14 @@ def _data():
 
 def test_train_epochs_steps_and_averages():
     model = _Linear()
-    opt = ppo.make_optimizer(model, lr=0.1)
+    opt = loop.make_optimizer(model, lr=0.1)
     seen = []
 
     def loss_fn(m, mb):
         seen.append(mb["x"].shape[0])
         return _regression_loss(m, mb)
 
-    metrics = ppo.train_epochs(model, opt, _data(), loss_fn, epochs=3, minibatches=4, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0))
+    metrics = loop.train_epochs(model, opt, _data(), loss_fn, epochs=3, minibatches=4, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0))
     assert seen == [3, 3, 2, 2] * 3
     assert metrics["rows"] == pytest.approx(2.5) and metrics["scale"] == 3
     assert {"loss", "grad_norm"} <= metrics.keys() and not model.training
@@ -267,9 +268,9 @@ def test_train_epochs_steps_and_averages():
 def test_train_epochs_is_deterministic_and_learns():
     def run(seed):
         model = _Linear()
-        opt = ppo.make_optimizer(model, lr=0.05)
+        opt = loop.make_optimizer(model, lr=0.05)
         g = torch.Generator().manual_seed(seed)
-        out = [ppo.train_epochs(model, opt, _data(), _regression_loss, 2, 2, None, g)["loss"] for _ in range(30)]
+        out = [loop.train_epochs(model, opt, _data(), _regression_loss, 2, 2, None, g)["loss"] for _ in range(30)]
         return model.w.detach().clone(), out
 
     w1, l1 = run(0)
@@ -284,10 +285,10 @@ def test_train_epochs_clips_gradients():
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     data = _data()
     data["y"] = data["y"] * 1000
-    ppo.train_epochs(model, opt, data, _regression_loss, 1, 1, max_grad_norm=0.5)
+    loop.train_epochs(model, opt, data, _regression_loss, 1, 1, max_grad_norm=0.5)
     assert model.w.norm().item() == pytest.approx(0.5, rel=1e-5)
 
 
 def test_train_epochs_rejects_bad_minibatches():
     with pytest.raises(ValueError, match="minibatches"):
-        ppo.train_epochs(_Linear(), torch.optim.SGD(_Linear().parameters(), lr=1.0), _data(), _regression_loss, 1, 11)
+        loop.train_epochs(_Linear(), torch.optim.SGD(_Linear().parameters(), lr=1.0), _data(), _regression_loss, 1, 11)

@@ -9,12 +9,19 @@ import sys
 import torch
 
 import rlhfc.runtime
-from rlhfc.runtime import ppo
-from rlhfc.runtime.data import SyntheticPrompts
-from rlhfc.runtime.generation import encode_prompts, decode_responses, generate, response_logprobs, response_values
-from rlhfc.runtime.models import build_model, copy_weights
+from rlhfc.runtime.data.prompts import SyntheticPrompts
+from rlhfc.runtime.data.tokenizer import load_tokenizer
+from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.rewards import rule_scores, vowel_count
-from rlhfc.runtime.tokenizer import load_tokenizer
+from rlhfc.runtime.rl import ppo
+from rlhfc.runtime.rollout.generation import (
+    decode_responses,
+    encode_prompts,
+    generate,
+    response_logprobs,
+    response_values,
+)
+from rlhfc.runtime.train import loop
 
 
 def run_ppo(steps, seed=0, batch=32, max_new_tokens=24, lr=3e-3):
@@ -26,7 +33,7 @@ def run_ppo(steps, seed=0, batch=32, max_new_tokens=24, lr=3e-3):
     copy_weights(actor, critic)
     tok = load_tokenizer(spec)
     data = SyntheticPrompts(1024, 4, 16, seed=seed)
-    opt_a, opt_c = ppo.make_optimizer(actor, lr), ppo.make_optimizer(critic, lr)
+    opt_a, opt_c = loop.make_optimizer(actor, lr), loop.make_optimizer(critic, lr)
     g = torch.Generator().manual_seed(seed)
     history = []
     for _ in range(steps):
@@ -40,8 +47,8 @@ def run_ppo(steps, seed=0, batch=32, max_new_tokens=24, lr=3e-3):
         adv, ret = ppo.gae(rewards, values, roll.response_mask, gamma=1.0, lam=0.95)
         adv = ppo.masked_whiten(adv, roll.response_mask)
         mb = roll.as_dict() | {"old_logp": logp, "advantages": adv, "old_values": values, "returns": ret}
-        m_a = ppo.train_epochs(actor, opt_a, mb, ppo.actor_loss_fn(clip=0.2), 1, 2, 1.0, g)
-        m_c = ppo.train_epochs(critic, opt_c, mb, ppo.critic_loss_fn(clip=0.2), 1, 2, 1.0, g)
+        m_a = loop.train_epochs(actor, opt_a, mb, loop.actor_loss_fn(clip=0.2), 1, 2, 1.0, g)
+        m_c = loop.train_epochs(critic, opt_c, mb, loop.critic_loss_fn(clip=0.2), 1, 2, 1.0, g)
         history.append({"score": scores.mean().item(), "pg_loss": m_a["pg_loss"], "vf_loss": m_c["vf_loss"]})
     return history
 
@@ -71,7 +78,7 @@ def test_runtime_imports_no_compiler_code():
                 for alias in node.names:
                     assert not any(alias.name.startswith(f"rlhfc.{f}") for f in forbidden), f"{path.name}: {alias.name}"
     code = (
-        "import sys, rlhfc.runtime, rlhfc.runtime.ppo, rlhfc.runtime.rewards;"
+        "import sys, rlhfc.runtime, rlhfc.runtime.rl.ppo, rlhfc.runtime.rewards;"
         "bad = [m for m in sys.modules if m.startswith('rlhfc.') and not m.startswith('rlhfc.runtime')];"
         "assert not bad, bad"
     )

@@ -1,5 +1,5 @@
 """``run { precision = bf16 }``: forwards, generation and the loss's forward under bf16 autocast, float32
-master weights and optimizer state (rlhfc.runtime.precision)."""
+master weights and optimizer state (rlhfc.runtime.models.precision)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-from rlhfc.runtime.precision import autocast, under_autocast
-from rlhfc.runtime.values import PolicyLossInput
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.values import PolicyLossInput
+from rlhfc.runtime.models.precision import autocast, under_autocast
+from rlhfc.runtime.worker.base import ModelWorker
 
 
 def _worker(make_spec, precision):
@@ -62,7 +62,7 @@ def test_bf16_generation_runs_under_autocast_and_stops_between_items():
 def _fsdp_rank(store, spec, queue):
     """One FSDP2 rank (a group of one) under bf16: generate, log-probs, one train step (a spawned process)."""
     try:
-        from rlhfc.runtime.parallel import DataParallelWorker
+        from rlhfc.runtime.worker.fsdp import DataParallelWorker
 
         torch.set_num_threads(1)
         w = DataParallelWorker("actor", spec, {"kind": "random"}, seed=3, rank=0, world=1, store=store,
@@ -85,7 +85,7 @@ def _fsdp_rank(store, spec, queue):
 def test_bf16_under_an_fsdp2_group_trains_as_the_single_process_worker(make_spec):
     import torch.multiprocessing as mp
 
-    from rlhfc.runtime.parallel import open_store
+    from rlhfc.runtime.worker.fsdp import open_store
 
     spec = make_spec("llama", vocab=64)
     ctx = mp.get_context("spawn")

@@ -11,8 +11,8 @@ import torch
 
 from rlhfc.passes import recompute_choice as choice
 from rlhfc.passes.recompute_trace import trace_block
-from rlhfc.runtime.models import build_model
-from rlhfc.runtime.recompute import apply_recompute, blocks, kept_activation_bytes, saved_tensor_bytes
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.models.recompute import apply_recompute, blocks, kept_activation_bytes, saved_tensor_bytes
 
 ROWS, SEQ = 2, 24
 SPECS = {
@@ -136,8 +136,8 @@ def test_worker_out_of_memory_names_the_stage(tmp_path):
 def test_megatron_recompute_settings_nearest_the_decision():
     """The megatron trainer expresses full and selective itself; a traced op set becomes full (keeps less)."""
     pytest.importorskip("megatron.core")
-    from rlhfc.runtime.mcore_model import recompute_settings, transformer_config
-    from rlhfc.runtime.models import normalize_spec
+    from rlhfc.runtime.models.build import normalize_spec
+    from rlhfc.runtime.models.megatron import recompute_settings, transformer_config
 
     assert recompute_settings(None) == {} == recompute_settings({"policy": "none"})
     got = {}

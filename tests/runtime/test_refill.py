@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling with refill (rlhfc.runtime.refill) on fixed rewards, and the driver it is emitted in."""
+"""DAPO's dynamic sampling with refill (rlhfc.runtime.rl.refill) on fixed rewards, and the driver it is emitted in."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from rlhfc.codegen import PythonEmitter
 from rlhfc.frontend import load_file
 from rlhfc.ir.schedule import build_schedule
 from rlhfc.runtime import compute
-from rlhfc.runtime.generation import RolloutBatch
-from rlhfc.runtime.refill import concat_rollouts, refill
-from rlhfc.runtime.values import Rollout, TokenValues
+from rlhfc.runtime.data.values import Rollout, TokenValues
+from rlhfc.runtime.rl.refill import concat_rollouts, refill
+from rlhfc.runtime.rollout.generation import RolloutBatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP = 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfc.runtime.values import CarryOver, merge_rollouts
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.data.values import CarryOver, merge_rollouts
+from rlhfc.runtime.worker.base import ModelWorker
 
 PROMPTS = [f"prompt {i} " * (1 + i % 3) for i in range(10)]
 

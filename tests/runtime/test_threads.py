@@ -1,11 +1,11 @@
 """Cores follow the work: a worker call with ``threads=N`` runs on N torch threads, then the worker goes
-back to its own count (``rlhfc.runtime.threads``)."""
+back to its own count (``rlhfc.runtime.worker.stages``)."""
 
 from __future__ import annotations
 
 import torch
 
-from rlhfc.runtime.threads import stage_call
+from rlhfc.runtime.worker.stages import stage_call
 
 
 class _Worker:
@@ -50,7 +50,7 @@ def test_ray_sees_the_threads_keyword():
     """Ray checks a call's keywords against the unwrapped method's signature."""
     import inspect
 
-    from rlhfc.runtime.worker import ModelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     for name in ("generate", "generate_chunks", "logprobs", "values", "score", "train"):
         assert "threads" in inspect.signature(inspect.unwrap(getattr(ModelWorker, name))).parameters

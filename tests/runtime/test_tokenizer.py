@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfc.runtime.tokenizer import CHAR_ORDER, CharTokenizer, HFTokenizer, load_tokenizer
+from rlhfc.runtime.data.tokenizer import CHAR_ORDER, CharTokenizer, HFTokenizer, load_tokenizer
 
 PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " "
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-from rlhfc.runtime.threads import stage_call
-from rlhfc.runtime.trace import Timeline, TracedWorker, work_of
+from rlhfc.runtime.worker.stages import stage_call
+from rlhfc.runtime.worker.trace import Timeline, TracedWorker, work_of
 
 
 def _roll(prompt_lengths, response_lengths):

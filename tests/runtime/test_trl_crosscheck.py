@@ -14,8 +14,8 @@ pytest.importorskip("trl")
 trl_ppo = pytest.importorskip("trl.experimental.ppo.ppo_trainer")
 from trl.trainer.utils import selective_log_softmax  # noqa: E402
 
-from rlhfc.runtime import ppo  # noqa: E402
-from rlhfc.runtime.generation import generate, response_logprobs  # noqa: E402
+from rlhfc.runtime.rl import ppo  # noqa: E402
+from rlhfc.runtime.rollout.generation import generate, response_logprobs  # noqa: E402
 
 
 def _random_case(seed, b=6, r=9):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from rlhfc.runtime.generation import FinishedSample, collate, response_logprobs
-from rlhfc.runtime.models import build_model
-from rlhfc.runtime.packing import crop_padding
-from rlhfc.runtime.values import Rollout, TokenValues, merge_parts, merge_rollouts
+from rlhfc.runtime.data.values import Rollout, TokenValues, merge_parts, merge_rollouts
+from rlhfc.runtime.models.build import build_model
+from rlhfc.runtime.rollout.generation import FinishedSample, collate, response_logprobs
+from rlhfc.runtime.train.packing import crop_padding
 
 SPEC = dict(arch="gpt2", layers=1, hidden=32, heads=2, vocab=16, max_seq=64, head="lm")
 

@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("vllm")
 
 from rlhfc.runtime.compute import ppo_clip  # noqa: E402
-from rlhfc.runtime.decoding import PartialSample  # noqa: E402
-from rlhfc.runtime.values import CarryOver, TokenValues  # noqa: E402
-from rlhfc.runtime.vllm_engine import EngineError  # noqa: E402
-from rlhfc.runtime.worker import ModelWorker  # noqa: E402
+from rlhfc.runtime.data.values import CarryOver, TokenValues  # noqa: E402
+from rlhfc.runtime.rollout.decoding import PartialSample  # noqa: E402
+from rlhfc.runtime.rollout.vllm import EngineError  # noqa: E402
+from rlhfc.runtime.worker.base import ModelWorker  # noqa: E402
 
 #: head size 64 (what vLLM's CPU attention runs), two layers
 SPECS = {"llama": dict(arch="llama", layers=2, hidden=128, heads=2, vocab=96, max_seq=128),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfc.runtime.vllm_engine import _StepGenerators, batch_seed
+from rlhfc.runtime.rollout.vllm import _StepGenerators, batch_seed
 
 
 def test_a_calls_steps_draw_the_seeded_stream_and_leave_the_process_state_alone():

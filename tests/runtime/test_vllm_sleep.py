@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rlhfc.runtime.vllm_engine import VllmEngine, VllmRollout
+from rlhfc.runtime.rollout.vllm import VllmEngine, VllmRollout
 
 
 class FakeLLM:

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from rlhfc.runtime.worker import ModelWorker
+from rlhfc.runtime.worker.base import ModelWorker
 
 
 def _pair(make_spec, arch: str):

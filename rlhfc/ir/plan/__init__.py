@@ -45,8 +45,8 @@ from .attrs import (AUTO, LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLI
                     Stream, Sync, describe, opt_level)
 from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
-from .rollout import ENGINE_KEY, engine_problem, head_problem, installed, model_engine, stage_engine, verify_rollout
-from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
+from .rollout import ENGINE_KEY, auto_engine, engine_problem, head_problem, installed, model_engine, stage_engine, verify_rollout
+from .rules import (Worker, backend_traits, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
@@ -56,9 +56,9 @@ from .rules import (Worker, device_shares, fixed_layout, flag, home_mesh, is_res
 __all__ = [
     "BASELINES", "placement_problem", "unset",
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
-    "AUTO", "LAYOUT_FACTORS", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
+    "AUTO", "LAYOUT_FACTORS", "backend_traits", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
-    "verify_rollout", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
+    "verify_rollout", "auto_engine", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",

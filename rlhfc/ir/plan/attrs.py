@@ -263,7 +263,7 @@ class Recompute:
                      seconds = 0.00036, budget = 131072}
 
     ``policy``: ``none``/``selective``/``full``, or ``ops`` (keep the outputs of the ``save`` aten calls,
-    recompute the rest; :mod:`rlhfc.runtime.recompute`); ``kept``: bytes one block keeps for backward per
+    recompute the rest; :mod:`rlhfc.runtime.models.recompute`); ``kept``: bytes one block keeps for backward per
     micro-batch under the decision, ``autograd`` without recomputation; ``seconds``: recompute time added
     per block and micro-batch; ``budget``: the bytes per block the decision had to fit (when one did)."""
 
@@ -315,7 +315,7 @@ class Recompute:
         return out
 
     def runtime(self) -> dict:
-        """What the trainer needs (:func:`rlhfc.runtime.recompute.apply_recompute`)."""
+        """What the trainer needs (:func:`rlhfc.runtime.models.recompute.apply_recompute`)."""
         policy = "full" if self.policy == "selective" and not self.save else self.policy
         return {"policy": policy, "save": list(self.save)} if policy == "ops" else {"policy": policy}
 

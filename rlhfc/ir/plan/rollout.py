@@ -81,6 +81,12 @@ def model_engine(module: Module, model: str) -> str:
     return next((e for e in engines if e != DEFAULT_ROLLOUT), DEFAULT_ROLLOUT)
 
 
+def auto_engine() -> str:
+    """The engine ``rollout = auto`` weighs against the default one: the registered engine with ``auto`` traits
+    (vLLM; the cost model prices an engine with weights of its own from its fitted rates)."""
+    return next(e for e in rollout_engines() if rollout_traits(e).auto)
+
+
 def engine_problem(module: Module, model: str, engine: str) -> str | None:
     """Why ``rollout = auto`` must keep generating model ``model`` off ``engine`` (None when it can run it): the
     checks of ``rollout = <engine>``: head size, a generate's ``top_p``, the engine installed (a model of

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from rlhfc.contract.engines import RolloutTraits, register_rollout
-from rlhfc.runtime.decoding import FinishedSample, PartialSample
-from rlhfc.runtime.rollout import RolloutEngine
+from rlhfc.runtime.rollout.base import RolloutEngine
+from rlhfc.runtime.rollout.decoding import FinishedSample, PartialSample
 
 
 class ToySampler(RolloutEngine):

@@ -1,0 +1,198 @@
+"""What flows between stages at run time, one class per IR value type.
+
+| IR type        | runtime value                                        |
+| -------------- | ---------------------------------------------------- |
+| ``Prompts``    | ``list[str]``, or ``list[dict]`` ``{"prompt", "fields"}`` when the data declares fields |
+| ``Rollout``    | :class:`Rollout` (token batch + texts + weights version) |
+| ``TokenFloat`` | :class:`TokenValues` (``[B, R]`` values + their mask)  |
+| ``SeqFloat``   | ``torch.Tensor`` ``[B]``                              |
+| ``PolicyLoss`` | :class:`PolicyLossInput`                              |
+| ``ValueLoss``  | :class:`ValueLossInput`                               |
+| ``Metrics``    | ``dict[str, float]``                                  |
+
+Everything here pickles cleanly through Ray; nothing is ever unpickled from disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from rlhfc.runtime.rollout.generation import RolloutBatch
+
+
+@dataclass
+class Rollout:
+    """Generated samples. ``version``: how many train steps the generating weights had seen.
+
+    ``rows``: each sample's row in the step's batch (a streamed chunk holds some rows);
+    ``born``: the weights version each sample started with (older than ``version`` for
+    samples carried over from an earlier step by overcommitment).
+    The response width is the stage's ``max_new_tokens``, so a chunk's rows have the shape they
+    have in the whole batch (per-row forwards agree up to the rounding of batched kernels over
+    fewer rows; docs/claims.md); under the ``unpad``
+    pass (``unpad=True``) it is the longest response in the chunk instead, and merging
+    pads chunks to the widest.
+    """
+
+    batch: RolloutBatch
+    prompts: list[str]
+    responses: list[str]
+    model: str
+    version: int
+    tokenizer: str
+    rows: list[int] = field(default_factory=list)
+    born: list[int] = field(default_factory=list)
+    #: decoding steps the generation had run when the last of these samples finished
+    decode_steps: int = 0
+    #: [B, R] log-prob of each response token under the generating weights, kept when the generate
+    #: was asked for it (the ``reuse_logprobs`` pass); 0 past each response
+    logprobs: torch.Tensor | None = None
+    #: generated under the ``unpad`` pass: forwards run the rows in groups of similar length, each cut to
+    #: its own width (:mod:`rlhfc.runtime.train.packing`)
+    unpad: bool = False
+    #: tokens generation computed for these samples (padded prompts, decode batch slots; see
+    #: ``FinishedSample.computed``): against their prompt and response tokens, generation's padding efficiency
+    computed_tokens: float = 0.0
+    #: per sample, the data fields of its prompt (``{name: JSON value}``; ``{}`` when the data declares none):
+    #: a prompt's fields go with each of its ``n`` samples, through streamed chunks and carried samples
+    fields: list[dict] = field(default_factory=list)
+    #: the rollout engine's statistics of this generate (rollout = vllm: ``refit_s``, ``refit_mb``,
+    #: ``engine_start_s``); a streamed stage's first chunk carries them
+    engine: dict = field(default_factory=dict)
+    #: the engine that generated it (``run { rollout = ... }``): ``torch`` or ``vllm``
+    rollout_engine: str = "torch"
+
+    @property
+    def size(self) -> int:
+        return self.batch.batch_size
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.batch.response_mask
+
+
+@dataclass
+class TokenValues:
+    """One float per response token: ``values`` [B, R], zero where ``mask`` [B, R] is 0."""
+
+    values: torch.Tensor
+    mask: torch.Tensor
+    #: [B] bool, the rows a policy loss trains on (None: all) — DAPO's dynamic sampling
+    #: (``group_advantages(filter_groups = true)``) leaves out the groups whose scores are all equal
+    keep: torch.Tensor | None = None
+    #: how many groups ``keep`` leaves out (with refill: over all the step's sampling rounds)
+    dropped_groups: int = 0
+    #: dynamic sampling with refill (rlhfc.runtime.rl.refill): the rounds of sampling the step ran (0: no refill)
+    sample_rounds: int = 0
+    #: ... and the groups those rounds sampled
+    sampled_groups: int = 0
+
+    def mean(self) -> float:
+        m = self.mask.to(self.values.dtype)
+        return float((self.values * m).sum() / m.sum().clamp(min=1))
+
+
+@dataclass
+class PolicyLossInput:
+    """Everything a policy's train step needs: the rollout, old log-probs, advantages, settings."""
+
+    rollout: Rollout
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    ref_logp: torch.Tensor | None
+    clip: float
+    entropy_coef: float
+    kl_coef: float
+    estimator: str
+    temperature: float
+    clip_high: float | None = None
+    loss_agg: str = "token_mean"
+    ratio: str = "token"
+    #: statistics of how the batch was made (dropped groups), reported with the train step's metrics
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class ValueLossInput:
+    """Everything a critic's train step needs: the rollout, old values, returns, clip."""
+
+    rollout: Rollout
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    clip: float
+
+
+@dataclass
+class CarryOver:
+    """Unfinished samples at the end of an overcommitted generation, carried into the next step.
+
+    Each item is plain JSON: ``{"prompt", "prompt_ids", "partial", "born", "fields"}`` (checkpointable;
+    ``fields``: the prompt's data fields, absent in checkpoints of older jobs).
+    """
+
+    samples: list[dict]
+
+
+def select_rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
+    """The rows ``index`` of a rollout (texts, bookkeeping and kept log-probs with them)."""
+    rows = index.tolist()
+    pick = lambda xs: [xs[i] for i in rows] if xs else xs  # noqa: E731
+    return replace(rollout, batch=rollout.batch.select(index), prompts=pick(rollout.prompts),
+                   responses=pick(rollout.responses), rows=pick(rollout.rows), born=pick(rollout.born),
+                   fields=pick(rollout.fields) if len(rollout.fields) == rollout.size else rollout.fields,
+                   logprobs=rollout.logprobs[index.to(rollout.logprobs.device)] if rollout.logprobs is not None
+                   else None)
+
+
+def _order(chunks: list) -> list[int]:
+    rows = [r for c in chunks for r in c.rows]
+    return sorted(range(len(rows)), key=lambda i: rows[i])
+
+
+def _pad_cols(x: torch.Tensor, width: int, value: int | float = 0) -> torch.Tensor:
+    """``x`` [B, w, ...] right-padded with ``value`` to [B, width, ...]."""
+    if x.shape[1] == width:
+        return x
+    pad = torch.full((x.shape[0], width - x.shape[1], *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
+    """Reassemble streamed chunks into one rollout, rows in batch order (narrower chunks — cropped by
+    the ``unpad`` pass — are right-padded with ``pad_id`` to the widest)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    order = _order(chunks)
+    width = max(c.batch.response_width for c in chunks)
+    p = chunks[0].batch.prompt_len
+    cat = {f: torch.cat([getattr(c.batch, f) for c in chunks])[order]
+           for f in ("response_lengths", "prompt_lengths", "eos")}
+    cat["input_ids"] = torch.cat([_pad_cols(c.batch.input_ids, p + width, pad_id) for c in chunks])[order]
+    cat["attention_mask"] = torch.cat([_pad_cols(c.batch.attention_mask, p + width) for c in chunks])[order]
+    cat["response_mask"] = torch.cat([_pad_cols(c.batch.response_mask, width) for c in chunks])[order]
+    batch = RolloutBatch(prompt_len=p, **cat)
+    flat = lambda attr: [x for c in chunks for x in getattr(c, attr)]  # noqa: E731
+    prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
+    fields = flat("fields")
+    return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
+                   max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
+                   [born[i] for i in order], max(c.decode_steps for c in chunks),
+                   torch.cat([_pad_cols(c.logprobs, width) for c in chunks])[order]
+                   if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks),
+                   sum(c.computed_tokens for c in chunks),
+                   [fields[i] for i in order] if len(fields) == len(order) else [],
+                   {k: v for c in chunks for k, v in c.engine.items()}, chunks[0].rollout_engine)
+
+
+def merge_parts(parts: list, chunks: list[Rollout]):
+    """Reassemble a consumer's per-chunk results (TokenValues or [B] tensors) in batch order."""
+    if len(parts) == 1:
+        return parts[0]
+    order = _order(chunks)
+    if isinstance(parts[0], TokenValues):
+        width = max(p.values.shape[1] for p in parts)
+        return TokenValues(torch.cat([_pad_cols(p.values, width) for p in parts])[order],
+                           torch.cat([_pad_cols(p.mask, width) for p in parts])[order])
+    return torch.cat(list(parts))[order]

@@ -1,0 +1,11 @@
+"""The driver's rooms around the step loop (``rlhfc.runtime.job``).
+
+* ``cluster``     Ray start-up, the placement group, each worker group from its backend's class.
+* ``group``       ``WorkerGroup``: the handle ``w.<worker>`` the generated step calls.
+* ``transfers``   weights between worker groups (``sync``) and within one (``reshard``).
+* ``checkpoint``  save / resume / latest, atomically, and the manifest checks.
+* ``metrics``     ``metrics.jsonl``, TensorBoard, the progress line, the summary.
+* ``samples``     ``samples.jsonl`` and TensorBoard text.
+* ``hygiene``     Ray's workers run the driver's rlhfc; nothing left behind.
+* ``export``      a checkpoint's model as a Hugging Face folder (``rlhfc export``).
+"""

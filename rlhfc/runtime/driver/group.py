@@ -1,0 +1,153 @@
+"""Worker groups: the single-controller handle the generated step function calls.
+
+``w.<worker>`` in a generated ``step(job, w)`` is a :class:`WorkerGroup`, not a bare Ray actor:
+the driver talks to a group, and the group decides which of its ranks (Ray actors hosting a
+:class:`~rlhfc.runtime.worker.base.ModelWorker`) do the work. Today every group has one rank and is a
+transparent stand-in for its actor. The parallel worker-groups issue (dp > 1) fills in the rest
+without changing the generated code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rlhfc.runtime.errors import JobError
+
+#: How each ``ModelWorker`` method runs on a group of several ranks
+#: (:class:`~rlhfc.runtime.worker.fsdp.DataParallelWorker`, which shards the model with FSDP2, or
+#: :class:`~rlhfc.runtime.worker.megatron.MegatronWorker`, megatron-core's dp × tp × pp ranks):
+#:
+#: * ``split`` — every rank gets the call and computes its contiguous share of the rollout's rows (under
+#:   megatron, one rank per data-parallel share answers and the others give None); the group joins the
+#:   results in row order.
+#: * ``all`` — every rank takes part (training, generation, gathering or loading weights are
+#:   collectives of the group); the group answers with rank 0's result once every rank is done.
+#: * ``stream`` — every rank takes part; rank 0 streams the chunks (it samples every row).
+#:
+#: The collective transfer methods (``sync_open``, ``sync_join``, ``sync_send``, ``sync_recv``)
+#: are refused on dp > 1 groups: a sync's process group would span the sender's rank 0 and every
+#: receiving rank, which is not built yet (object-store syncs work).
+DP_RULES: dict[str, str] = {
+    "logprobs": "split", "values": "split", "score": "split",
+    "generate": "all", "train": "all", "ready": "all", "load": "all", "save": "all", "set_weights": "all",
+    "get_weights": "all", "sync_import": "all", "sync_export": "all", "set_version": "all",
+    "get_version": "all", "reshard": "all",
+    "generate_chunks": "stream",
+}
+
+
+class WorkerGroup:
+    """The ranks (Ray actor handles) that host one model on one mesh, called as one worker.
+
+    **Now (one rank).** Every method call goes to rank 0 unchanged: ``group.train`` *is* rank 0's
+    actor method, so ``group.train.remote(...)`` returns the same ``ObjectRef`` (and
+    ``group.generate_chunks.remote(...)`` the same streaming generator) as the actor would, and
+    errors surface exactly as before (``Job.get`` / ``Job.stream`` / ``Job.sync`` name the stage).
+
+    **Data parallel (dp > 1).** A group of ``n`` ranks holds ``n`` data-parallel ranks of one model;
+    :data:`DP_RULES` says how each method runs (split the rows and join them in row order, or have
+    every rank take part and answer with rank 0's result). Either way ``.remote(...)`` returns one
+    ``ObjectRef`` (a small Ray task joins the ranks' results), so the generated code and ``Job`` are
+    the same for every group size. A method with no rule raises a :class:`JobError` naming it.
+
+    Attributes of the group itself (``name``, ``model``, ``ranks``, ``size``, ``kill``) shadow
+    worker methods of the same name; ``ModelWorker`` has none (a test checks it).
+    """
+
+    def __init__(self, name: str, ranks: Sequence[Any], *, model: str | None = None):
+        if not ranks:
+            raise ValueError(f"worker group '{name}' needs at least one rank")
+        self.name = name
+        self.model = model or name
+        self.ranks: list[Any] = list(ranks)
+        self.pending: list = []   # the other ranks' streams of the last streamed call (kept alive)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __getattr__(self, method: str):
+        ranks = self.__dict__.get("ranks")
+        if method.startswith("_") or ranks is None:   # dunders, and lookups before __init__ (copy, pickle)
+            raise AttributeError(method)
+        if len(ranks) == 1:
+            return getattr(ranks[0], method)
+        return _Unsplit(self, method)
+
+    def kill(self, no_restart: bool = True) -> None:
+        """Kill every rank's process (tests use it to simulate a dead worker)."""
+        import ray
+
+        for actor in self.ranks:
+            ray.kill(actor, no_restart=no_restart)
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.name!r}, model={self.model!r}, ranks={len(self.ranks)})"
+
+
+class _Unsplit:
+    """A worker method of a group with more than one rank."""
+
+    def __init__(self, group: WorkerGroup, method: str):
+        self.group, self.method = group, method
+
+    def remote(self, *args, **kwargs):
+        rule = DP_RULES.get(self.method)
+        if rule is None:
+            raise self.error()
+        import ray
+
+        if rule == "stream":
+            streams = [getattr(r, self.method).remote(*args, **kwargs) for r in self.group.ranks]
+            self.group.pending = streams[1:]   # the other ranks' (empty) streams: keep them alive
+            return streams[0]
+        refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.group.ranks]
+        # the refs travel inside a list, so the task gets them unresolved and fails as soon as one rank fails
+        return _gather(ray).remote(self.group.name, rule, refs)
+
+    def options(self, **kwargs):
+        return self
+
+    def error(self) -> JobError:
+        return JobError(f"worker group '{self.group.name}' has {self.group.size} ranks, but '{self.method}' "
+                        "cannot run on a data-parallel group yet",
+                        "collective weight syncs need one rank per group: use realloc{transport=object_store}")
+
+
+class RankFailed(RuntimeError):
+    """One rank of a worker group died or raised; the message names the group and the rank."""
+
+
+_TASKS: dict = {}
+
+
+def _gather(ray):
+    """A Ray task that waits for every rank of a call and answers for the group: the ranks' forward
+    results joined in row order (``split``), or rank 0's result (``all``). It fails as soon as one rank
+    fails, naming it — the other ranks may be blocked in a collective with the failed one."""
+    if "gather" not in _TASKS:
+        def gather(group: str, rule: str, refs: list):
+            from rlhfc.runtime.worker.fsdp import join
+
+            results: list = [None] * len(refs)
+            where = {ref: i for i, ref in enumerate(refs)}
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                for ref in ready:
+                    rank = where[ref]
+                    try:
+                        results[rank] = ray.get(ref)
+                    except ray.exceptions.RayActorError as exc:
+                        raise RankFailed(f"rank {rank} of worker group '{group}' died ({type(exc).__name__})") from None
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = getattr(exc, "cause", None) or exc
+                        raise RankFailed(f"rank {rank} of worker group '{group}' failed: "
+                                         f"{type(cause).__name__}: {cause}") from None
+            if rule == "split":
+                # ranks that hold no share (megatron's other tensor-parallel ranks and stages) give None
+                return join([r for r in results if r is not None])
+            return results[0]
+
+        _TASKS["gather"] = ray.remote(num_cpus=0)(gather)
+    return _TASKS["gather"]
