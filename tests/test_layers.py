@@ -41,7 +41,7 @@ ALLOWED = {
 }
 #: plan annotation keys: only rlhfc/ir/plan.py reads or writes them on a stage or module
 PLAN_KEYS = ("mesh", "parallel", "microbatches", "recompute", "overlap", "stream", "stream_from", "overcommit",
-             "unpad", "logprobs", "strategy")
+             "unpad", "logprobs", "strategy", "threads", "refit_mb", "gpu_memory", "changes_training", "engine")
 MAX_LINES = 500
 
 
@@ -182,3 +182,39 @@ def test_the_runtime_map_lists_every_sub_package():
     subs = {p.name for p in (PKG / "runtime").iterdir() if (p / "__init__.py").is_file()}
     assert subs == set(RUNTIME_ORDER), subs
     assert all(f"``{s}``" in rt.__doc__ for s in subs)
+
+
+#: the registries and the engines' own modules, where an engine may be named; elsewhere the code asks the
+#: registered traits (rlhfc.contract.engines)
+ENGINE_MODULES = ("rlhfc/contract/engines.py", "rlhfc/runtime/rollout/vllm.py", "rlhfc/runtime/worker/fsdp.py",
+                  "rlhfc/runtime/worker/megatron.py", "rlhfc/runtime/models/megatron.py",
+                  "rlhfc/runtime/models/megatron_convert.py", "rlhfc/calibrate/vllm_engine.py", "rlhfc/cost/engine.py")
+#: the most comparisons against an engine's name allowed outside them (issue #35's target)
+MAX_ENGINE_NAME_COMPARISONS = 10
+
+
+def engine_name_comparisons() -> list[str]:
+    """``x == "vllm"``, ``t in ("torch", "megatron")`` and the like, outside :data:`ENGINE_MODULES`."""
+    from rlhfc.contract.engines import rollout_engines, train_backends
+
+    names = set(rollout_engines()) | set(train_backends())
+    hits = []
+    for _, path, _ in _modules():
+        rel = str(path.relative_to(PKG.parent))
+        if rel in ENGINE_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = [x.value for x in sides if isinstance(x, ast.Constant)]
+            consts += [e.value for x in sides if isinstance(x, (ast.Tuple, ast.List, ast.Set)) for e in x.elts
+                       if isinstance(e, ast.Constant)]
+            if any(c in names for c in consts if isinstance(c, str)):
+                hits.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_engines_are_asked_by_traits_not_by_name():
+    hits = engine_name_comparisons()
+    assert len(hits) <= MAX_ENGINE_NAME_COMPARISONS, "compare traits, not engine names:\n" + "\n".join(hits)

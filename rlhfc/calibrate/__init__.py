@@ -53,7 +53,7 @@ def _set_passive_waits() -> None:
     """Idle OpenMP threads sleep instead of spinning, so a busy co-tenant on a small machine does not turn
     2-thread kernels into 10-100x slower ones (the same setting makes measurements repeatable). OpenMP reads
     it once, so it only matters before torch is first imported (``rlhfc profile`` on the command line)."""
-    if "torch" not in sys.modules:
+    if sys.modules.get("torch") is None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

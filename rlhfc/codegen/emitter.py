@@ -180,7 +180,7 @@ class PythonEmitter:
 
     def refit(self, s: Stage) -> list[str]:
         """``refit_mb=N`` for a generate whose vLLM engine refits in buckets of N MiB (the realloc pass)."""
-        n = s.annotations.get("refit_mb") if s.op == "generate" else None
+        n = plan.refit_mb(s) if s.op == "generate" else None
         return [f"refit_mb={n}"] if n is not None else []
 
     def stage_line(self, s: Stage) -> str:

@@ -79,8 +79,8 @@ def placement(module: Module) -> contract.PlacementPlan:
 def _gpu_memory(module: Module, model: str) -> float | None:
     """The share of its GPU a worker's CUDA rollout engine starts with: the most its generate stages were
     marked (``gpu_memory = f``: rlhfc.passes.engine.set_gpu_memory), else None."""
-    shares = [float(s.annotations["gpu_memory"]) for s in module.graph.stages
-              if s.op == "generate" and s.target == model and "gpu_memory" in s.annotations]
+    shares = [plan.gpu_memory(s) for s in module.graph.stages
+              if s.op == "generate" and s.target == model and plan.gpu_memory(s) is not None]
     return max(shares) if shares else None
 
 

@@ -85,7 +85,7 @@ def _evaluate(cm: CostModel, st, layouts: list[Layout], backend: str) -> dict[st
         out = _evaluate_jax(inp, cm.dispatch, len(layouts))
     else:
         raise ValueError(f"unknown backend {backend!r}: use numpy or jax")
-    if inp.family == "generate" and cm.engine(st) == "vllm":   # the refit and engine memory, as stage_cost
+    if inp.family == "generate" and cm.own_weights(st):   # the refit and engine memory, as stage_cost
         from .engine import add_refit_batched
 
         add_refit_batched(cm, st, cm.module.models[st.target], out, layouts)

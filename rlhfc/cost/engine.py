@@ -144,11 +144,6 @@ def gpu_kv_bytes(cm, model, fraction: float) -> float:
     return max(0.0, fraction * cm.spec.memory - copy - VLLM_GPU_OVERHEAD_BYTES)
 
 
-#: the generate stage annotation that records a CUDA engine's ``gpu_memory_utilization`` (set by
-#: :func:`rlhfc.passes.engine.set_gpu_memory`; the runtime passes it to ``vllm.LLM``)
-GPU_MEMORY_KEY = "gpu_memory"
-
-
 def gpu_fraction(cm, model, dp: int | None = None) -> float:
     """``gpu_memory_utilization`` for the CUDA vLLM engine of ``model``: what it needs — its weight copy, KV
     cache for every row of one rank's share of its largest generate stage at prompt + ``max_new_tokens``
@@ -161,7 +156,7 @@ def gpu_fraction(cm, model, dp: int | None = None) -> float:
     from .arrays import arch_numbers
 
     gens = [s for s in cm.module.graph.stages if s.op == "generate" and s.target == model.name]
-    marked = [float(s.annotations[GPU_MEMORY_KEY]) for s in gens if GPU_MEMORY_KEY in s.annotations]
+    marked = [plan.gpu_memory(s) for s in gens if plan.gpu_memory(s) is not None]   # passes.engine.set_gpu_memory
     if marked and dp is None:
         return max(marked)
     arch = arch_numbers(model)
@@ -256,7 +251,7 @@ def add_refit(cm, stage, model, first: dict, summary: dict) -> None:
     the engine's awake footprint to its transient memory: :func:`engine_bytes`)."""
     summary["engine"], summary["engine_source"] = "vllm", vllm_work(cm, stage, model)[2]
     if model.trainable:
-        bucket = stage.annotations.get("refit_mb", 64)   # the realloc pass's, else the runtime's default
+        bucket = plan.refit_mb(stage) or 64   # the realloc pass's, else the runtime's default
         # every rank's engine holds the whole model, whatever the trainer's layout: it loads all of it
         first["refit"], summary["refit_source"] = refit_seconds(cm, model, full_bytes(cm, model), bucket)
         first["total"] += first["refit"]
@@ -272,7 +267,7 @@ def add_refit_batched(cm, stage, model, out: dict, layouts=None) -> None:
     engine's awake footprint, as the per-stage price has (on GPUs each candidate's: its ``dp`` sets the rows
     a rank's engine holds KV cache for, :func:`gpu_fraction`)."""
     if model.trainable:
-        bucket = stage.annotations.get("refit_mb", 64)
+        bucket = plan.refit_mb(stage) or 64
         refit = refit_seconds(cm, model, full_bytes(cm, model), bucket)[0]   # the whole model on every rank
         out["total"] = np.asarray(out["total"], dtype=np.float64) + refit
     if cm.spec.is_cpu or not layouts:
@@ -335,7 +330,7 @@ def reusable_forwards(module, gens: list) -> list:
 def torch_extras(cm, stage, model, work: dict) -> dict:
     """A torch-engine generate's ``lp`` (fraction its kept log-probs add) and ``chunk_s`` (seconds its
     streamed chunks add), from the profile (see the module docstring); {} without a profile or on vLLM."""
-    if cm.profile is None or cm.engine(stage) == "vllm":
+    if cm.profile is None or cm.own_weights(stage):
         return {}
     key, chunk = model_key(model), plan.stream_chunk(stage)
     lp = cm.profile.fit(key, "generate_logprobs") if plan.flag(stage, "logprobs") else None

@@ -225,7 +225,7 @@ def unfittable(module: Module, sink: DiagnosticSink, config: CostConfig | None =
             best = need if best is None else min(best, need)
         if best is not None and best > cap:
             bad.append(st.name)
-            on_vllm = st.op == "generate" and cm.engine(st) == "vllm"
+            on_vllm = st.op == "generate" and cm.own_weights(st)
             sink.error(f"stage %{st.name} fits no plan: even over all {n} devices with the least memory "
                        f"(sharded, 8 micro-batches{', full recompute' if st.op == 'train' else ''}) it needs "
                        f"{_size(best)} per device but a device has {_size(cap)}", where(st),

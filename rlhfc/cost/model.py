@@ -1,5 +1,8 @@
 """Per-stage time and memory of an annotated IR: :class:`CostModel`.
 
+Why this file is long: it is the one cost model class — what each stage computes, where, and at what price —
+and its methods share the model's state (profile, hardware, per-stage caches).
+
 For every stage the model works out *what* it computes (rows, prompt and
 response lengths, the response-length distribution, epochs and minibatches)
 from the IR alone, *where* from its annotations (:mod:`rlhfc.ir.plan`),
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, Stage
 
 from . import engine as E
@@ -245,6 +249,11 @@ class CostModel:
         """The rollout engine a generate stage is priced on (the configuration's, else the plan's)."""
         return self.config.engine or plan.stage_engine(self.module, stage)
 
+    def own_weights(self, stage: Stage) -> bool:
+        """Whether the stage's engine holds weights of its own (vLLM): priced with its own fitted rates, its
+        refit and its memory (:mod:`rlhfc.cost.engine`), not the trainer's decode loop."""
+        return rollout_traits(self.engine(stage)).own_weights
+
     def generation_work(self, gen: Stage, micro: int = 1, continuous: bool | None = None) -> dict:
         """Rows, lengths and per-step weights of one wave of a generate stage (see formulas.generate_time).
 
@@ -326,10 +335,11 @@ class CostModel:
     def _packs(self, stage: Stage) -> bool:
         """Whether the stage's worker packs unpadded rows in length groups (torch does; FSDP and megatron
         ranks run one cropped rectangle, every rank making the same calls). Named trainers need no layout."""
-        if self.module.run.trainer in ("torch", "megatron"):
-            return self.module.run.trainer == "torch"
+        run = self.module.run.trainer
+        if run != plan.AUTO and not plan.backend_traits(run).solo:
+            return plan.backend_traits(run).packs_rows
         trainer, _ = plan.worker_layout(self.module, stage.target, plan.stage_mesh(self.module, stage))
-        return trainer == "torch"
+        return plan.backend_traits(trainer).packs_rows
 
     def _processes(self, stage: Stage, layout: Layout):
         """The (dp, tp, pp) processes that run ``stage`` under ``layout`` on a CPU cluster, or None for one
@@ -338,7 +348,7 @@ class CostModel:
         decoded by rank 0 alone (one process on one core)."""
         fixed = plan.fixed_layout(self.module.models.get(stage.target or ""))
         par = fixed or plan.Parallel(layout.dp, layout.tp, layout.pp)
-        if plan.resolve_trainer(self.module.run.trainer, par) == "torch":
+        if not plan.backend_traits(plan.resolve_trainer(self.module.run.trainer, par)).dims:
             return None
         if stage.op == "generate":
             return plan.Parallel(1, 1, 1) if plan.stream(stage) is not None else plan.Parallel(par.size, 1, 1)
@@ -413,7 +423,7 @@ class CostModel:
             micro = {l.microbatches for l in layouts}
             if len(micro) > 1:
                 raise ValueError("price_inputs: generate layouts must share one microbatches value")
-            work = dict(self.generation_work(stage, micro.pop())) if self.engine(stage) != "vllm" else \
+            work = dict(self.generation_work(stage, micro.pop())) if not self.own_weights(stage) else \
                 E.vllm_inputs(self, stage, model, lay)   # continuous batching, waves of what vLLM runs at once
             if rows is not None:
                 work["rows"] = float(rows)
@@ -431,7 +441,7 @@ class CostModel:
                                 rc_seconds=float(traced.seconds or 0.0))
                     lay["rc"] = 0.0 * lay["rc"]
         fit = _fit(model, family)
-        if family == "generate" and self.engine(stage) == "vllm":   # its own fit, else the torch rates (assumed)
+        if family == "generate" and self.own_weights(stage):   # its own fit, else the torch rates (assumed)
             fit = E.vllm_fit(self, model, fit)
         grid = _fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
@@ -451,7 +461,7 @@ class CostModel:
                        "decode_rows": work["decode_rows"], "useful_tokens": work["useful_tokens"],
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
-            if self.engine(stage) == "vllm":   # its source; the refit of a trained model's new weights first
+            if self.own_weights(stage):   # its source; the refit of a trained model's new weights first
                 E.add_refit(self, stage, model, first, summary)
         else:
             rc = 0 if "rc_kept" in work else RECOMPUTE_POLICIES.index(layout.recompute)

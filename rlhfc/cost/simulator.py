@@ -144,7 +144,7 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
                 covered.add(dest)
                 if plan.is_reshard(cm.module, sy):   # the group gathers its pieces into full copies
                     trainer, par = plan.worker_layout(cm.module, name, mesh)
-                    held = 1.0 / (par.size if trainer == "fsdp" else par.tp * par.pp)
+                    held = plan.backend_traits(trainer).held_fraction(par.dp, par.tp, par.pp)
                     carried[sy.name] = carried.get(sy.name, 0.0) + reshard_time(
                         nbytes, held, float(sy.attrs.get("bucket_mb", 64)), src, cm.spec, per_node)
                     sync_devices[sy.name] = list(src.devices)
@@ -335,7 +335,7 @@ def resident_bytes(module: Module, costs: dict, n: int, cm: CostModel | None = N
 
         for s in module.graph.stages:
             if s.op == "generate" and s.target in module.models and costs[s.name].layout is not None \
-                    and cm.engine(s) == "vllm":
+                    and cm.own_weights(s):
                 held = engine_bytes(cm, module.models[s.target])["resident"]
                 if held:
                     engines[s.name] = (costs[s.name].layout, f"@{s.target} vllm engine", held)

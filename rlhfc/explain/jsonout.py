@@ -21,6 +21,7 @@ import json
 
 import numpy as np
 
+from rlhfc.ir import plan
 from rlhfc.ir.plan import overlap_group, stream_chunk
 
 from .report import Report, worker_rows
@@ -78,7 +79,7 @@ def report_dict(report: Report) -> dict:
         "device": {"name": spec.name, "rates_from": spec.source, "peak_flops": spec.peak_flops,
                    "memory_bandwidth": spec.hbm_bw, "memory_bytes": spec.memory},
         "profile": report.cost_model.profile.path if report.cost_model.profile else None,
-        "changes_training": list(report.module.annotations.get("changes_training") or []),
+        "changes_training": plan.changes_training(report.module),
         "predicted_step_time_s": sim.step_time_s, "steps_simulated": sim.steps, "makespan_s": sim.makespan_s,
         "stages": stages, "devices": devices, "workers": worker_rows(m),
         "timeline": [{"stage": t.stage, "step": t.step, "start_s": t.start, "end_s": t.end,

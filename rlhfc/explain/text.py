@@ -138,7 +138,7 @@ def render_text(report: Report) -> str:
             f"({sim.steps} steps simulated; {samples} samples per step)"]
     if report.search:
         head.append(search_summary(report))
-    changed = m.annotations.get("changes_training") or []
+    changed = plan.changes_training(m)
     if changed:
         head.append(f"note: {', '.join(changed)} changes what the job trains on (not an exact optimisation: "
                     "-O2 and below never do this)")

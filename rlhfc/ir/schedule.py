@@ -216,8 +216,8 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
         beside = {v.name for f, v in on if v.name != w.name and mine & set(v.devices)
                   and f.name not in e.after and e.name not in f.after}
         out[e.name] = w.threads if w.ranks > 1 else max(1, w.threads // (1 + len(beside)))
-        cap = e.stage.annotations.get("threads")   # the threads pass: fewer measured faster
-        if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 and w.ranks == 1:
+        cap = plan.threads_cap(e.stage)   # the threads pass: fewer measured faster
+        if cap is not None and w.ranks == 1:
             out[e.name] = min(out[e.name], cap)
     return out
 

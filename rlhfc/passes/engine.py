@@ -145,10 +145,10 @@ def set_gpu_memory(module: Module, config=None) -> Module:
     ``run`` and ``explain`` call it after the passes at every level (:func:`rlhfc.cli.optimise.optimise`); on a
     CPU cluster, or with no stage on vLLM, it changes nothing. Idempotent."""
     from rlhfc.cost import CostConfig, CostModel
-    from rlhfc.cost.engine import GPU_MEMORY_KEY, gpu_fraction
+    from rlhfc.cost.engine import gpu_fraction
 
     for s in module.graph.stages:
-        s.annotations.pop(GPU_MEMORY_KEY, None)
+        plan.set_gpu_memory(s, None)
     if module.cluster.device == "cpu":
         return module
     gens = [s for s in module.graph.stages
@@ -158,6 +158,6 @@ def set_gpu_memory(module: Module, config=None) -> Module:
     cm = CostModel(module, config or CostConfig())
     share = {name: gpu_fraction(cm, module.models[name]) for name in dict.fromkeys(s.target for s in gens)}
     for s in gens:
-        s.annotations[GPU_MEMORY_KEY] = share[s.target]
+        plan.set_gpu_memory(s, share[s.target])
     return module
 

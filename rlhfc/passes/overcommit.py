@@ -55,8 +55,5 @@ class Overcommit(Pass):
             gen.annotations[oc.key] = oc.print()
             changed = True
         if changed:
-            notes = list(module.annotations.get("changes_training", []))
-            if "overcommit" not in notes:
-                notes.append("overcommit")
-            module.annotations["changes_training"] = notes
+            plan.note_changes_training(module, "overcommit")
         return module

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, Stage, Value, ValueType
-from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, stage_engine, stage_mesh, worker_ranks
+from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, set_refit_mb, stage_engine, stage_mesh, worker_ranks
 
 from .base import Pass, register_pass
 
@@ -95,9 +95,9 @@ class Realloc(Pass):
                 g.insert(at, sync)
                 at += 1
         for s in g.stages:
-            s.annotations.pop("refit_mb", None)
+            set_refit_mb(s, None)
             if s.op == "generate" and rollout_traits(stage_engine(module, s)).own_weights and \
                     any(t.op == "train" and t.target == s.target for t in g.stages):
-                s.annotations["refit_mb"] = self.refit_mb
+                set_refit_mb(s, self.refit_mb)
         module.refresh_versions()
         return module

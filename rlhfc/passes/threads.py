@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, CostModel, ProfileError, load_profile
 from rlhfc.cost.threads import stage_speedup
-from rlhfc.ir import Module
+from rlhfc.ir import Module, plan
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.schedule import stage_threads
 
@@ -32,7 +32,6 @@ from .base import Pass, register_pass
 #: repetitions of one point scatter by a few per cent, and a smaller gain is inside that
 MIN_GAIN = 0.05
 
-KEY = "threads"
 
 
 @register_pass
@@ -47,7 +46,7 @@ class ThreadsPass(Pass):
 
     def run(self, module: Module) -> Module:
         for s in module.graph.stages:
-            s.annotations.pop(KEY, None)
+            plan.set_threads_cap(s, None)
         if module.cluster.device != "cpu" or not self.profile:
             return module
         try:
@@ -63,5 +62,5 @@ class ThreadsPass(Pass):
             top = min(n, len(speed))
             best = max(range(1, top + 1), key=lambda k: (speed[k - 1], -k))
             if best < n and speed[best - 1] > speed[top - 1] * (1 + MIN_GAIN):
-                stage.annotations[KEY] = best
+                plan.set_threads_cap(stage, best)
         return module

@@ -19,8 +19,16 @@ the functions here, so no two of them can disagree about a default.
 | ``overcommit``        | generate           | :class:`Overcommit`           |
 | ``unpad``             | generate, train    | bool                          |
 | ``logprobs``          | generate           | bool                          |
-| ``engine``            | generate           | ``"vllm"`` (``rollout = auto``'s choice; absent = torch) |
+| ``engine``            | generate           | a registered engine with ``auto`` traits (``rollout = auto``'s choice; absent = the default) |
+| ``refit_mb``          | generate           | int >= 1 (an own-weights engine's refit bucket, MiB) |
+| ``gpu_memory``        | generate           | float in (0, 1] (a CUDA engine's share of its GPU) |
+| ``threads``           | CPU worker stages  | int >= 1 (the ``threads`` pass's cap)          |
 | ``strategy`` (module) | module             | one of :data:`STRATEGIES`     |
+| ``changes_training`` (module) | module     | list of notes (passes that change what trains) |
+
+Each is read and written through the functions here (``threads_cap``, ``refit_mb``, ``gpu_memory``,
+``changes_training`` and their setters); a malformed value is a located error of the verifier
+(:func:`verify_plan`), and its reader gives the default.
 
 A model's fixed layout (the program's ``layout(...)`` clause, ``Model.layout``) is read as a
 :class:`Parallel` by :func:`fixed_layout`; the trainer and layout each worker runs come from
@@ -46,7 +54,8 @@ from .attrs import (AUTO, LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLI
 from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
 from .rollout import ENGINE_KEY, auto_engine, engine_problem, head_problem, installed, model_engine, stage_engine, verify_rollout
-from .rules import (Worker, backend_traits, device_shares, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
+from .rules import (Worker, backend_traits, changes_training, device_shares, gpu_memory, note_changes_training,
+                    refit_mb, set_gpu_memory, set_refit_mb, set_threads_cap, threads_cap, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
@@ -56,7 +65,8 @@ from .rules import (Worker, backend_traits, device_shares, fixed_layout, flag, h
 __all__ = [
     "BASELINES", "placement_problem", "unset",
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
-    "AUTO", "LAYOUT_FACTORS", "backend_traits", "fixed_layout", "planned_layout", "resolve_trainer", "worker_layout",
+    "AUTO", "LAYOUT_FACTORS", "backend_traits", "fixed_layout", "changes_training", "gpu_memory",
+    "note_changes_training", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
     "verify_rollout", "auto_engine", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",

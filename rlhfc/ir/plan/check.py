@@ -23,6 +23,10 @@ def verify_plan(module: Module, sink: DiagnosticSink) -> None:
     if s is not None and s not in STRATEGIES:
         sink.error(f"module annotation strategy must be one of {', '.join(STRATEGIES)}, got {describe(s)}",
                    None, f'write strategy = "{STRATEGIES[0]}" (or remove it)')
+    notes = module.annotations.get("changes_training")
+    if notes is not None and not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        sink.error(f"module annotation changes_training must be a list of pass names, got {describe(notes)}", None,
+                   'write changes_training = ["overcommit"] (or remove it)')
     total = module.cluster.num_devices if _is_int(module.cluster.num_devices) else None
     for stage in module.graph.stages:
         if stage.outputs and stage.annotations:

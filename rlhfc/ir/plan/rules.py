@@ -92,6 +92,59 @@ def microbatches(stage: Stage) -> int:
     return m if _is_int(m) and m >= 1 else 1
 
 
+def threads_cap(stage: Stage) -> int | None:
+    """The ``threads`` pass's cap on the torch threads a CPU stage runs with (None: no cap, or malformed)."""
+    n = stage.annotations.get("threads")
+    return n if _is_int(n) and n >= 1 else None
+
+
+def set_threads_cap(stage: Stage, n: int | None) -> None:
+    if n is None:
+        stage.annotations.pop("threads", None)
+    else:
+        stage.annotations["threads"] = int(n)
+
+
+def refit_mb(stage: Stage) -> int | None:
+    """The refit bucket size (MiB) the ``realloc`` pass gave a generate stage whose engine holds its own weights
+    (None: not marked, or malformed; the runtime's default is 64)."""
+    n = stage.annotations.get("refit_mb")
+    return n if _is_int(n) and n >= 1 else None
+
+
+def set_refit_mb(stage: Stage, mb: int | None) -> None:
+    if mb is None:
+        stage.annotations.pop("refit_mb", None)
+    else:
+        stage.annotations["refit_mb"] = int(mb)
+
+
+def gpu_memory(stage: Stage) -> float | None:
+    """The share of its GPU a CUDA rollout engine starts with (``gpu_memory``; None: not marked, or malformed)."""
+    f = stage.annotations.get("gpu_memory")
+    ok = isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1
+    return float(f) if ok else None
+
+
+def set_gpu_memory(stage: Stage, share: float | None) -> None:
+    if share is None:
+        stage.annotations.pop("gpu_memory", None)
+    else:
+        stage.annotations["gpu_memory"] = float(share)
+
+
+def changes_training(module: Module) -> list[str]:
+    """The notes of the passes that change what the job trains on (module annotation ``changes_training``)."""
+    notes = module.annotations.get("changes_training")
+    return [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
+
+
+def note_changes_training(module: Module, note: str) -> None:
+    notes = changes_training(module)
+    if note not in notes:
+        module.annotations["changes_training"] = notes + [note]
+
+
 def strategy(module: Module) -> str | None:
     s = module.annotations.get("strategy")
     return s if s in STRATEGIES else None
