@@ -27,6 +27,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from rlhfc.contract import rules
+
 DEFAULT_LONG_TAIL = (0.25, 1.0)
 
 
@@ -161,9 +163,9 @@ class PromptLengths:
         return float(self.hi - below)
 
 
-#: what one more length group costs the torch trainer, in computed tokens (a call's fixed overhead); the
-#: runtime's grouping uses the same figure (``rlhfc.runtime.train.packing.GROUP_COST_TOKENS``)
-GROUP_COST_TOKENS = 128
+#: what one more length group costs the torch trainer, in computed tokens (a call's fixed overhead): the
+#: contract's rule, which the runtime's grouping follows
+GROUP_COST_TOKENS = rules.GROUP_COST_TOKENS
 
 
 def packed_tokens(dist: LengthDist, prompts: PromptLengths, rows: int,

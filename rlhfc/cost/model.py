@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rlhfc.contract.rules import DECODE_COMPACT_FRACTION
 from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, Stage
 
@@ -45,9 +46,9 @@ from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the 
 from .threads import model_speedup
 from .shared import shared_cache
 
-#: the torch engine drops finished rows from the decode batch once a quarter of it has finished, so a decode
-#: step carries, on average, about an eighth more rows than are live (between none and a quarter)
-COMPACT_OVERHANG = 1.125
+#: the torch engine drops finished rows from the decode batch once a quarter of it has finished (the contract's
+#: DECODE_COMPACT_FRACTION), so a decode step carries, on average, half that fraction more rows than are live
+COMPACT_OVERHANG = 1.0 + DECODE_COMPACT_FRACTION / 2
 
 #: fixed per-call cost of a remote stage (Ray call + moving its arguments), by cluster kind
 DISPATCH_S = {"cpu": 0.002, "gpu": 0.01}

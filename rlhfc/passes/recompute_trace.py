@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from rlhfc.contract.rules import op_key
+
 from .trace_cache import BUNDLED, RawOp, bundled_keys, load, monomials, primes_above, save, value_at
 
 #: tiny proxy shapes whose dimensions are all distinct: a captured block input's dims map back by size
@@ -241,7 +243,7 @@ def _priced(arch, rows, seq, hidden, dtype, ops, autograd, flops_per_s, bytes_pe
         moved = moved if fresh else 0.0   # a view moves nothing
         kind = op_kind(target, flops, fresh)
         seconds = _seconds(kind, flops, moved, flops_per_s, bytes_per_s, dict(kind_bw), op_s)
-        nodes.append(OpNode(name, f"{target[5:]}#{k}", fresh, needed, seconds, flops, core, saves, kind, moved))
+        nodes.append(OpNode(name, op_key(target, k), fresh, needed, seconds, flops, core, saves, kind, moved))
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     return BlockTrace(arch, rows, seq, tuple(nodes), autograd, rows * seq * hidden * size,
                       sum(x.seconds for x in nodes))

@@ -25,13 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhfc.contract import rules
+
 POLICIES = ("none", "full", "ops")
 
 
 def op_key(func, k: int) -> str:
-    """``mm.default#3``: the name the plan gives the k-th call (from 0) of aten op ``func`` in a block."""
-    name = str(func)
-    return f"{name[5:] if name.startswith('aten.') else name}#{k}"
+    """``mm.default#3``: the name the plan gives the k-th call (from 0) of aten op ``func`` in a block (the
+    contract's rule, :func:`rlhfc.contract.rules.op_key`, which the recompute pass names them by)."""
+    return rules.op_key(str(func), k)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

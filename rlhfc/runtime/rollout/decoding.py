@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from rlhfc.contract.rules import DECODE_COMPACT_FRACTION
 from rlhfc.runtime.models.build import PolicyModel, position_ids_from_mask
 
 from .sampling import sample_next_token
@@ -222,7 +223,8 @@ def generate_stream(
             return
         live = int((~finished).sum())
         join = waiting[: slots - live] if waiting and (slots - live >= max(1, slots // 4) or live == 0) else []
-        if (compact and int(finished.sum()) >= max(1, len(slot_rows) // 4)) or (join and bool(finished.any())):
+        if (compact and int(finished.sum()) >= max(1, int(len(slot_rows) * DECODE_COMPACT_FRACTION))) or \
+                (join and bool(finished.any())):
             keep = torch.nonzero(~finished).flatten()
             cache.batch_select_indices(keep)
             rows, keys, offset, limit, count, mask, last_pos, token, active, finished = (

@@ -19,12 +19,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from rlhfc.contract import rules
 from rlhfc.runtime.rollout.generation import RolloutBatch
 
-#: the cost of one more group, in computed tokens: a forward call's fixed overhead (kernel launches,
-#: Python) against the work of a token. Measured on a 2-core CPU for 1–25M-parameter models: a call costs
-#: about as much as 64–256 tokens; fewer, wider groups past that gain little.
-GROUP_COST_TOKENS = 128
+#: the cost of one more group, in computed tokens (the contract's rule: the cost model prices the same figure)
+GROUP_COST_TOKENS = rules.GROUP_COST_TOKENS
 
 
 def length_groups(lengths: list[int], group_cost: int = GROUP_COST_TOKENS,
