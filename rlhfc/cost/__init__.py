@@ -26,6 +26,7 @@ from .shared import shared_prices
 from .profile import Profile, ProfileError, default_profile_path, find_default_profile, load_profile, model_key
 from .simulator import SimResult, Task, simulate
 from .sync import sync_time
+from . import baselines  # noqa: F401,E402 - registers the baselines' cost model (CostModel picks it by strategy)
 
 __all__ = [
     "CATALOG", "DeviceSpec", "device_spec", "Layout", "stage_layout", "overlap_group", "stream_chunk",

@@ -31,7 +31,7 @@ import numpy as np
 from rlhfc.ir import Module, Stage, plan
 from rlhfc.ir.plan import BASELINES
 
-from .model import CostModel, StageCost
+from .model import STRATEGY_PRICERS, CostModel, StageCost
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,6 @@ class BaselineCostModel(CostModel):
                 extra += max(0.0, need - held) / _link_bw(self, lay if sysm.reshard == "hybrid_engine" else tl) \
                     + self.spec.latency
         return extra, weights, state
+
+
+STRATEGY_PRICERS["baseline:"] = BaselineCostModel

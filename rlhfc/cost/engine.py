@@ -39,6 +39,7 @@ import numpy as np
 
 from rlhfc.ir import plan
 
+from .arrays import arch_numbers
 from .profile import Profile, fit_relative, model_key, parse_key, transfer_fit
 from .sync import refit_time
 
@@ -122,8 +123,6 @@ def concurrency(cm, model, prompt: float, max_new: float) -> int:
     entry, _ = vllm_entry(cm.profile, model_key(model))
     entry = entry or {}
     seqs = int(entry.get("max_num_seqs") or VLLM_MAX_SEQS)
-    from .arrays import arch_numbers
-
     per_token = float(arch_numbers(model)["kv_tok"]) * cm.spec.bytes_per_param
     if entry.get("kv_tokens"):
         kv_tokens = float(entry["kv_tokens"])
@@ -138,8 +137,6 @@ def concurrency(cm, model, prompt: float, max_new: float) -> int:
 def gpu_kv_bytes(cm, model, fraction: float) -> float:
     """KV-cache bytes a CUDA engine of ``model`` gets from ``gpu_memory_utilization = fraction``: the share
     of the device less its weight copy and :data:`VLLM_GPU_OVERHEAD_BYTES`."""
-    from .arrays import arch_numbers
-
     copy = arch_numbers(model)["N"] * cm.spec.bytes_per_param
     return max(0.0, fraction * cm.spec.memory - copy - VLLM_GPU_OVERHEAD_BYTES)
 
@@ -153,8 +150,6 @@ def gpu_fraction(cm, model, dp: int | None = None) -> float:
     state on the device while the engine generates, and vLLM refuses to start when less than its fraction is free.
     A stage's ``gpu_memory`` annotation, when the compiler set it, is the answer; ``dp`` overrides the stage's
     data-parallel ranks (each rank's engine decodes its share)."""
-    from .arrays import arch_numbers
-
     gens = [s for s in cm.module.graph.stages if s.op == "generate" and s.target == model.name]
     marked = [plan.gpu_memory(s) for s in gens if plan.gpu_memory(s) is not None]   # passes.engine.set_gpu_memory
     if marked and dp is None:
@@ -206,21 +201,6 @@ def predict_refit(nbytes: float, layers: int, bucket_mb: int, spec, per_layer: f
     if per_layer is None:
         per_layer = VLLM_REFIT_LAYER_S["cpu" if spec.is_cpu else "gpu"]
     return float(refit_time(nbytes, bucket_mb, spec) + layers * per_layer)
-
-
-def engine_prices(module, stages, config=None) -> dict[str, float]:
-    """Seconds of ``stages`` (generate stages of one model) on each engine: ``{"torch": s, "vllm": s}``, each
-    under the plan's layouts, vLLM's with its refit when the model is trained."""
-    from dataclasses import replace
-
-    from .model import CostConfig, CostModel
-
-    base = config or CostConfig()
-    out = {}
-    for engine in ("torch", "vllm"):
-        cm = CostModel(module, replace(base, engine=engine))
-        out[engine] = float(sum(cm.stage_cost(s).time_s for s in stages))
-    return out
 
 
 # -- the cost model's hooks (rlhfc.cost.model.CostModel calls these for generate stages on vLLM) ----------
@@ -281,8 +261,6 @@ def add_refit_batched(cm, stage, model, out: dict, layouts=None) -> None:
 
 def full_bytes(cm, model) -> float:
     """Bytes of the whole model in the engine's dtype (what a rank's engine holds and a refit loads)."""
-    from .arrays import arch_numbers
-
     return float(arch_numbers(model)["N"] * cm.spec.bytes_per_param)
 
 
@@ -297,8 +275,6 @@ def engine_bytes(cm, model, dp: int | None = None) -> dict[str, float]:
     while a generate stage runs — then its ``gpu_memory_utilization`` share of the device
     (:func:`gpu_fraction`: its weights copy, the KV cache its rows need and vLLM's overhead), in place of the
     torch decode loop's KV cache."""
-    from .arrays import arch_numbers
-
     arch = arch_numbers(model)
     copy = arch["N"] * cm.spec.bytes_per_param
     if not cm.spec.is_cpu:

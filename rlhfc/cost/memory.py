@@ -22,6 +22,8 @@ from rlhfc.ir import DiagnosticSink, Module, where
 from .batched import candidate_layouts, evaluate
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout
 from .model import CostConfig, CostModel
+from .quick import exclusive_peaks
+from .simulator import simulate
 
 GiB = 1024 ** 3
 
@@ -46,8 +48,6 @@ def memory_issues(module: Module, config: CostConfig | None = None, *, sim=None,
     """Every group of devices whose simulated peak exceeds capacity (one issue per culprit stage).
 
     ``sim``: a :func:`~rlhfc.cost.simulate` result of this module to reuse (else one step is simulated)."""
-    from .simulator import simulate
-
     cm = cost_model or CostModel(module, config)
     result = sim or simulate(module, steps=1, cost_model=cm)
     over = [d for d in result.devices if d.peak_memory_bytes > d.capacity_bytes]
@@ -71,9 +71,6 @@ def fits(module: Module, config: CostConfig | None = None, *, sim=None, cost_mod
     """Whether every device's simulated peak is within its capacity: ``not memory_issues(...)`` without
     building the issues' hints (what a placement search asks of every candidate). On devices that run one
     task at a time the peaks need no timeline (:func:`rlhfc.cost.quick.exclusive_peaks`)."""
-    from .quick import exclusive_peaks
-    from .simulator import simulate
-
     cm = cost_model or CostModel(module, config)
     if sim is None and not cm.spec.is_cpu:
         return all(peak <= cm.spec.memory for peak in exclusive_peaks(module, cm))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rlhfc.contract.rules import DECODE_COMPACT_FRACTION
-from rlhfc.contract.engines import rollout_traits
+from rlhfc.contract.engines import DEFAULT_ROLLOUT, rollout_traits
 from rlhfc.ir import Module, Stage
 
 from . import engine as E
@@ -43,6 +43,7 @@ from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
 from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the formulas' inputs; re-exported)
+from .pricing import PriceInputs, _bound, price  # noqa: F401 - price and PriceInputs re-exported
 from .threads import model_speedup
 from .shared import shared_cache
 
@@ -120,65 +121,18 @@ class StageCost:
         return self.weights_bytes + self.state_bytes + self.transient_bytes
 
 
-@dataclass
-class PriceInputs:
-    """Everything the formulas need to price one stage under one or more layouts."""
-
-    family: str
-    hw: dict
-    arch: dict
-    work: dict
-    lay: dict
-    fit: object
-    opt_fit: object
-    flop_rc: list
-    grid: object = None
-
-
-def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
-    """Time parts and memory per device of a stage for every layout in ``inp.lay`` (arrays)."""
-    f, hw, arch, work, lay = inp.family, inp.hw, inp.arch, inp.work, inp.lay
-    if f == "generate":
-        res = F.generate_time(xp, hw, arch, work, lay, inp.fit)
-        transient = F.generate_cache_bytes(xp, hw, arch, work, lay)
-        state = 0.0 * lay["dp"]
-    elif f == "forward":
-        res = F.forward_time(xp, hw, arch, work, lay, inp.fit, inp.grid)
-        transient = F.forward_activation_bytes(xp, hw, arch, work, lay)
-        state = 0.0 * lay["dp"]
-    else:
-        res = F.train_time(xp, hw, arch, work, lay, inp.fit, inp.opt_fit, inp.grid)
-        if "rc_kept" in work:   # a traced recompute decision: its own bytes and seconds (lay["rc"] is 0)
-            transient = F.traced_train_activation_bytes(xp, hw, arch, work, lay)
-            extra = F.traced_recompute_seconds(xp, arch, work, lay)
-            res = dict(res, total=res["total"] + extra, compute=res["compute"] + extra)
-        else:
-            transient = F.train_activation_bytes(xp, hw, arch, work, lay)
-        state = F.train_state_bytes(xp, hw, arch, lay)
-    out = {k: v for k, v in res.items() if k != "step"}
-    out["total"] = out["total"] + dispatch
-    out["overhead"] = out["overhead"] + dispatch
-    out["weights_bytes"] = F.weights_bytes(xp, hw, arch, lay)
-    out["state_bytes"] = state
-    out["transient_bytes"] = transient + 0.0 * lay["dp"]
-    return out
-
-
-def _bound(parts: dict) -> str:
-    keys = [k for k in ("compute", "memory", "comm", "overhead") if k in parts]
-    if not keys:
-        return ""
-    return max(keys, key=lambda k: parts[k])
+#: cost-model classes by the prefix of a plan's strategy: a module registers its own (rlhfc.cost.baselines:
+#: ``baseline:``), and ``CostModel(module)`` is one of them when the module's strategy has the prefix
+STRATEGY_PRICERS: dict[str, type] = {}
 
 
 class CostModel:
     """Prices the stages of ``module`` (per-stage time, memory per device, generation finish times)."""
 
     def __new__(cls, module: Module, config: CostConfig | None = None):
-        if cls is CostModel and (plan.strategy(module) or "").startswith("baseline:"):
-            from .baselines import BaselineCostModel   # a baseline's plan is priced with its system's terms
-
-            cls = BaselineCostModel
+        if cls is CostModel:   # a baseline's plan is priced with its system's terms (rlhfc.cost.baselines)
+            strategy = plan.strategy(module) or ""
+            cls = next((sub for prefix, sub in STRATEGY_PRICERS.items() if strategy.startswith(prefix)), cls)
         return super().__new__(cls)
 
     def __init__(self, module: Module, config: CostConfig | None = None):
@@ -507,3 +461,15 @@ class CostModel:
 
     def with_config(self, **changes) -> "CostModel":
         return CostModel(self.module, replace(self.config, **changes))
+
+
+def engine_prices(module: Module, stages, config: CostConfig | None = None) -> dict[str, float]:
+    """Seconds of ``stages`` (generate stages of one model) on the default engine and on the one ``rollout =
+    auto`` weighs against it (:func:`rlhfc.ir.plan.auto_engine`), each under the plan's layouts, an engine with
+    its own weights with its refit when the model is trained: ``{"torch": s, "vllm": s}``."""
+    base = config or CostConfig()
+    out = {}
+    for engine in (DEFAULT_ROLLOUT, plan.auto_engine()):
+        cm = CostModel(module, replace(base, engine=engine))
+        out[engine] = float(sum(cm.stage_cost(s).time_s for s in stages))
+    return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from rlhfc.ir import Module
 
-from .memory import fits
 from .model import CostModel
 from .scheduling import _schedule_exclusive, footprints
 from .simulator import _context, _intervals, _runs, resident_bytes, simulate, step_spans
@@ -31,7 +30,7 @@ def search_price(module: Module, cm: CostModel, steps: int) -> tuple[float, bool
     :func:`rlhfc.cost.simulate`'s ``step_time_s`` and ``not memory_issues``, without its statistics."""
     if cm.spec.is_cpu:
         sim = simulate(module, steps=steps, cost_model=cm)
-        return sim.step_time_s, fits(module, sim=sim, cost_model=cm)
+        return sim.step_time_s, not any(d.peak_memory_bytes > d.capacity_bytes for d in sim.devices)
     ctx, _ = _context(module, cm, steps, True)
     tasks = _schedule_exclusive(ctx)
     _, _, step_time = step_spans(tasks, steps)

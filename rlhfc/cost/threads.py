@@ -16,6 +16,7 @@ import numpy as np
 
 from rlhfc.ir import Stage, plan
 
+from .pricing import price
 from .profile import model_key
 
 
@@ -39,8 +40,6 @@ def stage_speedup(cm, stage: Stage, rows: float | None = None) -> tuple | None:
              cm._packs(stage) if not cm.continuous and not stage.op.startswith("generate") else None)
     if cache in cm._cache:
         return cm._cache[cache]
-    from .model import price
-
     counts = prof.thread_counts(model_key(cm.module.models[stage.target]))
     times = {}
     for t in counts:

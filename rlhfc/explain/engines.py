@@ -42,7 +42,7 @@ def engine_notes(module: Module, cm) -> list[str]:
                          "ms a step (priced at the trainer's decoding rates)")
     if module.run.rollout != "auto":
         return notes
-    from rlhfc.cost.engine import engine_prices
+    from rlhfc.cost.model import engine_prices
 
     chosen = {c.model: c for c in getattr(module, "engine_choices", [])}   # the engine pass's own prices, if run
     for name in dict.fromkeys(s.target for s in gens):

@@ -2,7 +2,7 @@
 cost model.
 
 For every model with generate stages the pass prices those stages on rlhfc's torch decode loop and on the
-vLLM engine (:func:`rlhfc.cost.engine.engine_prices`: vLLM's measured speed from the profile — the pass's
+vLLM engine (:func:`rlhfc.cost.model.engine_prices`: vLLM's measured speed from the profile — the pass's
 ``profile`` option (``--profile``), else this machine's default profile that ``rlhfc profile`` saved —, continuous
 batching, its refit when the model is trained; or the documented catalog assumption) and marks the
 model's generate stages ``engine = "vllm"`` when vLLM is cheaper; torch is the unmarked default. Under
@@ -52,7 +52,8 @@ class EngineChoice:
 def choose_engines(module: Module, downstream_names=(), config=None) -> list[EngineChoice]:
     """The choice for every generating model of ``module`` under ``rollout = auto`` (module docstring)."""
     from rlhfc.cost import CostConfig, CostModel
-    from rlhfc.cost.engine import engine_prices, reusable_forwards, unsupported
+    from rlhfc.cost.engine import reusable_forwards, unsupported
+    from rlhfc.cost.model import engine_prices
 
     g = module.graph
     config = config or CostConfig()
