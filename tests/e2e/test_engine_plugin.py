@@ -18,6 +18,20 @@ PLUGIN = os.path.join(HERE, "plugins", "toy_sampler.py")
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(autouse=True)
+def _registry_restored(monkeypatch):
+    """The plugin registers into a copy of the registry and is imported afresh: no later test sees it."""
+    import sys
+
+    from rlhfc.contract import engines
+    from rlhfc.contract.plugins import module_name
+
+    monkeypatch.setattr(engines, "_ROLLOUT", dict(engines._ROLLOUT))
+    sys.modules.pop(module_name(PLUGIN), None)
+    yield
+    sys.modules.pop(module_name(PLUGIN), None)
+
+
 def _program(tmp_path, rollout: str = "toy_sampler") -> str:
     text = open(os.path.join(HERE, "tiny_ppo.rlhf")).read()
     path = tmp_path / "toy.rlhf"
