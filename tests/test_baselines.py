@@ -140,3 +140,26 @@ def test_unknown_baseline_lists_the_names(capsys):
     assert "baseline:dschat, baseline:openrlhf, baseline:verl, baseline:nemo" in err
     with pytest.raises(CompileError):
         optimise(load(str(ROOT / "examples" / "ppo_tiny.rlhf"), [])[0], None, None, placement="baseline:x")
+
+
+@pytest.mark.parametrize("name", ["dschat", "nemo"])
+def test_a_static_batching_baseline_prices_a_vllm_rollout(tmp_path, monkeypatch, name):
+    """A program that asks for ``rollout = vllm`` under a baseline whose own generation batches statically:
+    the vLLM stage is priced with continuous batching (the engine does it, whatever the baseline), and pricing
+    it does not fail (it raised a TypeError: the baseline's ``generation_work`` lacked ``continuous``)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real(n, *a))
+    src = (ROOT / "examples" / "ppo_7b.rlhf").read_text().replace("optimize = O2 }", "optimize = O2; rollout = vllm }")
+    src = src.replace("batch = 512", "batch = 64")   # the engine's KV cache fits beside a co-located trainer
+    path = tmp_path / "vllm.rlhf"
+    path.write_text(src)
+    out = _compile(path, name)
+    cm = BaselineCostModel(out)
+    roll = next(s for s in out.graph.stages if s.op == "generate")
+    assert plan.stage_engine(out, roll) == "vllm"
+    work = cm.stage_cost(roll).work
+    assert cm.generation_work(roll, 1, continuous=True).get("static") is None
+    assert simulate(out).step_time_s > 0
+    assert work

@@ -82,7 +82,6 @@ def measure_fresh_bytes(sizes=FRESH_SIZES, reps: int = 3, resident: int = 256 <<
             fresh = _cpu_time(lambda: torch.mul(x, y), reps)
             reused = _cpu_time(lambda: torch.mul(x, y, out=z), reps)
             out.append([float(n), max(0.0, fresh - reused) / n])
-            del x, y, z
     finally:
         torch.set_num_threads(old)
         del held

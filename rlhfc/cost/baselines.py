@@ -82,9 +82,12 @@ class BaselineCostModel(CostModel):
         if self.system is not None and self.system.static_generation:
             self.continuous = False
 
-    def generation_work(self, gen: Stage, micro: int = 1) -> dict:
-        work = super().generation_work(gen, micro)
-        if self.system is None or not self.system.static_generation or work.get("static"):
+    def generation_work(self, gen: Stage, micro: int = 1, continuous: bool | None = None) -> dict:
+        """The base work; a static-batching baseline keeps every row of a wave in the batch to its end, except
+        where the stage is priced with continuous batching (``continuous=True``: a vLLM engine batches
+        continuously whichever system's plan it runs in)."""
+        work = super().generation_work(gen, micro, continuous)
+        if self.system is None or not self.system.static_generation or work.get("static") or continuous:
             return work
         # static batching: every row of a wave stays in the batch until the wave's longest response ends
         dist, wave = work["dist"], work["rows"]
@@ -95,7 +98,7 @@ class BaselineCostModel(CostModel):
                     expected_steps=float(steps_w.sum()), prompt=float(work["prompt_max"]),
                     kv_tokens=float(wave * (work["prompt_max"] + steps_w.sum())),
                     computed_tokens=float(wave * work["prompt_max"] + row_steps))
-        self._cache[("gen", gen.name, max(1, int(micro)))] = work
+        self._cache[("gen", gen.name, max(1, int(micro)), continuous if continuous is not None else self.continuous)] = work
         return work
 
     def stage_cost(self, stage: Stage, layout=None, rows=None) -> StageCost:

@@ -86,9 +86,7 @@ def _evaluate(cm: CostModel, st, layouts: list[Layout], backend: str) -> dict[st
     else:
         raise ValueError(f"unknown backend {backend!r}: use numpy or jax")
     if inp.family == "generate" and cm.own_weights(st):   # the refit and engine memory, as stage_cost
-        from .engine import add_refit_batched
-
-        add_refit_batched(cm, st, cm.module.models[st.target], out, layouts)
+        cm.add_refit_batched(st, cm.module.models[st.target], out, layouts)
     return out
 
 

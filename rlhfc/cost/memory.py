@@ -15,9 +15,9 @@ it after deciding, and ``rlhfc explain`` reports what it finds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rlhfc.ir import DiagnosticSink, Module, where
+from rlhfc.ir import DiagnosticSink, Module, plan, where
 
 from .batched import candidate_layouts, evaluate
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout
@@ -135,7 +135,7 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
     if suggestion is not None and cost.layout is not None and suggestion[0] == cost.layout:
         suggestion = None
     engines = [k.split()[0] for k in dev.static if k.endswith(" vllm engine")]
-    if engines:   # the vLLM engine's own weights copy and KV-cache reservation (rlhfc.cost.engine.engine_bytes)
+    if engines:   # the vLLM engine's own weights copy and KV-cache reservation (CostModel.engine_bytes)
         parts.append(f"the vLLM engine of {', '.join(engines)} keeps its own copy of the weights and its KV cache "
                      "(VLLM_CPU_KVCACHE_SPACE GiB on CPU) on the device for the whole run: rollout = torch needs "
                      "neither")
@@ -156,10 +156,6 @@ def _hint(cm: CostModel, module: Module, result, stage: str, dev) -> str:
 
 def _recompute_fix(cm: CostModel, module: Module, stage: str, dev) -> str:
     """For a train stage that keeps all its activations: whether recomputing them would make it fit."""
-    from dataclasses import replace
-
-    from rlhfc.ir import plan
-
     st = module.graph.stage(stage)
     if st.op != "train" or plan.recompute_decision(st) is not None:
         return ""

@@ -1,7 +1,8 @@
 """Per-stage time and memory of an annotated IR: :class:`CostModel`.
 
 Why this file is long: it is the one cost model class — what each stage computes, where, and at what price —
-and its methods share the model's state (profile, hardware, per-stage caches).
+and its methods share the model's state (profile, hardware, per-stage caches): a stage's own thread speed-up
+and its price on the vLLM engine are methods too (the engine's rules over numbers: :mod:`rlhfc.cost.engine`).
 
 For every stage the model works out *what* it computes (rows, prompt and
 response lengths, the response-length distribution, epochs and minibatches)
@@ -27,6 +28,7 @@ batching (the active batch shrinks as samples finish) on packed sequences.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -35,16 +37,16 @@ from rlhfc.contract.rules import DECODE_COMPACT_FRACTION
 from rlhfc.contract.engines import DEFAULT_ROLLOUT, rollout_traits
 from rlhfc.ir import Module, Stage
 
-from . import engine as E
 from . import formulas as F
-from .hardware import DeviceSpec, device_spec
+from .hardware import device_spec
 from rlhfc.ir import plan
 from rlhfc.ir.plan import RECOMPUTE_POLICIES, Layout, overcommit_delta
 from .lengths import LengthDist, PromptLengths, packed_tokens, prompt_lengths, response_dist
 from .profile import Profile, model_key
+from .engine import (VLLM_CPU_KV_BYTES, VLLM_GPU_MEMORY_FRACTION, VLLM_GPU_MIN_FRACTION, VLLM_GPU_OVERHEAD_BYTES,
+                     VLLM_MAX_SEQS, VLLM_STEP_S, predict_refit, vllm_entry, vllm_generate_fit)
 from .arrays import arch_numbers, hw_numbers, layout_arrays  # noqa: F401  (the formulas' inputs; re-exported)
 from .pricing import PriceInputs, _bound, price  # noqa: F401 - price and PriceInputs re-exported
-from .threads import model_speedup
 from .shared import shared_cache
 
 #: the torch engine drops finished rows from the decode batch once a quarter of it has finished (the contract's
@@ -326,7 +328,7 @@ class CostModel:
 
     def stage_cost(self, stage: Stage, layout: Layout | None = None, rows: float | None = None) -> StageCost:
         """Price ``stage`` (under ``layout``, default its annotations; ``rows`` overrides the batch: a chunk)."""
-        op, family = stage.op, stage.op.split(".", 1)[0]
+        family = stage.op.split(".", 1)[0]
         model = self.module.models.get(stage.target or "") if family in ("generate", "forward", "train") else None
         on_mesh = model is not None or (family in ("sync", "offload", "onload") and stage.target in self.module.models)
         if on_mesh and layout is None:
@@ -364,14 +366,14 @@ class CostModel:
     def price_inputs(self, stage: Stage, layouts: list[Layout], rows: float | None = None,
                      threads: int | None = None) -> PriceInputs:
         """The formulas' inputs for ``stage`` under each of ``layouts`` (a model stage); ``threads``: with the
-        profile's fits timed at that many threads, unscaled (:func:`rlhfc.cost.threads.stage_speedup`)."""
+        profile's fits timed at that many threads, unscaled (:meth:`stage_speedup`)."""
         model = self.module.models[stage.target]
         family = stage.op.split(".", 1)[0]
         key = model_key(model)
         prof_threads = self.profile.model_threads(key) if self.profile is not None and threads is None else None
         lay = layout_arrays(layouts, self.spec, self.cluster.per_node, prof_threads,
                             [self._processes(stage, l) for l in layouts] if self.spec.is_cpu else None,
-                            model_speedup(self, stage))
+                            self.model_speedup(stage))
         _fit = self._fit if threads is None else (lambda m, prim: self.profile.fit_at(key, prim, threads))
         opt_fit = None
         if family == "generate":
@@ -379,10 +381,10 @@ class CostModel:
             if len(micro) > 1:
                 raise ValueError("price_inputs: generate layouts must share one microbatches value")
             work = dict(self.generation_work(stage, micro.pop())) if not self.own_weights(stage) else \
-                E.vllm_inputs(self, stage, model, lay)   # continuous batching, waves of what vLLM runs at once
+                self._vllm_inputs(stage, model, lay)   # continuous batching, waves of what vLLM runs at once
             if rows is not None:
                 work["rows"] = float(rows)
-            work.update(E.torch_extras(self, stage, model, work))
+            work.update(self._torch_extras(stage, model, work))
         else:
             work = self.sequence_work(stage, rows)
             if family == "train":
@@ -397,7 +399,7 @@ class CostModel:
                     lay["rc"] = 0.0 * lay["rc"]
         fit = _fit(model, family)
         if family == "generate" and self.own_weights(stage):   # its own fit, else the torch rates (assumed)
-            fit = E.vllm_fit(self, model, fit)
+            fit = self._vllm_fit(model, fit)
         grid = _fit(model, family + "_grid") if fit is not None and family in ("forward", "train") else None
         return PriceInputs(family, hw_numbers(self.spec), arch_numbers(model), work, lay, fit, opt_fit,
                            [l.recompute for l in layouts], grid)
@@ -417,7 +419,7 @@ class CostModel:
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
             if self.own_weights(stage):   # its source; the refit of a trained model's new weights first
-                E.add_refit(self, stage, model, first, summary)
+                self._add_refit(stage, model, first, summary)
         else:
             rc = 0 if "rc_kept" in work else RECOMPUTE_POLICIES.index(layout.recompute)
             factor = 1.0 if inp.family == "forward" else F.TRAIN_FLOP_FACTOR[rc] * work["epochs"]
@@ -455,6 +457,211 @@ class CostModel:
         within = [prefill + decode * x for x in at]
         out = [j * total + x for j in range(waves) for x in within]
         return tuple(float(x) for x in out[: int(work["batch"])])
+
+    # -- a stage's own thread speed-up on a CPU cluster ----------------------------------------------
+    def model_speedup(self, stage: Stage) -> tuple | None:
+        """The stage's model's measured speed-up for its primitive over the grid (one table per model, what the
+        layout arrays scale candidate meshes' thread counts with); None off a CPU or without 1-thread points."""
+        if self.profile is None or not self.spec.is_cpu or stage.target not in self.module.models:
+            return None
+        return self.profile.thread_speedup(model_key(self.module.models[stage.target]), stage.op.split(".")[0])
+
+    def stage_speedup(self, stage: Stage, rows: float | None = None) -> tuple | None:
+        """``(s(1) = 1, s(2), ..., s(count))`` of ``stage`` (``rows``: a chunk's) on its mesh of ``count``
+        cores, counts between the measured ones interpolated, beyond them held; None when the profile timed its
+        model at one count only (the host's probe then prices thread counts) or the stage runs off a CPU.
+
+        At -O2 the stages that overlap on the same cores run with fewer torch threads than their mesh has
+        (:func:`rlhfc.ir.schedule.stage_threads`: one each on two cores). ``rlhfc profile`` times each model on
+        1 thread too, right after each point at its workers' count (``at_threads``). Small models' calls do not
+        scale like the host's matmul probe: on the 2-core VM of docs/benchmarks.md a second thread made them no
+        faster, the fixed cost of a call (dozens of small kernels, each waking the other thread) larger, while
+        the probe said 1.7x. So the simulator prices a call on ``a`` cores' worth of CPU from the stage's own
+        times at the measured counts, for this stage's rows and lengths: ``s(n) = T(1) / T(n)``, each ``T`` the
+        fit (and correction grid) of the points timed at ``n`` threads."""
+        prof = self.profile
+        if prof is None or not self.spec.is_cpu or stage.target not in self.module.models or \
+                stage.op.split(".")[0] not in ("generate", "forward", "train"):
+            return None
+        cache = ("speedup", stage.name, self.layout(stage), rows, repr(plan.recompute_decision(stage)),
+                 self._packs(stage) if not self.continuous and not stage.op.startswith("generate") else None)
+        if cache in self._cache:
+            return self._cache[cache]
+        counts = prof.thread_counts(model_key(self.module.models[stage.target]))
+        times = {}
+        for t in counts:
+            try:
+                inp = self.price_inputs(stage, [self.layout(stage)], rows, threads=t)
+            except (KeyError, ValueError):
+                continue
+            if inp.fit is not None:
+                times[t] = float(np.asarray(price(np, inp, 0.0)["total"]).reshape(-1)[0])
+        out = None
+        if 1 in times and len(times) > 1 and all(v > 0 for v in times.values()):
+            xs = sorted(times)
+            speed = [times[1] / times[x] for x in xs]
+            count = max(xs[-1], self.layout(stage).count)
+            out = tuple(float(np.interp(n, xs, speed)) for n in range(1, count + 1))
+        self._cache[cache] = out
+        return out
+
+    # -- the vLLM rollout engine: its decoding, refit and memory (the rules: rlhfc.cost.engine's docstring) ----
+    def vllm_concurrency(self, model, prompt: float, max_new: float) -> int:
+        """Requests vLLM decodes at once for ``model``: ``max_num_seqs`` or what the KV cache holds at
+        ``prompt + max_new`` tokens each (the profile's recorded engine figures when it has them)."""
+        entry, _ = vllm_entry(self.profile, model_key(model))
+        entry = entry or {}
+        seqs = int(entry.get("max_num_seqs") or VLLM_MAX_SEQS)
+        per_token = float(arch_numbers(model)["kv_tok"]) * self.spec.bytes_per_param
+        if entry.get("kv_tokens"):
+            kv_tokens = float(entry["kv_tokens"])
+        elif self.spec.is_cpu:
+            kv_tokens = VLLM_CPU_KV_BYTES / max(per_token, 1.0)
+        else:   # the KV cache is what the engine's fraction leaves beside its weights and overhead
+            kv_tokens = self.gpu_kv_bytes(model, self.gpu_fraction(model)) / max(per_token, 1.0)
+        fits = int(kv_tokens // max(prompt + max_new, 1.0))
+        return max(1, min(seqs, fits))
+
+    def gpu_kv_bytes(self, model, fraction: float) -> float:
+        """KV-cache bytes a CUDA engine of ``model`` gets from ``gpu_memory_utilization = fraction``: the share
+        of the device less its weight copy and :data:`~rlhfc.cost.engine.VLLM_GPU_OVERHEAD_BYTES`."""
+        copy = arch_numbers(model)["N"] * self.spec.bytes_per_param
+        return max(0.0, fraction * self.spec.memory - copy - VLLM_GPU_OVERHEAD_BYTES)
+
+    def gpu_fraction(self, model, dp: int | None = None) -> float:
+        """``gpu_memory_utilization`` for the CUDA vLLM engine of ``model``: what it needs — its weight copy, KV
+        cache for every row of one rank's share of its largest generate stage at prompt + ``max_new_tokens``
+        tokens (at most ``max_num_seqs`` rows at once), and :data:`~rlhfc.cost.engine.VLLM_GPU_OVERHEAD_BYTES` —,
+        as a share of the device rounded up to 0.01, between :data:`~rlhfc.cost.engine.VLLM_GPU_MIN_FRACTION`
+        and vLLM's default 0.9. Not all of the device (vLLM's default): the trained model co-located with it
+        keeps its weights, gradients and optimizer state on the device while the engine generates, and vLLM
+        refuses to start when less than its fraction is free. A stage's ``gpu_memory`` annotation, when the
+        compiler set it, is the answer; ``dp`` overrides the stage's data-parallel ranks (each rank's engine
+        decodes its share)."""
+        gens = [s for s in self.module.graph.stages if s.op == "generate" and s.target == model.name]
+        marked = [plan.gpu_memory(s) for s in gens if plan.gpu_memory(s) is not None]   # passes.engine.set_gpu_memory
+        if marked and dp is None:
+            return max(marked)
+        arch = arch_numbers(model)
+        entry, _ = vllm_entry(self.profile, model_key(model))
+        seqs = int((entry or {}).get("max_num_seqs") or VLLM_MAX_SEQS)
+        kv = 0.0
+        for s in gens:
+            one = self.generation_work(s, 1, continuous=True)
+            ranks = dp if dp is not None else max(1, int(self.layout(s).dp))
+            rows = min(seqs, math.ceil((int(one["batch"]) + int(one["delta"])) / max(1, ranks)))
+            kv = max(kv, rows * (float(one["prompt"]) + float(one["T"])) * arch["kv_tok"] * self.spec.bytes_per_param)
+        need = arch["N"] * self.spec.bytes_per_param + kv + VLLM_GPU_OVERHEAD_BYTES
+        return min(VLLM_GPU_MEMORY_FRACTION,
+                   max(VLLM_GPU_MIN_FRACTION, math.ceil(100.0 * need / self.spec.memory) / 100.0))
+
+    def vllm_work(self, stage: Stage, model, dp: int = 1) -> tuple[dict, int, str]:
+        """(the generation work of one wave under continuous batching, the waves, the fit's source) of
+        generate ``stage`` on vLLM (:mod:`rlhfc.cost.engine`). ``dp``: the generating group's data-parallel
+        ranks, each of which runs an engine on its share of the rows, so the waves are those of one rank's share."""
+        one = self.generation_work(stage, 1, continuous=True)
+        n = int(one["batch"]) + int(one["delta"])
+        share = math.ceil(n / max(1, int(dp)))
+        waves = max(1, math.ceil(share / self.vllm_concurrency(model, one["prompt"], one["T"])))
+        work = dict(one if waves == 1 else self.generation_work(stage, waves, continuous=True))
+        return work, waves, "profile" if vllm_generate_fit(self.profile, model) is not None else "assumed"
+
+    def vllm_step_overhead(self, model) -> float:
+        """Seconds per decode step added to the torch rates under the catalog assumption (0 with a vLLM fit)."""
+        if vllm_generate_fit(self.profile, model) is not None:
+            return 0.0
+        return VLLM_STEP_S["cpu" if self.spec.is_cpu else "gpu"]
+
+    def refit_seconds(self, model, nbytes: float, bucket_mb: int) -> tuple[float, str]:
+        """(seconds, source) of a refit of ``model``'s ``nbytes`` of weights in buckets of ``bucket_mb`` MiB
+        (:mod:`rlhfc.cost.engine`): ``profile`` when the per-layer term was measured, else ``assumed``."""
+        entry, _ = vllm_entry(self.profile, model_key(model))
+        per_layer = (entry or {}).get("fit", {}).get("refit_layer_s")
+        return predict_refit(nbytes, model.layers, bucket_mb, self.spec, per_layer), \
+            "profile" if per_layer is not None else "assumed"
+
+    def full_bytes(self, model) -> float:
+        """Bytes of the whole model in the engine's dtype (what a rank's engine holds and a refit loads)."""
+        return float(arch_numbers(model)["N"] * self.spec.bytes_per_param)
+
+    def engine_bytes(self, model, dp: int | None = None) -> dict[str, float]:
+        """Device memory the vLLM engine of ``model`` takes besides the trainer's own copy: ``{"resident": bytes
+        held for the whole run, "transient": bytes held while its generate stages run}``.
+
+        On CPU the engine never sleeps: its copy of the weights (in the model's dtype) and its KV-cache
+        reservation (``VLLM_CPU_KVCACHE_SPACE``, :data:`~rlhfc.cost.engine.VLLM_CPU_KV_BYTES`; the profile's
+        recorded KV tokens when it has them) stay for the whole run. On CUDA the runtime puts the engine to
+        sleep (level 1) after every generate call, which offloads its weights to host memory and frees its KV
+        cache, so it holds memory only while a generate stage runs — then its ``gpu_memory_utilization`` share
+        of the device (:meth:`gpu_fraction`: its weights copy, the KV cache its rows need and vLLM's overhead),
+        in place of the torch decode loop's KV cache."""
+        arch = arch_numbers(model)
+        copy = arch["N"] * self.spec.bytes_per_param
+        if not self.spec.is_cpu:
+            return {"resident": 0.0, "transient": max(copy, self.gpu_fraction(model, dp) * self.spec.memory)}
+        entry, _ = vllm_entry(self.profile, model_key(model))
+        kv_tokens = (entry or {}).get("kv_tokens")
+        kv = float(kv_tokens) * arch["kv_tok"] * self.spec.bytes_per_param if kv_tokens else float(VLLM_CPU_KV_BYTES)
+        return {"resident": float(copy + kv), "transient": 0.0}
+
+    def add_refit_batched(self, stage: Stage, model, out: dict, layouts=None) -> None:
+        """What :meth:`stage_cost` adds for the vLLM engine, on a batch of candidate layouts' prices
+        (:func:`rlhfc.cost.batched.evaluate`): the refit of the whole model (every rank's engine holds it,
+        whatever the candidate's layout), and the engine's awake footprint, as the per-stage price has (on
+        GPUs each candidate's: its ``dp`` sets the rows a rank's engine holds KV cache for, :meth:`gpu_fraction`)."""
+        if model.trainable:
+            bucket = plan.refit_mb(stage) or 64
+            refit = self.refit_seconds(model, self.full_bytes(model), bucket)[0]   # the whole model on every rank
+            out["total"] = np.asarray(out["total"], dtype=np.float64) + refit
+        if self.spec.is_cpu or not layouts:
+            awake = self.engine_bytes(model)["transient"]
+        else:
+            by_dp = {dp: self.engine_bytes(model, dp)["transient"] for dp in {int(x.dp) for x in layouts}}
+            awake = np.array([by_dp[int(x.dp)] for x in layouts], dtype=np.float64)
+        if np.any(awake):
+            out["transient_bytes"] = 0.0 * np.asarray(out["transient_bytes"], dtype=np.float64) + awake
+
+    def _vllm_inputs(self, stage: Stage, model, lay: dict) -> dict:
+        """The work of one wave of ``stage`` on vLLM; sets the layout arrays' ``mb`` to the waves. A group of
+        ``dp`` ranks runs an engine per rank (:mod:`rlhfc.runtime.rollout.vllm`), each on its share of the rows:
+        the formulas divide each wave's rows by ``dp``, and the waves are one share's (candidate layouts of
+        different ``dp`` are priced with the fewest ranks' waves, an upper bound for the others)."""
+        dp = int(np.min(np.asarray(lay["dp"]))) if np.size(lay["dp"]) else 1
+        work, waves, _ = self.vllm_work(stage, model, dp)
+        lay["mb"] = 0.0 * lay["mb"] + waves
+        return work
+
+    def _vllm_fit(self, model, torch_fit):
+        """The generate fit vLLM is priced with: its own (profile), else the torch fit plus the assumed per-step
+        overhead, else None (the roofline under continuous batching)."""
+        fit = vllm_generate_fit(self.profile, model)
+        if fit is not None or torch_fit is None:
+            return fit
+        return list(torch_fit[:2]) + [torch_fit[2] + self.vllm_step_overhead(model)] + list(torch_fit[3:])
+
+    def _add_refit(self, stage: Stage, model, first: dict, summary: dict) -> None:
+        """Record the engine in a generate's summary and add a trained model's refit to its time (and, on GPUs,
+        the engine's awake footprint to its transient memory: :meth:`engine_bytes`)."""
+        summary["engine"], summary["engine_source"] = "vllm", self.vllm_work(stage, model)[2]
+        if model.trainable:
+            bucket = plan.refit_mb(stage) or 64   # the realloc pass's, else the runtime's default
+            # every rank's engine holds the whole model, whatever the trainer's layout: it loads all of it
+            first["refit"], summary["refit_source"] = self.refit_seconds(model, self.full_bytes(model), bucket)
+            first["total"] += first["refit"]
+        awake = self.engine_bytes(model)["transient"]
+        if awake:
+            first["transient_bytes"] = awake
+            summary["gpu_memory_utilization"] = self.gpu_fraction(model)
+
+    def _torch_extras(self, stage: Stage, model, work: dict) -> dict:
+        """A torch-engine generate's ``lp`` (fraction its kept log-probs add) and ``chunk_s`` (seconds its
+        streamed chunks add), from the profile (:mod:`rlhfc.cost.engine`); {} without a profile or on vLLM."""
+        if self.profile is None or self.own_weights(stage):
+            return {}
+        key, chunk = model_key(model), plan.stream_chunk(stage)
+        lp = self.profile.fit(key, "generate_logprobs") if plan.flag(stage, "logprobs") else None
+        per = self.profile.fit(key, "generate_chunk") if chunk else None
+        return {"lp": float(lp or 0.0), "chunk_s": float(per or 0.0) * (math.ceil(work["batch"] / chunk) if chunk else 0)}
 
     def all_costs(self) -> dict[str, StageCost]:
         return {s.name: self.stage_cost(s) for s in self.module.graph.stages}

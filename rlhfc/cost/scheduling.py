@@ -18,7 +18,6 @@ from rlhfc.ir.schedule import stage_threads
 
 from .hardware import table_speedup
 from .model import CostModel, StageCost
-from .threads import stage_speedup
 
 DRIVER = -1
 
@@ -286,7 +285,7 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     holds (the driver's round trip, not the worker's CPU): the serial part (per-call and per-layer
     overhead, fraction ``sigma``) needs one core, the rest scales with the host's measured thread speed-up
     ``s``. When the profile timed the stage's model at fewer threads too, the stage's own speed-up
-    (:func:`rlhfc.cost.threads.stage_speedup`, serial part included) replaces that estimate:
+    (:meth:`rlhfc.cost.model.CostModel.stage_speedup`, serial part included) replaces that estimate:
     ``T * s_m(cores) / s_m(a)``.
     A call runs with the torch threads the runtime gives it (:func:`rlhfc.ir.schedule.stage_threads`: its
     mesh's cores, divided among the workers that may share them at the same time)."""
@@ -455,7 +454,7 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
     src = ctx.stream_source(s)
     if src is None:
         duration = cost.time_s + extra + ctx.sync_time.get(s.name, 0.0)
-        units = [[duration, sigma(cost), None, None, stage_speedup(cm, s) if cores else None, d]]
+        units = [[duration, sigma(cost), None, None, cm.stage_speedup(s) if cores else None, d]]
     else:
         gen = jobs[pos[(src.name, k)]]
         gen_cost = ctx.costs[src.name]
@@ -470,7 +469,7 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
                 gen_cost.finish_offsets[last] / max(gen.total_s, 1e-12)
             c = cm.stage_cost(s, rows=float(rows))
             units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac),
-                          stage_speedup(cm, s, float(rows)) if cores else None, d])
+                          cm.stage_speedup(s, float(rows)) if cores else None, d])
     job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [])
     job.total_s = sum(u[0] for u in units)
     return job

@@ -59,6 +59,7 @@ from rlhfc.ir.schedule import build_schedule
 
 from .model import CostConfig, CostModel, StageCost
 from .scheduling import Task, _Context, _runs, _schedule_exclusive, _schedule_shared
+from .shared import shared_cache
 from .sync import host_copy_time, reshard_time, sync_time
 
 
@@ -193,8 +194,6 @@ def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3
 
 
 def _shared_active() -> bool:
-    from .shared import shared_cache
-
     return shared_cache() is not None
 
 
@@ -325,18 +324,16 @@ def resident_bytes(module: Module, costs: dict, n: int, cm: CostModel | None = N
     """What stays on each of ``n`` devices for the whole run: ``{"@actor weights": bytes, "@actor
     grads+optimizer": bytes}`` (the larger shard when a model has two layouts there), and with ``cm``, a
     vLLM engine's resident bytes on its generate stages' devices (``"@actor vllm engine"``:
-    :func:`rlhfc.cost.engine.engine_bytes`). Devices covered by the same stages share one dict (computed once
+    :meth:`rlhfc.cost.model.CostModel.engine_bytes`). Devices covered by the same stages share one dict (computed once
     per run of such devices; read it, do not change it)."""
     spans = [(costs[s.name].layout, s.target, costs[s.name]) for s in module.graph.stages
              if costs[s.name].layout is not None and s.target in module.models]
     engines = {}
     if cm is not None:
-        from .engine import engine_bytes
-
         for s in module.graph.stages:
             if s.op == "generate" and s.target in module.models and costs[s.name].layout is not None \
                     and cm.own_weights(s):
-                held = engine_bytes(cm, module.models[s.target])["resident"]
+                held = cm.engine_bytes(module.models[s.target])["resident"]
                 if held:
                     engines[s.name] = (costs[s.name].layout, f"@{s.target} vllm engine", held)
     cuts = sorted({0, n} | {min(max(x, 0), n) for lay, _, _ in spans for x in (lay.first, lay.first + lay.count)})

@@ -107,6 +107,6 @@ def refit_time(nbytes: float, bucket_mb: int, spec: DeviceSpec) -> float:
     """The vLLM engine's refit (``run { rollout = vllm }``): the generating worker copies ``nbytes`` of weights
     into the engine in its own process, in buckets of ``bucket_mb`` MiB — one read and one write of each byte
     at the device's memory bandwidth, plus a start-up per bucket. The bytes' part only: the cost model adds vLLM's
-    per-layer re-processing (:func:`rlhfc.cost.engine.refit_seconds`)."""
+    per-layer re-processing (:meth:`rlhfc.cost.model.CostModel.refit_seconds`)."""
     buckets = max(1.0, -(-nbytes // (max(1, bucket_mb) * 2**20)))
     return buckets * spec.latency + 2 * nbytes / (spec.hbm_bw * spec.mem_eff)

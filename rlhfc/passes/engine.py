@@ -139,14 +139,13 @@ class Engine(Pass):
 
 def set_gpu_memory(module: Module, config=None) -> Module:
     """Mark each generate stage that runs on vLLM on a GPU cluster with ``gpu_memory = f``, the
-    ``gpu_memory_utilization`` its engine is started with (:func:`rlhfc.cost.engine.gpu_fraction`: what the
+    ``gpu_memory_utilization`` its engine is started with (:meth:`rlhfc.cost.model.CostModel.gpu_fraction`: what the
     engine needs for its weights, its rows' KV cache and vLLM's overhead, not vLLM's default 90 % of the
     device, which a co-located trained model's weights and optimizer state leave no room for). The memory
     check then prices the engine at that share, and the runtime asks vLLM for it. Not a pass: ``compile``,
     ``run`` and ``explain`` call it after the passes at every level (:func:`rlhfc.cli.optimise.optimise`); on a
     CPU cluster, or with no stage on vLLM, it changes nothing. Idempotent."""
     from rlhfc.cost import CostConfig, CostModel
-    from rlhfc.cost.engine import gpu_fraction
 
     for s in module.graph.stages:
         plan.set_gpu_memory(s, None)
@@ -157,7 +156,7 @@ def set_gpu_memory(module: Module, config=None) -> Module:
     if not gens:
         return module
     cm = CostModel(module, config or CostConfig())
-    share = {name: gpu_fraction(cm, module.models[name]) for name in dict.fromkeys(s.target for s in gens)}
+    share = {name: cm.gpu_fraction(module.models[name]) for name in dict.fromkeys(s.target for s in gens)}
     for s in gens:
         plan.set_gpu_memory(s, share[s.target])
     return module

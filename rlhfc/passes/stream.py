@@ -93,7 +93,7 @@ def forward_seconds(module: Module, stage, gen) -> float:
     except Exception as exc:
         raise error(f"stream: the cost model failed to price %{stage.name}, which %{gen.name} streams to "
                     f"({type(exc).__name__}: {exc}); the chunk size cannot be chosen", where(gen),
-                    f"set the chunk yourself (stream{{chunk=N}}) or fix the cost model; RLHFC_DEBUG=1 shows "
+                    "set the chunk yourself (stream{chunk=N}) or fix the cost model; RLHFC_DEBUG=1 shows "
                     "the traceback") from exc
     if not math.isfinite(seconds) or seconds < 0:
         raise error(f"stream: the cost model priced %{stage.name} at {seconds} s, not a time; the chunk size "

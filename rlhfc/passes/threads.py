@@ -5,7 +5,7 @@ models' calls do not scale with threads: each of their dozens of small kernels w
 on a machine shared with Ray's and the job's other processes a parallel region waits for its slowest
 thread. ``rlhfc profile`` times every model at its workers' thread count and at 1 (``at_threads``); where
 the stage's own fits say fewer threads are faster for its rows and lengths
-(:func:`rlhfc.cost.threads.stage_speedup`), by more than :data:`MIN_GAIN`, the pass marks the stage
+(:meth:`rlhfc.cost.model.CostModel.stage_speedup`), by more than :data:`MIN_GAIN`, the pass marks the stage
 ``annot {threads = N}``. ``stage_threads`` then gives it at most N (the runtime runs the call with N, the
 simulator prices the same count). Measured on the 2-core VM of docs/benchmarks.md: the tiny PPO job's
 generation, alone on the node at -O2, took 46.7-47.5 ms on 2 threads and 31.9-32.8 ms on 1, the step 93-95 ms
@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, CostModel, ProfileError, load_profile
-from rlhfc.cost.threads import stage_speedup
 from rlhfc.ir import Module, plan
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.schedule import stage_threads
@@ -56,7 +55,7 @@ class ThreadsPass(Pass):
         cm = CostModel(module, CostConfig(profile=prof))
         for name, n in stage_threads(module).items():
             stage = module.graph.stage(name)
-            speed = stage_speedup(cm, stage) if n > 1 else None
+            speed = cm.stage_speedup(stage) if n > 1 else None
             if not speed:
                 continue
             top = min(n, len(speed))

@@ -10,7 +10,7 @@ import pytest
 from rlhfc.cost import CostConfig, CostModel, simulate
 from rlhfc.cost.batched import candidate_layouts, evaluate
 from rlhfc.cost.engine import (VLLM_CPU_KV_BYTES, VLLM_GPU_MEMORY_FRACTION, VLLM_GPU_MIN_FRACTION,
-                               VLLM_GPU_OVERHEAD_BYTES, gpu_fraction, gpu_kv_bytes)
+                               VLLM_GPU_OVERHEAD_BYTES)
 from rlhfc.cost.memory import memory_issues
 from rlhfc.frontend import compile_source
 
@@ -60,7 +60,7 @@ def test_cuda_engine_sleeps_between_generates_so_it_holds_memory_only_while_gene
     assert "@actor vllm engine" not in _static(module, "vllm")
     cm = CostModel(module, CostConfig(engine="vllm"))
     gen = next(s for s in module.graph.stages if s.op == "generate")
-    share = gpu_fraction(cm, module.models["actor"])
+    share = cm.gpu_fraction(module.models["actor"])
     assert cm.stage_cost(gen).transient_bytes == pytest.approx(share * cm.spec.memory)
     assert cm.stage_cost(gen).parts.get("gpu_memory_utilization") is None   # a summary entry, not a time part
     torch_cm = CostModel(module, CostConfig(engine="torch"))
@@ -74,24 +74,24 @@ def test_a_cuda_engine_asks_for_what_it_needs_not_vllms_ninety_percent():
     tiny = _module('gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1')
     cm = CostModel(tiny, CostConfig(engine="vllm"))
     actor = tiny.models["actor"]
-    assert gpu_fraction(cm, actor) == VLLM_GPU_MIN_FRACTION   # a tiny model: the floor
+    assert cm.gpu_fraction(actor) == VLLM_GPU_MIN_FRACTION   # a tiny model: the floor
     big, _ = compile_source(PROGRAM.format(cluster='gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1')
                             .replace(model_text, "llama(size = 7B)"))
     cm = CostModel(big, CostConfig(engine="vllm"))
     actor = big.models["actor"]
-    share = gpu_fraction(cm, actor)
+    share = cm.gpu_fraction(actor)
     copy = actor.params * cm.spec.bytes_per_param
     assert (copy + VLLM_GPU_OVERHEAD_BYTES) / cm.spec.memory < share < VLLM_GPU_MEMORY_FRACTION
     assert share == round(share, 2)
     # the KV cache holds every row of a rank's share at once: no extra waves for the smaller share
     gen = next(s for s in big.graph.stages if s.op == "generate")
-    assert gpu_kv_bytes(cm, actor, share) >= 32 * 24 * 1024   # 32 rows (8 prompts x 4) of a few tokens
+    assert cm.gpu_kv_bytes(actor, share) >= 32 * 24 * 1024   # 32 rows (8 prompts x 4) of a few tokens
     assert cm.stage_cost(gen).time_s > 0
-    assert gpu_fraction(cm, actor, dp=4) < share   # each of 4 ranks holds KV for a quarter of the rows
+    assert cm.gpu_fraction(actor, dp=4) < share   # each of 4 ranks holds KV for a quarter of the rows
     huge, _ = compile_source(PROGRAM.format(cluster='gpu = "A100-40GB"; nodes = 1; gpus_per_node = 1')
                              .replace(model_text, "llama(size = 70B)"))
     cm = CostModel(huge, CostConfig(engine="vllm"))
-    assert gpu_fraction(cm, huge.models["actor"]) == VLLM_GPU_MEMORY_FRACTION
+    assert cm.gpu_fraction(huge.models["actor"]) == VLLM_GPU_MEMORY_FRACTION
 
 
 def test_compile_marks_the_engines_share_and_the_job_starts_vllm_with_it(tmp_path, capsys, monkeypatch):

@@ -116,7 +116,6 @@ def test_a_stage_speedup_follows_its_own_rows():
     import numpy as np
 
     from rlhfc.cost.model import price
-    from rlhfc.cost.threads import stage_speedup
 
     two = _points(1.0)
     one = {"forward": [[b, s, 0.5e-3 + 2e-6 * b * s] for b in (4, 16) for s in (16, 40)],
@@ -125,7 +124,7 @@ def test_a_stage_speedup_follows_its_own_rows():
     m = example("ppo_tiny")
     cm = CostModel(m, CostConfig(profile=_profile(two, one), dispatch_s=0.0))
     stage = m.graph.stage("values")
-    whole, chunk = stage_speedup(cm, stage), stage_speedup(cm, stage, rows=2.0)
+    whole, chunk = cm.stage_speedup(stage), cm.stage_speedup(stage, rows=2.0)
     assert len(whole) == 2 and whole[0] == 1.0 and 0.5 < chunk[1] < whole[1] < 1.0   # s(2) = T(1) / T(2)
 
     def at(t, rows):
@@ -134,7 +133,7 @@ def test_a_stage_speedup_follows_its_own_rows():
     assert chunk[1] == pytest.approx(at(1, 2.0) / at(2, 2.0), rel=1e-9)
     assert at(2, None) == pytest.approx(cm.stage_cost(stage).time_s, rel=1e-9)   # the mesh's own count
     # no 1-thread points: the host's probe prices thread counts
-    assert stage_speedup(CostModel(m, CostConfig(profile=_profile(two, None))), stage) is None
+    assert CostModel(m, CostConfig(profile=_profile(two, None))).stage_speedup(stage) is None
 
 
 def test_profile_times_other_thread_counts_only_where_stages_can_get_them():

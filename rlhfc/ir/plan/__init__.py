@@ -66,7 +66,7 @@ __all__ = [
     "BASELINES", "placement_problem", "unset",
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
     "AUTO", "LAYOUT_FACTORS", "backend_traits", "fixed_layout", "changes_training", "gpu_memory",
-    "note_changes_training", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "planned_layout", "resolve_trainer", "worker_layout",
+    "note_changes_training", "layout_signature", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
     "verify_rollout", "auto_engine", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
     "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",

@@ -38,11 +38,11 @@ autograd graph; wrap them in ``torch.no_grad()`` for rollout-time calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from rlhfc.runtime.models.build import PolicyModel, ScoreModel, ValueModel, position_ids_from_mask
+from rlhfc.runtime.models.build import PolicyModel, ScoreModel, ValueModel
 
 from .decoding import FinishedSample, PartialSample, _model_device, generate_stream  # noqa: F401 - re-exported
 from .sampling import row_uniforms, sample_next_token  # noqa: F401 - re-exported: part of this module's API
