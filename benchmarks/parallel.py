@@ -81,11 +81,11 @@ def _rank(rank, world, store, layout, rounds, queue):
         torch.set_num_threads(1)
         counter = _count_bytes()
         from rlhfc.runtime.data.values import PolicyLossInput
-        from rlhfc.runtime.worker.megatron import MegatronWorker
+        from rlhfc.runtime.worker.base import ModelWorker
 
         dp, tp, pp = layout
-        worker = MegatronWorker("actor", SPEC, {"kind": "random"}, seed=1, rank=rank, world=world, store=store,
-                                tp=tp, pp=pp)
+        worker = ModelWorker("actor", SPEC, {"kind": "random"}, seed=1, trainer="megatron", rank=rank, world=world,
+                             store=store, tp=tp, pp=pp)
         roll = _rollout()
         loss = PolicyLossInput(roll, torch.full(roll.mask.shape, -5.0), torch.ones(roll.mask.shape) * roll.mask,
                                None, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3", temperature=1.0)
@@ -115,7 +115,7 @@ def _rank(rank, world, store, layout, rounds, queue):
 def measure(layout, rounds: int) -> dict:
     import torch.multiprocessing as mp
 
-    from rlhfc.runtime.worker.fsdp import open_store
+    from rlhfc.runtime.train.backend import open_store
 
     world = layout[0] * layout[1] * layout[2]
     ctx = mp.get_context("spawn")

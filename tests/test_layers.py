@@ -188,8 +188,8 @@ def test_the_runtime_map_lists_every_sub_package():
 
 #: the registries and the engines' own modules, where an engine may be named; elsewhere the code asks the
 #: registered traits (rlhfc.contract.engines)
-ENGINE_MODULES = ("rlhfc/contract/engines.py", "rlhfc/runtime/rollout/vllm.py", "rlhfc/runtime/worker/fsdp.py",
-                  "rlhfc/runtime/worker/megatron.py", "rlhfc/runtime/models/megatron.py",
+ENGINE_MODULES = ("rlhfc/contract/engines.py", "rlhfc/runtime/rollout/vllm.py", "rlhfc/runtime/train/fsdp.py",
+                  "rlhfc/runtime/train/megatron.py", "rlhfc/runtime/models/megatron.py",
                   "rlhfc/runtime/models/megatron_convert.py", "rlhfc/calibrate/vllm_engine.py", "rlhfc/cost/engine.py")
 #: the most comparisons against an engine's name allowed outside them (issue #35's target)
 MAX_ENGINE_NAME_COMPARISONS = 10

@@ -47,7 +47,8 @@ class RolloutTraits:
 
 @dataclass(frozen=True)
 class TrainTraits:
-    """A train backend: the runtime worker class of a model's group (``runtime``) and its traits.
+    """A train backend: the class a worker of the model's group holds (``runtime``, a
+    :class:`~rlhfc.runtime.train.backend.TrainBackend`) and its traits.
 
     ``dims``: the layout factors it splits a model over (``dp``, ``tp``, ``pp``; empty: one process). ``shards``:
     the factors whose product divides the weights each rank holds (FSDP2 shards over dp; megatron over tp and
@@ -145,10 +146,10 @@ register_rollout(RolloutTraits(
     head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256), top_p_zero=False, package="vllm",
     install=EXTRA_INSTALL.format(extra="vllm"), auto=True))
 
-register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.worker.base:ModelWorker", title="torch", lora=True))
-register_train(TrainTraits("fsdp", "rlhfc.runtime.worker.fsdp:DataParallelWorker", title="FSDP2", dims=frozenset({"dp"}),
+register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.train.backend:TrainBackend", title="torch", lora=True))
+register_train(TrainTraits("fsdp", "rlhfc.runtime.train.fsdp:FsdpBackend", title="FSDP2", dims=frozenset({"dp"}),
                            shards=frozenset({"dp"}), packs_rows=False, auto_rank=1, solo=DEFAULT_TRAINER))
-register_train(TrainTraits("megatron", "rlhfc.runtime.worker.megatron:MegatronWorker", title="megatron-core",
+register_train(TrainTraits("megatron", "rlhfc.runtime.train.megatron:MegatronBackend", title="megatron-core",
                            dims=frozenset({"dp", "tp", "pp"}), shards=frozenset({"tp", "pp"}), packs_rows=False,
                            precisions=("fp32",), package="megatron.core", hf_models=False,
                            install=EXTRA_INSTALL.format(extra="megatron"), auto_rank=2))

@@ -10,9 +10,10 @@ Sub-packages, by concept; each imports only those listed before it (tests/test_l
 * ``rollout``  generation: the rollout-engine interface, the torch decoder and vLLM, the rollout forwards.
 * ``data``     prompt sources, tokenizers, the runtime values of the IR's types, answer extraction.
 * ``rl``       the RL math: masked reductions, KL, advantages, losses; the algorithm family; guards; refill.
-* ``train``    the minibatch training loop and length-grouped packing.
-* ``worker``   the Ray actors hosting a model, one module per train backend (``base`` torch, ``fsdp``,
-               ``megatron``), the stage-call decorator, traces, collective transfers.
+* ``train``    the train backends (``torch``, ``fsdp``, ``megatron`` behind one interface), the minibatch
+               training loop and length-grouped packing.
+* ``worker``   the Ray actor hosting a model (one train backend, one rollout engine), each method's dispatch
+               over a group's ranks, the stage-call decorator, traces.
 * ``driver``   around the step loop: cluster start-up, worker groups, weight transfers, checkpoints,
                metrics, samples, Ray hygiene, export.
 

@@ -1,5 +1,8 @@
 """Run a compiled job: the driver the generated ``main.py`` calls, and its command line.
 
+Why this file is long: it is one idea, the driver's side of a running job (every call the generated ``step``
+makes, the step loop, the command line).
+
 A job folder holds ``main.py`` (the generated driver: a ``step(job, w)`` function)
 and ``plan.json`` (everything the compiler decided). ``python job/main.py``
 calls :func:`main`, which needs only this package — no compiler code.
@@ -7,11 +10,10 @@ calls :func:`main`, which needs only this package — no compiler code.
 The runtime around one job, by concern:
 
 * ``job``         (here) :class:`Job`: what ``step`` calls (``get``/``wait``/``resolve``/``stream``/
-                  ``sync``/``compute``/``next_prompts``), naming the stage when one fails; the step
-                  loop; :func:`run_job` and :func:`main`.
-* ``transfers``   ``sync`` and ``reshard`` (weights between and within worker groups), mixed into :class:`Job`.
+                  ``sync``/``reshard``/``compute``/``next_prompts``), naming the stage when one fails; the
+                  step loop; :func:`run_job` and :func:`main`.
 * ``cluster``     start or connect to Ray, reserve the placement group, create the workers.
-* ``group``       :class:`~rlhfc.runtime.driver.group.WorkerGroup`, the handle ``w.<worker>`` (one rank today).
+* ``group``       :class:`~rlhfc.runtime.driver.group.WorkerGroup`, the handle ``w.<worker>`` (its ranks called as one worker).
 * ``checkpoint``  save / resume / latest, written atomically.
 * ``metrics``     ``metrics.jsonl``, TensorBoard, the progress line and the end-of-run summary.
 
@@ -53,7 +55,6 @@ from rlhfc.runtime.driver.cluster import import_ray as _ray
 from rlhfc.runtime.driver.group import WorkerGroup
 from rlhfc.runtime.driver.metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
 from rlhfc.runtime.driver.samples import SampleLog
-from rlhfc.runtime.driver.transfers import WeightTransfers
 from rlhfc.runtime.worker.trace import Timeline
 
 from . import rewards
@@ -79,7 +80,7 @@ class Interrupted(JobError):
     label = "interrupted"
 
 
-class Job(WeightTransfers):
+class Job:
     """The driver-side state of a running job; the generated ``step`` function calls its methods."""
 
     def __init__(self, job_dir: str, out: str | None = None, steps: int | None = None, resume: bool = False,
@@ -240,6 +241,55 @@ class Job(WeightTransfers):
             return out
         except Exception as exc:
             raise self._stage_failed(stage, f"{type(exc).__name__}: {exc}") from None
+
+    # -- weight transfers: a sync stage copies a model's weights to its copy on another mesh; a reshard stage
+    # has a group gather its training layout into full copies for generation
+    def sync(self, stage: str, src, dst, *, bucket_mb: int, after=None, transport: str = "object_store") \
+            -> dict[str, float]:
+        """Copy ``src``'s weights to ``dst`` (worker groups on two meshes) in buckets: through Ray's object
+        store, or (``transport="collective"``) as broadcasts in a two-rank process group of the pair — NCCL
+        when the workers are on GPUs, gloo on CPU — set up on the first sync and kept."""
+        ray = _ray()
+        self.current_stage = stage
+        t0 = time.perf_counter()
+        try:
+            if transport == "collective":
+                if stage not in self.collectives:
+                    backend = "nccl" if self.plan.cluster.gpu else "gloo"
+                    host, port = ray.get(src.sync_open.remote(stage))
+                    ray.get([src.sync_join.remote(stage, 0, host, port, backend),
+                             dst.sync_join.remote(stage, 1, host, port, backend)])
+                    self.collectives[stage] = backend
+                sent, received = src.sync_send.remote(stage, bucket_mb), dst.sync_recv.remote(stage, bucket_mb)
+                (version, nbytes, buckets), _ = ray.get([sent, received])
+            elif transport == "object_store":
+                refs, version, nbytes = ray.get(src.sync_export.remote(bucket_mb))
+                ray.get([dst.sync_import.remote(r) for r in refs])
+                buckets = len(refs)
+            else:
+                raise JobError(f"stage '{stage}': unknown weight transport {transport!r}",
+                               "use object_store or collective (realloc{transport=...})")
+            ray.get(dst.set_version.remote(version))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise self._ray_failure(stage, exc) from None
+        out = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
+        self._timed(stage, t0, kind="sync",
+                    value={"bytes": int(nbytes), "buckets": int(buckets), "transport": transport})
+        return out
+
+    def reshard(self, stage: str, group, *, bucket_mb: int, after=None) -> dict[str, float]:
+        """Reshard a worker group's training layout into its generation layout (every rank all-gathers a
+        full copy of the weights, in buckets of ``bucket_mb``) right after training, so generation finds it."""
+        ray = _ray()
+        self.current_stage = stage
+        t0 = time.perf_counter()
+        try:
+            nbytes, buckets = ray.get(group.reshard.remote(bucket_mb))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise self._ray_failure(stage, exc) from None
+        out = {"bytes": float(nbytes), "buckets": float(buckets), "seconds": time.perf_counter() - t0}
+        self._timed(stage, t0, kind="sync", value={"bytes": int(nbytes), "buckets": int(buckets), "transport": "reshard"})
+        return out
 
     def _timed(self, stage: str, t0: float, *, ref=None, kind: str = "wait", value=None) -> None:
         """Seconds the driver waited for a stage (its run time when nothing else was in flight); with

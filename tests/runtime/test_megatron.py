@@ -1,6 +1,6 @@
 """The megatron-core trainer (tensor and pipeline parallel over gloo) equals one rank.
 
-Each case starts ``dp·tp·pp`` processes, each hosting one :class:`~rlhfc.runtime.worker.megatron.MegatronWorker`
+Each case starts ``dp·tp·pp`` processes, each hosting one :class:`~rlhfc.runtime.worker.base.ModelWorker` (``trainer = megatron``)
 rank of a model; an in-process :class:`~rlhfc.runtime.worker.base.ModelWorker` built from the same seed is
 the single-rank reference. Per case, in this order:
 
@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from rlhfc.runtime.data.values import PolicyLossInput, ValueLossInput
 from rlhfc.runtime.worker.base import ModelWorker
-from rlhfc.runtime.worker.fsdp import join, open_store
+from rlhfc.runtime.train.backend import join, open_store
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
@@ -85,9 +85,9 @@ def _steps(worker, head: str, roll, save_to: str | None, load_from: str | None) 
     out["train"] = worker.train(_loss(head, roll), **TRAIN)
     out["weights"] = worker.get_weights()
     if head == "lm":
-        if hasattr(worker, "replica"):   # the plan's reshard stage: full copies, here in 1 MiB buckets
+        if hasattr(worker.backend, "replica"):   # the plan's reshard stage: full copies, here in 1 MiB buckets
             out["reshard"] = worker.reshard(1)
-            out["replica"] = {k: v.clone() for k, v in worker.replica.state_dict().items()}
+            out["replica"] = {k: v.clone() for k, v in worker.backend.replica.state_dict().items()}
         out["sample"] = worker.generate(PROMPTS[:4], **GEN)
     if save_to:
         worker.save(save_to)
@@ -99,12 +99,10 @@ def _steps(worker, head: str, roll, save_to: str | None, load_from: str | None) 
 
 
 def _rank_main(rank, world, store, spec, layout, roll, save_to, load_from):
-    from rlhfc.runtime.worker.megatron import MegatronWorker
-
     torch.set_num_threads(1)
     dp, tp, pp = layout
-    worker = MegatronWorker("m", spec, {"kind": "random"}, seed=SEED, rank=rank, world=world, store=store, tp=tp,
-                            pp=pp)
+    worker = ModelWorker("m", spec, {"kind": "random"}, seed=SEED, trainer="megatron", rank=rank, world=world,
+                         store=store, tp=tp, pp=pp)
     out = _steps(worker, spec["head"], roll, save_to, load_from)
     # a weight sync brings another model's weights in buckets (numpy arrays, Hugging Face layout)
     other = ModelWorker("m", spec, {"kind": "random"}, seed=SEED + 1).get_weights()

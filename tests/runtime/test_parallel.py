@@ -1,6 +1,6 @@
 """Data-parallel ranks (FSDP2 over gloo): dp2 equals dp1.
 
-Two processes each host one :class:`~rlhfc.runtime.worker.fsdp.DataParallelWorker`; a third, in-process
+Two processes each host one :class:`~rlhfc.runtime.worker.base.ModelWorker` (``trainer = fsdp``); a third, in-process
 :class:`~rlhfc.runtime.worker.base.ModelWorker` is the single-rank reference built from the same seed. The
 forwards, the sampled tokens and one training step's loss and metrics must agree within 1e-5 relative
 (float rounding: batched products over fewer rows, gradients summed in another order); the updated
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from rlhfc.runtime.data.values import PolicyLossInput, ValueLossInput
 from rlhfc.runtime.worker.base import ModelWorker
-from rlhfc.runtime.worker.fsdp import join, open_store, row_share
+from rlhfc.runtime.train.backend import join, open_store, row_share
 
 PROMPTS = ["abc", "hello there", "x", "the quick brown", "fox", "jumps over", "a lazy", "dog!"]
 GEN = dict(max_new_tokens=8, temperature=1.0, top_p=1.0)
@@ -38,10 +38,9 @@ def _policy_loss(roll, old, adv) -> PolicyLossInput:
 def _rank_main(rank: int, world: int, store, specs: dict, role: str, folder: str) -> dict:
     """One rank's work: the actor generates, computes log-probs, trains and checkpoints; the critic
     computes values and trains (one data-parallel rank per process, as the runtime starts them)."""
-    from rlhfc.runtime.worker.fsdp import DataParallelWorker
-
     torch.set_num_threads(1)
-    worker = DataParallelWorker(role, specs[role], {"kind": "random"}, seed=7, rank=rank, world=world, store=store)
+    worker = ModelWorker(role, specs[role], {"kind": "random"}, seed=7, trainer="fsdp", rank=rank, world=world,
+                         store=store)
     if role == "actor":
         roll = _broadcast(worker.generate(PROMPTS, **GEN), rank)   # rank 0 samples every row
         res = {"roll": roll, "logp": worker.logprobs(roll)}

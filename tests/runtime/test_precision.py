@@ -62,11 +62,11 @@ def test_bf16_generation_runs_under_autocast_and_stops_between_items():
 def _fsdp_rank(store, spec, queue):
     """One FSDP2 rank (a group of one) under bf16: generate, log-probs, one train step (a spawned process)."""
     try:
-        from rlhfc.runtime.worker.fsdp import DataParallelWorker
+        from rlhfc.runtime.worker.base import ModelWorker
 
         torch.set_num_threads(1)
-        w = DataParallelWorker("actor", spec, {"kind": "random"}, seed=3, rank=0, world=1, store=store,
-                               precision="bf16")
+        w = ModelWorker("actor", spec, {"kind": "random"}, seed=3, precision="bf16", trainer="fsdp", rank=0, world=1,
+                        store=store)
         roll = w.generate(["abc", "de"], max_new_tokens=4, temperature=1.0, top_p=1.0, n=2)
         lp = w.logprobs(roll).values
         adv = torch.linspace(-1.0, 1.0, lp.numel()).reshape(lp.shape)
@@ -85,7 +85,7 @@ def _fsdp_rank(store, spec, queue):
 def test_bf16_under_an_fsdp2_group_trains_as_the_single_process_worker(make_spec):
     import torch.multiprocessing as mp
 
-    from rlhfc.runtime.worker.fsdp import open_store
+    from rlhfc.runtime.train.backend import open_store
 
     spec = make_spec("llama", vocab=64)
     ctx = mp.get_context("spawn")

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from rlhfc.runtime.data.values import PolicyLossInput  # noqa: E402
 from rlhfc.runtime.worker.base import ModelWorker  # noqa: E402
-from rlhfc.runtime.worker.fsdp import join, open_store, row_share  # noqa: E402
+from rlhfc.runtime.train.backend import join, open_store, row_share  # noqa: E402
 
 #: head size 64 (what vLLM's CPU attention runs)
 SPEC = dict(arch="llama", layers=2, hidden=128, heads=2, vocab=96, max_seq=128)
@@ -37,11 +37,11 @@ def _broadcast(obj, rank: int):
 def _rank(rank: int, world: int, store, folder: str) -> dict:
     """One rank: greedy and sampled generation on its engine, a training step, the refit at the reshard
     stage, a sampled rollout on the refitted engines, a stream from rank 0, and a two-rank sync group."""
-    from rlhfc.runtime.worker.fsdp import DataParallelWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     torch.set_num_threads(1)
-    w = DataParallelWorker("actor", SPEC, {"kind": "random"}, seed=7, rank=rank, world=world, store=store,
-                           rollout={"engine": "vllm", "folder": folder})
+    w = ModelWorker("actor", SPEC, {"kind": "random"}, seed=7, rollout={"engine": "vllm", "folder": folder},
+                    trainer="fsdp", rank=rank, world=world, store=store)
     out = {"greedy": _broadcast(w.generate(PROMPTS, temperature=0.0, **GEN), rank),
            "alone": list(w.generate_chunks(PROMPTS, chunk=8, temperature=0.0, **GEN))}   # rank 0: every row
     roll = _broadcast(w.generate(PROMPTS, temperature=1.0, **GEN), rank)
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, store, folder: str) -> dict:
     after = w.generate(PROMPTS, temperature=1.0, **GEN)   # no refit left to do
     after = _broadcast(after, rank)
     out.update(roll=roll, logp=logp, after=after, trainer=w.logprobs(after), version=w.version)
-    # a two-rank sync group (rlhfc.runtime.worker.collective) beside vLLM's groups in the same world
+    # a two-rank sync group (ModelWorker.sync_open ... sync_recv) beside vLLM's groups in the same world
     where = _broadcast(w.sync_open("t") if rank == 0 else None, rank)
     w.sync_join("t", rank, *where, "gloo")
     flat = torch.arange(4.0) if rank == 0 else torch.zeros(4)
@@ -127,11 +127,11 @@ def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp
 def _megatron_rank(rank: int, world: int, store, folder: str) -> dict:
     """A megatron-core rank of a tp = 2 group: an engine of the whole model (refitted from its gathered
     single-rank copy), its share of the rows; then rank 0 streams every row."""
-    from rlhfc.runtime.worker.megatron import MegatronWorker
+    from rlhfc.runtime.worker.base import ModelWorker
 
     torch.set_num_threads(1)
-    w = MegatronWorker("actor", SPEC, {"kind": "random"}, seed=7, rank=rank, world=world, store=store, tp=2,
-                       rollout={"engine": "vllm", "folder": folder})
+    w = ModelWorker("actor", SPEC, {"kind": "random"}, seed=7, rollout={"engine": "vllm", "folder": folder},
+                    trainer="megatron", rank=rank, world=world, store=store, tp=2)
     roll = _broadcast(w.generate(PROMPTS, temperature=1.0, **GEN), rank)
     g = torch.Generator().manual_seed(5)
     adv = torch.randn(roll.mask.shape, generator=g) * roll.mask

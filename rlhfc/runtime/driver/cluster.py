@@ -3,13 +3,13 @@
 The plan's ``placement`` holds one bundle per node and one entry per worker (a model on a mesh):
 its bundle, CPU / GPU share, threads and cores, and the train backend and rollout engine that run it.
 :meth:`Cluster.start` turns each entry into a :class:`~rlhfc.runtime.driver.group.WorkerGroup` of ``ranks`` Ray
-actors, each hosting the worker class its backend registered (:mod:`rlhfc.contract.engines`), and waits until
-every worker has built its model.
+actors, each a :class:`~rlhfc.runtime.worker.base.ModelWorker` holding the train backend and rollout engine the
+plan names (their classes registered in :mod:`rlhfc.contract.engines`), and waits until every worker has built
+its model.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import math
 import os
@@ -19,6 +19,9 @@ from typing import Any
 from rlhfc.contract.engines import train_traits
 from rlhfc.contract.plan import Plan, WorkerPlan
 from rlhfc.runtime.errors import JobError
+
+from rlhfc.runtime.train.backend import open_store
+from rlhfc.runtime.worker.base import ModelWorker
 
 from .group import WorkerGroup
 from .hygiene import check_worker_code, remove_ray_temp
@@ -113,34 +116,35 @@ class Cluster:
         return pg
 
     def _create_workers(self, ray) -> dict[str, Any]:
-        """One group per placed worker — ``ranks`` actors of the class its train backend registered (one rank
-        for a one-process backend) — and each group's ``ready`` reference."""
+        """One group per placed worker — ``ranks`` worker actors holding its train backend (one rank for a
+        one-process backend) — and each group's ``ready`` reference."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpu = self.plan.cluster.gpu
         refs = {}
         for name, w in self.plan.placement.workers.items():
             model = self.plan.models[w.model]
-            worker_cls = worker_class(w, self.plan.run.precision)
+            check_backend(w, self.plan.run.precision)
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w.bundle)
             rollout = {"engine": w.engine, "folder": os.path.join(os.path.abspath(self.out), "vllm"),
                        "plugins": list(self.plan.plugins)}   # imported in the worker before it builds its engine
             if w.gpu_memory_utilization:   # a CUDA engine's share of its GPU, as the compiler priced it
                 rollout["gpu_memory"] = w.gpu_memory_utilization
             args = (w.model, model.spec.as_dict(), model.init.as_dict(), self.seed)
-            common = dict(device="cuda" if gpu else "cpu", precision=self.plan.run.precision, rollout=rollout)
+            common = dict(device="cuda" if gpu else "cpu", precision=self.plan.run.precision, rollout=rollout,
+                          trainer=w.trainer)
             if not train_traits(w.trainer).dims:   # one process
-                actor_cls = ray.remote(num_cpus=w.num_cpus, num_gpus=w.num_gpus, max_restarts=0)(worker_cls)
+                actor_cls = ray.remote(num_cpus=w.num_cpus, num_gpus=w.num_gpus, max_restarts=0)(ModelWorker)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
                     *args, threads=w.threads, cores=list(w.cores) or None, **common)]
             else:   # the ranks share the worker's devices: one core (or GPU) each, round robin
                 store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
                 actor_cls = ray.remote(num_cpus=w.num_cpus / w.ranks, num_gpus=w.num_gpus / w.ranks,
-                                       max_restarts=0)(worker_cls)
+                                       max_restarts=0)(ModelWorker)
                 cores = list(w.cores)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
                     *args, threads=1, cores=[cores[r % len(cores)]] if cores else None, rank=r, world=w.ranks,
-                    store=store, backend="nccl" if gpu else "gloo", tp=w.tp, pp=w.pp, **common)
+                    store=store, dist_backend="nccl" if gpu else "gloo", tp=w.tp, pp=w.pp, **common)
                     for r in range(w.ranks)]
             group = WorkerGroup(name, handles, model=w.model)
             self.workers[name] = group
@@ -158,10 +162,9 @@ class Cluster:
                 remove_ray_temp(self.ray_temp)
 
 
-def worker_class(w: WorkerPlan, precision: str = "fp32") -> type:
-    """The worker class of ``w``'s train backend (its registered ``runtime``), after checking what the
-    backend needs: its package installed, the run's precision (the rollout engine checks its own package
-    when it starts)."""
+def check_backend(w: WorkerPlan, precision: str = "fp32") -> None:
+    """Check what ``w``'s train backend needs before its workers start: its package installed, the run's
+    precision (the rollout engine checks its own package when it starts)."""
     traits = train_traits(w.trainer)
     if precision not in traits.precisions:
         raise JobError(f"model '{w.model}' runs under trainer = {traits.name}, which runs "
@@ -170,8 +173,6 @@ def worker_class(w: WorkerPlan, precision: str = "fp32") -> type:
     if traits.package and not installed(traits.package):
         raise JobError(f"model '{w.model}' runs under trainer = {traits.name} but {traits.package} is not "
                        "installed", traits.install)
-    module, _, cls = traits.runtime.partition(":")
-    return getattr(importlib.import_module(module), cls)
 
 
 def installed(package: str) -> bool:
@@ -186,7 +187,5 @@ def _free_port() -> tuple[str, int]:
     """(this node's address, a free port on it): the rendezvous of a data-parallel group, run as a Ray
     task on the group's node."""
     import ray
-
-    from rlhfc.runtime.worker.fsdp import open_store
 
     return open_store(ray.util.get_node_ip_address())

@@ -2,9 +2,9 @@
 
 ``w.<worker>`` in a generated ``step(job, w)`` is a :class:`WorkerGroup`, not a bare Ray actor:
 the driver talks to a group, and the group decides which of its ranks (Ray actors hosting a
-:class:`~rlhfc.runtime.worker.base.ModelWorker`) do the work. Today every group has one rank and is a
-transparent stand-in for its actor. The parallel worker-groups issue (dp > 1) fills in the rest
-without changing the generated code.
+:class:`~rlhfc.runtime.worker.base.ModelWorker`) do the work: a one-rank group is a transparent stand-in
+for its actor; on a group of several ranks each worker method runs as its ``@dispatch`` mode says
+(:mod:`rlhfc.runtime.worker.dispatch`), so the generated code is the same for every group size.
 """
 
 from __future__ import annotations
@@ -12,28 +12,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rlhfc.runtime.errors import JobError
-
-#: How each ``ModelWorker`` method runs on a group of several ranks
-#: (:class:`~rlhfc.runtime.worker.fsdp.DataParallelWorker`, which shards the model with FSDP2, or
-#: :class:`~rlhfc.runtime.worker.megatron.MegatronWorker`, megatron-core's dp × tp × pp ranks):
-#:
-#: * ``split`` — every rank gets the call and computes its contiguous share of the rollout's rows (under
-#:   megatron, one rank per data-parallel share answers and the others give None); the group joins the
-#:   results in row order.
-#: * ``all`` — every rank takes part (training, generation, gathering or loading weights are
-#:   collectives of the group); the group answers with rank 0's result once every rank is done.
-#: * ``stream`` — every rank takes part; rank 0 streams the chunks (it samples every row).
-#:
-#: The collective transfer methods (``sync_open``, ``sync_join``, ``sync_send``, ``sync_recv``)
-#: are refused on dp > 1 groups: a sync's process group would span the sender's rank 0 and every
-#: receiving rank, which is not built yet (object-store syncs work).
-DP_RULES: dict[str, str] = {
-    "logprobs": "split", "values": "split", "score": "split",
-    "generate": "all", "train": "all", "ready": "all", "load": "all", "save": "all", "set_weights": "all",
-    "get_weights": "all", "sync_import": "all", "sync_export": "all", "set_version": "all",
-    "get_version": "all", "reshard": "all",
-    "generate_chunks": "stream",
-}
+from rlhfc.runtime.train.backend import join
+from rlhfc.runtime.worker.base import ModelWorker
+from rlhfc.runtime.worker.dispatch import dispatch_mode
 
 
 class WorkerGroup:
@@ -45,8 +26,8 @@ class WorkerGroup:
     errors surface exactly as before (``Job.get`` / ``Job.stream`` / ``Job.sync`` name the stage).
 
     **Data parallel (dp > 1).** A group of ``n`` ranks holds ``n`` data-parallel ranks of one model;
-    :data:`DP_RULES` says how each method runs (split the rows and join them in row order, or have
-    every rank take part and answer with rank 0's result). Either way ``.remote(...)`` returns one
+    the mode each worker method is marked with says how it runs (:mod:`rlhfc.runtime.worker.dispatch`: split
+    the rows and join them in row order, or have every rank take part and answer with rank 0's result). Either way ``.remote(...)`` returns one
     ``ObjectRef`` (a small Ray task joins the ranks' results), so the generated code and ``Job`` are
     the same for every group size. A method with no rule raises a :class:`JobError` naming it.
 
@@ -92,7 +73,7 @@ class _Unsplit:
         self.group, self.method = group, method
 
     def remote(self, *args, **kwargs):
-        rule = DP_RULES.get(self.method)
+        rule = dispatch_mode(ModelWorker, self.method)
         if rule is None:
             raise self.error()
         import ray
@@ -127,8 +108,6 @@ def _gather(ray):
     fails, naming it — the other ranks may be blocked in a collective with the failed one."""
     if "gather" not in _TASKS:
         def gather(group: str, rule: str, refs: list):
-            from rlhfc.runtime.worker.fsdp import join
-
             results: list = [None] * len(refs)
             where = {ref: i for i, ref in enumerate(refs)}
             pending = list(refs)

@@ -43,8 +43,10 @@ class RolloutEngine:
     def name(self) -> str:
         return self.traits.name
 
-    def prepare(self, refit_mb: int = 64) -> None:
-        """Bring the engine up to the worker's weights (statistics into ``worker.engine_stats``)."""
+    def prepare(self, model, refit_mb: int = 64) -> None:
+        """Bring the engine up to the worker's weights — ``model``, the single-rank module the train backend
+        generates from (a sharded FSDP model, whose parameters an engine with weights of its own gathers as it
+        refits) — with statistics into ``worker.engine_stats``."""
 
     def refit_pending(self) -> bool:
         """Whether the engine is running and holds older weights than the worker."""

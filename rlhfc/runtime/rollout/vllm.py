@@ -19,7 +19,7 @@ collective (vLLM builds its process groups over the world), so every rank starts
 call. Rank 0 writes only the model's config; the engines start on vLLM's placeholder weights and are
 refitted with the trainer's before they generate: an FSDP2 rank gathers each parameter (``full_tensor``)
 into the current bucket, a megatron rank refits from its gathered single-rank copy. Each rank then decodes
-its share of the rows (:func:`rlhfc.runtime.worker.fsdp.split_generate`), seeded from its own rows' keys.
+its share of the rows (:meth:`rlhfc.runtime.worker.base.ModelWorker.generate`), seeded from its own rows' keys.
 
 Generation (:meth:`VllmEngine.stream`) has the contract of :func:`rlhfc.runtime.rollout.decoding.generate_stream`:
 one :class:`FinishedSample` per row as vLLM finishes it (per-request outputs of the engine's step loop, so
@@ -370,7 +370,7 @@ class VllmRollout(RolloutEngine):
         super().__init__(worker, options)
         self.engine: VllmEngine | None = None
 
-    def prepare(self, refit_mb: int = 64) -> None:
+    def prepare(self, model, refit_mb: int = 64) -> None:
         """Bring the engine up to the worker's weights: started at the first call (``engine_start_s``), woken up
         (CUDA: ``engine_wake_s``), and refitted when the worker's weights version is not the engine's
         (``refit_s``, ``refit_mb``, ``refit_buckets``); the statistics are kept in ``worker.engine_stats`` for the
@@ -381,18 +381,18 @@ class VllmRollout(RolloutEngine):
         if self.engine is None:
             start = time.perf_counter()
             folder = os.path.join(os.path.abspath(self.options.get("folder") or "vllm"), worker.name)
-            ranked = hasattr(worker, "world")
+            ranked = worker.backend.grouped
             written = not ranked and not os.path.isfile(os.path.join(folder, "hf", "config.json"))
-            self.engine = VllmEngine(worker.model, folder, name=worker.name, seed=worker.seed, device=worker.device,
+            self.engine = VllmEngine(model, folder, name=worker.name, seed=worker.seed, device=worker.device,
                                      version=worker.version if written else -1,
-                                     rank=(int(worker.rank), int(worker.world)) if ranked else None,
+                                     rank=(worker.backend.rank, worker.backend.world) if ranked else None,
                                      gpu_memory=self.options.get("gpu_memory"))
             worker.engine_stats["engine_start_s"] = time.perf_counter() - start
         wake = self.engine.wake_up()   # CUDA: the engine slept while the trainer trained
         if wake:
             worker.engine_stats["engine_wake_s"] = wake
         if self.engine.version != worker.version:
-            worker.engine_stats.update(self.engine.refit(worker.model, worker.version, refit_mb))
+            worker.engine_stats.update(self.engine.refit(model, worker.version, refit_mb))
 
     def refit_pending(self) -> bool:
         return self.engine is not None and self.engine.version != self.worker.version
@@ -400,8 +400,8 @@ class VllmRollout(RolloutEngine):
     def stream(self, model, rows, max_new_tokens: int, *, refit_mb: int = 64, eos_id: int, pad_id: int,
                temperature: float, top_p: float, budgets=None, stop_after=None, logprob_temperature=None,
                resumed=None, row_keys=None, slots=None):
-        del model, pad_id, slots   # the engine decodes its own copy of the weights
-        self.prepare(refit_mb)
+        del pad_id, slots   # the engine decodes its own copy of the weights
+        self.prepare(model, refit_mb)
         keys = list(row_keys) if row_keys is not None else list(range(len(rows)))
         return self.engine.stream(rows, list(budgets) if budgets is not None else [max_new_tokens] * len(rows),
                                   eos_id=eos_id, temperature=temperature, top_p=top_p,

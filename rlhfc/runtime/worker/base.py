@@ -1,10 +1,16 @@
 """The Ray actor that hosts one model: generation, forwards, training, weights, checkpoints.
 
-A job creates one ``ModelWorker`` per (model, placement) with
-``ray.remote(...)(ModelWorker)``; the class itself is plain Python so tests can
-use it in-process. All randomness comes from two ``torch.Generator``s seeded
-from the run seed and the model name (sampling, minibatch shuffling), whose
-states are checkpointed, so runs are reproducible and resumable.
+Why this file is long: it is one idea, the worker and every call the driver makes of it. A job creates one ``ModelWorker`` per rank of each
+placed worker group with ``ray.remote(...)(ModelWorker)``; the class itself is plain Python so tests can use
+it in-process. It holds one train backend (:mod:`rlhfc.runtime.train.backend`: how this rank holds, computes
+with, trains and saves the model — ``torch``, ``fsdp``, ``megatron`` or a plugin's) and one rollout engine
+(:mod:`rlhfc.runtime.rollout.base`: what decodes — the torch decoder, vLLM or a plugin's), and does everything
+the backends share: prompts to tokens, per-row sampling keys, rollouts, loss inputs, NaN guards, random
+states, checkpoint files, weight transfers. Each method says how it runs on a group of ranks
+(``@dispatch``, :mod:`.dispatch`).
+
+All randomness comes from two ``torch.Generator``s seeded from the run seed and the model name (sampling,
+minibatch shuffling), whose states are checkpointed, so runs are reproducible and resumable.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from rlhfc.runtime.data.prompts import prompt_parts
 from rlhfc.runtime.data.tokenizer import load_tokenizer
 from rlhfc.runtime.data.values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
-from rlhfc.runtime.models.build import build_model, copy_weights, get_weights, set_weights
+from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.models.precision import autocast, under_autocast
 from rlhfc.runtime.models.recompute import apply_recompute
 from rlhfc.runtime.rl.guards import NonFiniteError, check_finite
@@ -36,10 +43,10 @@ from rlhfc.runtime.rollout.generation import (
     sequence_scores,
 )
 from rlhfc.runtime.train import loop
-from rlhfc.runtime.train.packing import bucketed
+from rlhfc.runtime.train.backend import GROUP_TIMEOUT_S, TrainBackend, build_backend
 
 from .allocator import retain_freed_memory, retaining
-from .collective import GROUP_TIMEOUT_S, CollectiveSync  # noqa: F401 - GROUP_TIMEOUT_S re-exported
+from .dispatch import dispatch
 from .stages import stage_call
 from .trace import TracedWorker
 
@@ -53,8 +60,8 @@ def tokenizer_id(spec: dict) -> str:
     return f"hf:{spec['source']}" if spec.get("source") else f"char:{spec['vocab']}"
 
 
-class ModelWorker(CollectiveSync, TracedWorker):
-    """Hosts model ``name`` built from ``spec``.
+class ModelWorker(TracedWorker):
+    """Hosts model ``name`` built from ``spec`` — one rank of its worker group.
 
     ``init``: ``{"kind": "random"}``, ``{"kind": "pretrained"}`` (``spec["source"]``) or
     ``{"kind": "copy", "from": NAME, "spec": SRC_SPEC}`` — start from the initial
@@ -65,10 +72,15 @@ class ModelWorker(CollectiveSync, TracedWorker):
     loop, the default) or another registered engine (:mod:`rlhfc.runtime.rollout.base`), e.g. ``{"engine": "vllm",
     "folder": DIR}``: a vLLM engine this worker starts at its first generate, in ``DIR/<name>``, refitted
     before a generate whenever the worker's weights version moved on.
+    ``trainer``: the train backend (a registered name, :mod:`rlhfc.contract.engines`); a group backend's rank
+    also gets ``rank``, ``world``, ``store`` (the group's rendezvous: (host, port),
+    :func:`rlhfc.runtime.train.backend.open_store`), ``dist_backend`` (``gloo`` or ``nccl``), ``tp`` and ``pp``.
     """
 
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
-                 cores: list[int] | None = None, precision: str = "fp32", rollout: dict | None = None):
+                 cores: list[int] | None = None, precision: str = "fp32", rollout: dict | None = None, *,
+                 trainer: str = "torch", rank: int = 0, world: int = 1, store: tuple[str, int] | None = None,
+                 dist_backend: str = "gloo", tp: int = 1, pp: int = 1):
         if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -85,61 +97,90 @@ class ModelWorker(CollectiveSync, TracedWorker):
         if init.get("kind") == "copy":
             src_name = init["from"]
             src = build_model(init["spec"], seed=derive_seed(seed, src_name, "init"), device=device)
-            self.model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
-            copy_weights(src, self.model)
+            model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
+            copy_weights(src, model)
             del src
         else:
-            self.model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
-        apply_recompute(self.model, spec.get("recompute"))   # the plan's activation recomputation (training only)
-        self.tokenizer = load_tokenizer(self.model.spec)
-        self.tok_id = tokenizer_id(self.model.spec)
+            model = build_model(spec, seed=derive_seed(seed, name, "init"), device=device)
+        apply_recompute(model, spec.get("recompute"))   # the plan's activation recomputation (training only)
+        self.tokenizer = load_tokenizer(model.spec)
+        self.tok_id = tokenizer_id(model.spec)
         self.sample_gen = torch.Generator().manual_seed(derive_seed(seed, name, "sample"))
         self.train_gen = torch.Generator().manual_seed(derive_seed(seed, name, "train"))
-        self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0
         self._stores: dict[str, Any] = {}    # collective sync: rendezvous stores this worker hosts, by key
         self._groups: dict[str, Any] = {}    # collective sync: two-rank process groups, by key
         self.rollout = dict(rollout or {"engine": "torch"})
         self.seed = seed
-        self.rollout_engine = build_rollout(self.rollout, self)   # what decodes its generate calls
         self.engine_stats: dict[str, float] = {}   # its start/refit statistics, reported with the next rollout
+        self.backend: TrainBackend = build_backend(trainer, self, model, self.rollout.get("plugins") or (), rank=rank,
+                                                   world=world, store=store, dist_backend=dist_backend, tp=tp, pp=pp)
+        self.rollout_engine = build_rollout(self.rollout, self)   # what decodes its generate calls
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model as this rank trains it (sharded or converted under a group backend)."""
+        return self.backend.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.backend.optimizer
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    @dispatch("all")
     def ready(self) -> dict:
         import ray
 
         return {"name": self.name, "params": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
                 "threads": torch.get_num_threads(), "device": self.device, "cores": self.cores,
                 "precision": self.precision, "allocator": "retain" if retaining() else "default",
-                "node": ray.get_runtime_context().get_node_id()}
+                "trainer": self.backend.traits.name, "node": ray.get_runtime_context().get_node_id()}
 
+    @dispatch("all")
     def get_version(self) -> int:
         return self.version
 
-    def _autocast(self):
-        """The arithmetic of this worker's forwards (:mod:`rlhfc.runtime.models.precision`)."""
-        return autocast(self.device, self.precision)
+    @dispatch("all")
+    def set_version(self, version: int) -> int:
+        self.version = int(version)
+        return self.version
 
     def _check_tokens(self, rollout: Rollout) -> None:
         if rollout.tokenizer != self.tok_id:
             raise ValueError(f"model '{self.name}' uses tokenizer {self.tok_id} but the rollout was made with "
                              f"{rollout.tokenizer}; per-token stages need models that share a tokenizer")
 
-    # -- stages --------------------------------------------------------------------------------
+    # -- generation ------------------------------------------------------------------------------
+    @dispatch("all")
     @stage_call
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
                  n: int = 1, unpad: bool = False, logprobs: bool = False, chat: bool = False,
-                 slots: int | None = None, refit_mb: int = 64) -> Rollout:
+                 slots: int | None = None, refit_mb: int = 64) -> Rollout | None:
         """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
         pass); ``chat``: each prompt as a user turn in the tokenizer's chat template; ``slots``: at most that
         many rows decode at once, waiting prompts joining as rows finish (continuous batching; the plan's
-        micro-batches of generation); ``refit_mb``: the vLLM engine's refit bucket size (rollout = vllm)."""
-        return next(iter(self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                        top_p=top_p, n=n, chunk=0, unpad=unpad, logprobs=logprobs, chat=chat,
-                                        slots=slots, refit_mb=refit_mb)))
+        micro-batches of generation); ``refit_mb``: an engine's refit bucket size (rollout = vllm).
 
+        On a group every rank decodes its contiguous share of the rows on the backend's generation module
+        (each row's own random stream: the tokens one rank would sample), the samples are gathered, and rank 0
+        answers with the rollout one rank would build (the other ranks answer None)."""
+        model = self.backend.generation_model(self.rollout_engine)   # a collective where it gathers
+        inputs = self._inputs(prompts, n, chat=chat)
+        logprobs = logprobs or not self.rollout_engine.traits.trainer_numerics   # the behaviour policy's
+        world = self.backend.world
+        samples = list(self._decode(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, logprobs=logprobs, share=self.backend.generation_share(len(inputs)),
+                                    slots=-(-slots // world) if slots else None, refit_mb=refit_mb))
+        parts = self.backend.gather(samples)
+        if parts is None:
+            return None
+        width_p = max(len(c["prompt_ids"]) for c in inputs)
+        return self._rollout([s for part in parts for s in part], inputs, width_p,
+                             None if unpad else max_new_tokens, logprobs)
+
+    @dispatch("stream")
     @stage_call
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
@@ -149,9 +190,18 @@ class ModelWorker(CollectiveSync, TracedWorker):
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
         as wide as its own longest response (the ``unpad`` pass) instead of ``max_new_tokens``;
-        ``logprobs``: as in :meth:`generate`."""
+        ``logprobs``: as in :meth:`generate`. On a group, rank 0 decodes every row (its chunks and the
+        overcommit cut-off follow the finish order over all rows) while every rank brings its engine up to the
+        weights with it (an engine's start and refit may be collectives)."""
         with torch.no_grad():
-            yield from self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+            model = self.backend.generation_model(self.rollout_engine)
+            self.rollout_engine.prepare(model, refit_mb)
+            if self.backend.rank != 0:
+                # advance the sampling generator as a decode call does, so every rank draws the same row keys
+                # in the next split generation
+                torch.randint(0, 2**62, (1,), generator=self.sample_gen)
+                return
+            yield from self._generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
                                       logprobs=logprobs, chat=chat, slots=slots, refit_mb=refit_mb)
 
@@ -165,9 +215,9 @@ class ModelWorker(CollectiveSync, TracedWorker):
             {"prompt": t, "prompt_ids": i, "partial": [], "born": self.version, "fields": f}
             for (t, f), i in zip(parts, ids)]
 
-    def _decode(self, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
+    def _decode(self, model, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
                 carry=False, share: tuple[int, int] | None = None, slots: int | None = None, refit_mb: int = 64):
-        """Decode ``inputs`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
+        """Decode ``inputs`` on ``model`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
         ``index`` the row in ``inputs``, its response including a carried part) as each finishes, or, once
         ``take`` samples are done, a carry dict for each unfinished one. Row ``i`` samples from the random
         stream keyed ``base + i`` (``base`` one draw from this worker's sampling generator), so a share of the
@@ -180,7 +230,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
                   budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
                   stop_after=take, logprob_temperature=temperature if logprobs else None,
                   resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)), slots=slots)
-        stream = self.rollout_engine.stream(self.model, rows, max_new_tokens, refit_mb=refit_mb, **kw)
+        stream = self.rollout_engine.stream(model, rows, max_new_tokens, refit_mb=refit_mb, **kw)
         for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
@@ -190,7 +240,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
             yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs,
                                  item.computed)
 
-    def _generate(self, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
+    def _generate(self, model, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
                   unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64):
         inputs = self._inputs(prompts, n, carry, chat)
         logprobs = logprobs or not self.rollout_engine.traits.trainer_numerics   # the behaviour policy's
@@ -200,7 +250,7 @@ class ModelWorker(CollectiveSync, TracedWorker):
         size = chunk if chunk > 0 else len(inputs)
         width_r = None if unpad else max_new_tokens
         done = 0
-        for item in self._decode(inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        for item in self._decode(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  take=take, logprobs=logprobs, carry=bool(carry), slots=slots, refit_mb=refit_mb):
             if isinstance(item, dict):
                 left.append(item)
@@ -242,41 +292,41 @@ class ModelWorker(CollectiveSync, TracedWorker):
         stats, self.engine_stats = self.engine_stats, {}
         return stats
 
-    #: whether forwards and training of unpadded rollouts run in length groups (every rank of an FSDP group
-    #: must run the same number of forwards, so its ranks do not)
-    _pack = True
-
-    def _run_forward(self, fn, rollout: Rollout) -> torch.Tensor:
-        """``fn(batch)`` on the rollout; under ``unpad``, in groups of rows of similar length
-        (:func:`rlhfc.runtime.train.packing.bucketed`: computed tokens follow the real ones)."""
-        batch = rollout.batch.to(self.device)
-        with self._autocast():
-            out = bucketed(fn, batch) if rollout.unpad and self._pack else fn(batch)
-        return out.cpu()
-
+    # -- forwards: each rank its share of the rows -------------------------------------------------
+    @dispatch("split")
     @stage_call
     @torch.no_grad()
-    def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues:
+    def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues | None:
         self._check_tokens(rollout)
-        lp = self._run_forward(lambda b: response_logprobs(self.model, b, temperature), rollout)
-        return TokenValues(lp, rollout.mask)
+        mine = self.backend.rows(rollout)
+        lp = self.backend.forward(mine, lambda m, b: response_logprobs(m, b, temperature))
+        return None if lp is None else TokenValues(lp, mine.mask)
 
+    @dispatch("split")
     @stage_call
     @torch.no_grad()
-    def values(self, rollout: Rollout) -> TokenValues:
+    def values(self, rollout: Rollout) -> TokenValues | None:
         self._check_tokens(rollout)
-        values = self._run_forward(lambda b: response_values(self.model, b), rollout)
-        check_finite(values, f"the value estimate of '{self.name}'", mask=rollout.mask, prompts=rollout.prompts)
-        return TokenValues(values, rollout.mask)
+        mine = self.backend.rows(rollout)
+        values = self.backend.forward(mine, response_values)
+        if values is None:
+            return None
+        check_finite(values, f"the value estimate of '{self.name}'", mask=mine.mask, prompts=mine.prompts)
+        return TokenValues(values, mine.mask)
 
+    @dispatch("split")
     @stage_call
     @torch.no_grad()
-    def score(self, rollout: Rollout) -> torch.Tensor:
-        return check_finite(self._score(rollout), f"the score of reward model '{self.name}'", prompts=rollout.prompts)
+    def score(self, rollout: Rollout) -> torch.Tensor | None:
+        mine = self.backend.rows(rollout)
+        scores = self._score(mine)
+        if scores is None:
+            return None
+        return check_finite(scores, f"the score of reward model '{self.name}'", prompts=mine.prompts)
 
-    def _score(self, rollout: Rollout) -> torch.Tensor:
+    def _score(self, rollout: Rollout) -> torch.Tensor | None:
         if rollout.tokenizer == self.tok_id:
-            return self._run_forward(lambda b: sequence_scores(self.model, b), rollout)
+            return self.backend.forward(rollout, sequence_scores)
         # a reward model with its own tokenizer scores the text
         ids = encode_prompts(self.tokenizer, [p + r for p, r in zip(rollout.prompts, rollout.responses)])
         width = max(len(x) for x in ids)
@@ -285,9 +335,10 @@ class ModelWorker(CollectiveSync, TracedWorker):
         for i, x in enumerate(ids):
             input_ids[i, width - len(x):] = torch.tensor(x)
             mask[i, width - len(x):] = 1
-        with self._autocast():
-            return self.model.score(input_ids.to(self.device), mask.to(self.device)).cpu()
+        return self.backend.score_text(input_ids, mask)
 
+    # -- training --------------------------------------------------------------------------------
+    @dispatch("all")
     @stage_call
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
               max_grad_norm: float, weight_decay: float, unpad: bool = False, lr_schedule: str = "constant",
@@ -299,10 +350,10 @@ class ModelWorker(CollectiveSync, TracedWorker):
         (:func:`rlhfc.runtime.rl.algorithms.lr_factor`), so a resumed run continues the same sequence."""
         from rlhfc.runtime.rl.algorithms import lr_factor
 
-        if self.optimizer is None:
-            self.optimizer = self._make_optimizer(lr=lr, weight_decay=weight_decay)
+        if self.backend.optimizer is None:
+            self.backend.optimizer = self._make_optimizer(lr=lr, weight_decay=weight_decay)
         step_lr = lr * lr_factor(self.version, lr_schedule, warmup_steps, total_steps)
-        for group in self.optimizer.param_groups:
+        for group in self.backend.optimizer.param_groups:
             group["lr"] = step_lr
         self._check_tokens(loss.rollout)
         batch: dict[str, Any] = loss.rollout.batch.to(self.device).as_dict()
@@ -330,28 +381,24 @@ class ModelWorker(CollectiveSync, TracedWorker):
         kind = "policy" if isinstance(loss, PolicyLossInput) else "value"
 
         def guarded(model, mb):
-            with self._autocast():   # the loss's forward; backward and the optimizer step run as built
+            with autocast(self.device, self.precision):   # the loss's forward; backward and the optimizer step run as built
                 out, stats = fn(model, mb)
             if not bool(torch.isfinite(out.detach()).all()):
                 raise NonFiniteError(f"the {kind} loss of '{self.name}' is {float(out.detach())} on a minibatch; the "
                                      "run stops before the optimizer step (nothing of this step is checkpointed)")
             return out, stats
 
-        metrics = self._train_epochs(self.model, self.optimizer, batch, guarded, epochs=epochs, minibatches=minibatches,
-                                     max_grad_norm=max_grad_norm or None, generator=self.train_gen, unpad=unpad,
-                                     pack=self._pack, micro_batch=micro_batch)
+        metrics = self.backend.train_epochs(self.backend.optimizer, batch, guarded, epochs=epochs,
+                                            minibatches=minibatches, max_grad_norm=max_grad_norm or None,
+                                            generator=self.train_gen, unpad=unpad, micro_batch=micro_batch)
         self.version += 1
         metrics.update(getattr(loss, "stats", {}), lr=step_lr, version=float(self.version))
         return metrics
 
-    def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
-        """The training loop (a data-parallel rank runs its share: rlhfc.runtime.worker.fsdp)."""
-        return loop.train_epochs(*args, **kwargs)
-
     def _make_optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         """AdamW that refuses to step on a non-finite gradient (checked after clipping, which turns a
         non-finite norm into NaN gradients), so a bad minibatch never reaches the weights."""
-        opt = loop.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
+        opt = self.backend.make_optimizer(lr, weight_decay)
         name = self.name
 
         def finite_grads(optimizer, args, kwargs):
@@ -366,91 +413,144 @@ class ModelWorker(CollectiveSync, TracedWorker):
         opt.register_step_pre_hook(finite_grads)
         return opt
 
-    # -- weights ---------------------------------------------------------------------------------
+    # -- weights: in full, the single-rank model's layout ---------------------------------------------
+    @dispatch("all")
     def get_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in get_weights(self.model).items()}
+        """The weights in full, Hugging Face layout (a collective on a group: every rank gets them)."""
+        return self.backend.full_weights()
 
+    @dispatch("all")
     def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
-        set_weights(self.model, weights)
+        self.backend.load_weights(weights)
         if version is not None:
             self.version = version
         return self.version
 
+    @dispatch("all")
     def sync_export(self, bucket_mb: int) -> tuple[list, int, int]:
         """Put the weights into the object store in buckets of about ``bucket_mb`` MiB (numpy arrays:
-        zero-copy for the receiver). Returns (bucket refs, weights version, total bytes)."""
+        zero-copy for the receiver). Returns (bucket refs, weights version, total bytes); on a group every
+        rank takes part in gathering them and rank 0 puts them."""
         import ray
 
+        buckets = self._buckets(bucket_mb)   # a collective on a group
+        if not self.backend.writes:
+            return [], self.version, 0
         refs, total = [], 0
-        for bucket in self._buckets(bucket_mb):
+        for bucket in buckets:
             arrays = {name: t.detach().to("cpu", copy=True).contiguous().numpy() for name, t in bucket}
             refs.append(ray.put(arrays))
             total += sum(a.nbytes for a in arrays.values())
         return refs, self.version, total
 
+    @dispatch("all")
     def sync_import(self, bucket: dict) -> int:
         """Load one bucket of weights (exact copies) into this worker's model."""
-        import warnings
-
-        current = self.model.state_dict()
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # read only
-            for name, array in bucket.items():
-                current[name].copy_(torch.from_numpy(array))
+        self.backend.import_bucket(bucket)
         return len(bucket)
 
+    @dispatch("all")
     def reshard(self, bucket_mb: int) -> tuple[int, int]:
-        """Gather the training layout into the generation layout: one rank holds the whole model already."""
-        return 0, 0
+        """The plan's reshard stage: gather the training layout into the generation layout now (bytes this rank
+        received, transfers; nothing where one rank holds the whole model)."""
+        return self.backend.reshard(self.rollout_engine, bucket_mb)
 
-    def set_version(self, version: int) -> int:
-        self.version = int(version)
-        return self.version
+    def _buckets(self, bucket_mb: int) -> list[list[tuple[str, torch.Tensor]]]:
+        """The state dict cut into buckets of one dtype and about ``bucket_mb`` MiB, in state-dict order
+        (both ends of a transfer build the same model, so they cut it the same way)."""
+        limit = max(1, int(bucket_mb)) * 2**20
+        out: list[list[tuple[str, torch.Tensor]]] = []
+        size = 0
+        for name, tensor in self.backend.state_items():
+            if not out or size >= limit or out[-1][0][1].dtype != tensor.dtype:
+                out.append([])
+                size = 0
+            out[-1].append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        return out
 
-    def _state_items(self):
-        """The model's tensors in state-dict order (a data-parallel rank gathers them in full)."""
-        return self.model.state_dict().items()
+    # -- collective weight transfer (a sync stage with transport = "collective"; one-rank groups) ------
+    # The sender and the receiver form a two-rank process group of their own (NCCL between GPUs, gloo on CPU)
+    # and the sender broadcasts its weights in flat buckets, cut the same way at both ends.
+    def sync_open(self, key: str) -> tuple[str, int]:
+        """Start the rendezvous store of group ``key`` here (the sender's side): (host, port)."""
+        import ray
+        import torch.distributed as dist
 
-    # -- checkpoints (safetensors + JSON only: loading never unpickles) ----------------------------
-    #: whether this worker writes the checkpoint files (one rank of a data-parallel group does)
-    _writes = True
+        host = ray.util.get_node_ip_address()
+        store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=GROUP_TIMEOUT_S), wait_for_workers=False)
+        self._stores[key] = store
+        return host, int(store.port)
 
-    def _full(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor of the optimizer state in full (a data-parallel rank gathers its shards)."""
-        return tensor
+    def sync_join(self, key: str, rank: int, host: str, port: int, backend: str) -> str:
+        """Join the two-rank group ``key`` (rank 0 sends, rank 1 receives); blocks until both are in."""
+        import torch.distributed as dist
 
-    def _placed(self, index: int, full: torch.Tensor) -> torch.Tensor:
-        """Optimizer state of parameter ``index`` loaded in full, as this worker holds it."""
-        return full
+        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+        store = self._stores[key] if rank == 0 else dist.TCPStore(host, int(port), 2, False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"rlhfc/{key}", store)
+        if backend == "nccl":
+            group = dist.ProcessGroupNCCL(prefixed, int(rank), 2)
+        elif backend == "gloo":
+            group = dist.ProcessGroupGloo(prefixed, int(rank), 2, timeout)
+        else:
+            raise ValueError(f"unknown collective backend {backend!r} (nccl or gloo)")
+        self._groups[key] = (group, store)   # the store must outlive the group
+        return backend
 
+    def _broadcast(self, key: str, flat: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        group = self._groups[key][0]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([flat], opts).wait()
+
+    def sync_send(self, key: str, bucket_mb: int) -> tuple[int, int, int]:
+        """Broadcast the weights to the other rank of group ``key``: (version, bytes, buckets)."""
+        total = 0
+        buckets = self._buckets(bucket_mb)
+        with torch.no_grad():
+            for bucket in buckets:
+                flat = torch.cat([t.detach().reshape(-1) for _, t in bucket])
+                self._broadcast(key, flat)
+                total += flat.numel() * flat.element_size()
+        return self.version, total, len(buckets)
+
+    def sync_recv(self, key: str, bucket_mb: int) -> int:
+        """Receive the weights broadcast by rank 0 of group ``key`` into this worker's model (exact copies)."""
+        buckets = self._buckets(bucket_mb)
+        with torch.no_grad():
+            for bucket in buckets:
+                flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype,
+                                   device=bucket[0][1].device)
+                self._broadcast(key, flat)
+                at = 0
+                for _, t in bucket:
+                    t.copy_(flat[at:at + t.numel()].view_as(t))
+                    at += t.numel()
+        return len(buckets)
+
+    # -- checkpoints (safetensors + JSON only: loading never unpickles; full tensors, written by rank 0) --
+    @dispatch("all")
     def save(self, folder: str) -> None:
-        weights = {k: v.contiguous() for k, v in self.get_weights().items()}
+        weights = {k: v.contiguous() for k, v in self.backend.full_weights().items()}   # collectives on a group
+        opt_tensors, opt_meta = self.backend.optimizer_state()
         tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
-                   "rng.torch": torch.get_rng_state()}
-        meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": None}
-        if self.optimizer is not None:
-            sd = self.optimizer.state_dict()
-            for idx, state in sd["state"].items():
-                for key, t in state.items():
-                    tensors[f"opt.{idx}.{key}"] = self._full(torch.as_tensor(t)).detach().cpu().contiguous()
-            meta["optimizer"] = {"param_groups": sd["param_groups"], "state_keys": {
-                str(i): sorted(s.keys()) for i, s in sd["state"].items()}}
-        self._write_files(folder, weights, tensors, meta)
+                   "rng.torch": torch.get_rng_state(), **opt_tensors}
+        meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": opt_meta}
+        if self.backend.writes:
+            os.makedirs(folder, exist_ok=True)
+            save_file(weights, os.path.join(folder, "weights.safetensors"))
+            save_file(tensors, os.path.join(folder, "state.safetensors"))
+            with open(os.path.join(folder, "state.json"), "w") as fh:
+                json.dump(meta, fh)
+        self.backend.barrier()   # the checkpoint is complete on disk when any rank returns
 
-    def _write_files(self, folder: str, weights: dict, tensors: dict, meta: dict) -> None:
-        """The checkpoint's three files (on the rank that writes them)."""
-        if not self._writes:
-            return
-        os.makedirs(folder, exist_ok=True)
-        save_file(weights, os.path.join(folder, "weights.safetensors"))
-        save_file(tensors, os.path.join(folder, "state.safetensors"))
-        with open(os.path.join(folder, "state.json"), "w") as fh:
-            json.dump(meta, fh)
-
-    def _read_files(self, folder: str) -> tuple[dict, dict]:
-        """Load a checkpoint's weights, random states and version; return its (tensors, meta) for the
-        optimizer state."""
-        self.set_weights(load_file(os.path.join(folder, "weights.safetensors")))
+    @dispatch("all")
+    def load(self, folder: str) -> int:
+        """Load a checkpoint's weights, random states, version and optimizer state (each rank its part)."""
+        self.backend.load_weights(load_file(os.path.join(folder, "weights.safetensors")))
         tensors = load_file(os.path.join(folder, "state.safetensors"))
         with open(os.path.join(folder, "state.json")) as fh:
             meta = json.load(fh)
@@ -458,20 +558,11 @@ class ModelWorker(CollectiveSync, TracedWorker):
         self.train_gen.set_state(tensors["rng.train"])
         torch.set_rng_state(tensors["rng.torch"])
         self.version = int(meta["version"])
-        return tensors, meta
-
-    def _optimizer_from(self, opt: dict) -> list[dict]:
-        """A fresh optimizer with a checkpoint's hyper-parameters (its ``optimizer`` entry); its param groups."""
-        groups = opt["param_groups"]
-        self.optimizer = self._make_optimizer(lr=groups[0]["lr"], weight_decay=groups[0].get("weight_decay", 0.0))
-        return groups
-
-    def load(self, folder: str) -> int:
-        tensors, meta = self._read_files(folder)
         opt = meta.get("optimizer")
         if opt is not None:
-            groups = self._optimizer_from(opt)
-            state = {int(i): {k: self._placed(int(i), tensors[f"opt.{i}.{k}"]) for k in keys}
-                     for i, keys in opt["state_keys"].items()}
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            groups = opt["param_groups"]
+            self.backend.optimizer = self._make_optimizer(lr=groups[0]["lr"],
+                                                          weight_decay=groups[0].get("weight_decay", 0.0))
+            self.backend.load_optimizer(tensors, opt)
+        self.backend.weights_changed()
         return self.version

@@ -1,4 +1,4 @@
-"""Tensor- and pipeline-parallel ranks with megatron-core (the ``megatron`` trainer).
+"""Tensor- and pipeline-parallel ranks with megatron-core (the ``megatron`` train backend).
 
 A worker group of ``dp × tp × pp`` ranks hosts one model as a megatron-core ``GPTModel`` (the local,
 pure-PyTorch layer spec: no Transformer Engine, no Apex). The group is one ``torch.distributed``
@@ -26,7 +26,7 @@ How each stage runs:
   clipped by the norm over all pieces; AdamW steps on each rank's pieces (element-wise, so the result
   is the single-rank step up to the rounding of the sums).
 - **generation**: the ranks gather the full weights into a single-rank copy each — at the plan's reshard
-  stage right after training (:meth:`MegatronWorker.reshard`, buckets of the stage's ``bucket_mb``), or
+  stage right after training (:meth:`MegatronBackend.reshard`, buckets of the stage's ``bucket_mb``), or
   lazily at the first generate after the weights changed (a tensor-parallel generation layout is not
   built); every rank decodes its share of the rows, each row
   from its own random stream, so the group samples the tokens one rank samples; rank 0 answers.
@@ -43,54 +43,47 @@ The model itself, and the shims megatron-core needs on a machine without CUDA: :
 from __future__ import annotations
 
 import math
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from rlhfc.runtime.data.values import Rollout, TokenValues
+from rlhfc.runtime.data.values import Rollout
 from rlhfc.runtime.models import megatron_convert as conv
 from rlhfc.runtime.models.build import normalize_spec
 from rlhfc.runtime.models.megatron import Outputs, build_gpt, cpu_shims, local_state, roll_rows, row_shifts
-from rlhfc.runtime.rl.guards import check_finite
 from rlhfc.runtime.rl.ppo import loss_units
-from rlhfc.runtime.rollout.generation import RolloutBatch, response_logprobs, response_values, sequence_scores
-from rlhfc.runtime.train import loop
-from rlhfc.runtime.train.loop import take_rows
+from rlhfc.runtime.rollout.generation import RolloutBatch
 
-from .base import GROUP_TIMEOUT_S, ModelWorker
-from .fsdp import row_share, rows_of, skip_draw, split_generate
-from .stages import stage_call
+from .backend import GROUP_TIMEOUT_S, GroupBackend, init_group, row_share, rows_of
+from .loop import take_rows
 
 #: the most a rank sends in one all-gather when the pieces are put together (MiB)
 GATHER_BUCKET_MB = 64
 
 
-class MegatronWorker(ModelWorker):
+class MegatronBackend(GroupBackend):
     """Rank ``rank`` of a ``dp × tp × pp`` megatron-core group hosting one model (see module docstring).
 
-    ``store``: (host, port) of the group's rendezvous (:func:`rlhfc.runtime.worker.fsdp.open_store`)."""
+    ``store``: (host, port) of the group's rendezvous (:func:`rlhfc.runtime.train.backend.open_store`)."""
 
-    def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
-                 cores: list[int] | None = None, *, rank: int, world: int, store: tuple[str, int], tp: int = 1,
-                 pp: int = 1, backend: str = "gloo", rollout: dict | None = None, precision: str = "fp32"):
-        if precision != "fp32":
-            raise ValueError(f"the megatron trainer runs fp32 only, not precision = {precision}")
-        super().__init__(name, spec, init, seed, threads, device, cores, rollout=rollout)   # the replica
+    def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1,
+                 store: tuple[str, int] | None = None, dist_backend: str = "gloo", tp: int = 1, pp: int = 1):
+        if host.precision != "fp32":
+            raise ValueError(f"the megatron trainer runs fp32 only, not precision = {host.precision}")
+        if store is None:
+            raise ValueError("the megatron trainer's ranks need their group's rendezvous (store = (host, port))")
+        super().__init__(host, model)
         from megatron.core import parallel_state as ps
 
         self.rank, self.world, self.tp, self.pp = int(rank), int(world), int(tp), int(pp)
-        if self.model.spec.get("source") or self.model.spec.get("dtype", "float32") not in ("float32", "fp32"):
-            raise ValueError(f"model '{name}': the megatron trainer builds float32 models from a config "
+        if model.spec.get("source") or model.spec.get("dtype", "float32") not in ("float32", "fp32"):
+            raise ValueError(f"model '{host.name}': the megatron trainer builds float32 models from a config "
                              "(hf(...) folders and other dtypes are not supported yet); use trainer = fsdp or torch")
         if self.world % (self.tp * self.pp):
             raise ValueError(f"a group of {world} ranks cannot hold tp = {tp} × pp = {pp}")
-        timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-        tcp = dist.TCPStore(store[0], int(store[1]), self.world, self.rank == 0, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"rlhfc-mp/{name}", tcp), rank=self.rank,
-                                world_size=self.world, timeout=timeout)
-        self._tcp = tcp   # the store must outlive the group
+        self._tcp = init_group(f"rlhfc-mp/{host.name}", store, self.rank, self.world, dist_backend)
         cpu_shims()
         ps.initialize_model_parallel(self.tp, self.pp, distributed_timeout_minutes=max(1, GROUP_TIMEOUT_S // 60))
         self.ps = ps
@@ -98,19 +91,20 @@ class MegatronWorker(ModelWorker):
         self.dp_rank = ps.get_data_parallel_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.spec = normalize_spec(self.model.spec)
-        self.replica = self.model           # Hugging Face layout: generation and the checkpoint order
-        self.model = build_gpt(self.spec, self.tp, self.pp, device)
+        self.spec = normalize_spec(model.spec)
+        self.replica = model                # Hugging Face layout: generation and the checkpoint order
+        self.model = build_gpt(self.spec, self.tp, self.pp, self.device)
         self._load_full({k: v for k, v in self.replica.state_dict().items()})
         self._fresh = True                  # the replica holds the current weights
         #: the Hugging Face parameter names in the single-rank model's order (the checkpoint's optimizer order)
         self.hf_params = [n for n, _ in self.replica.named_parameters()]
         self._needed = set(self.replica.state_dict())   # what a weight sync must bring
         self._incoming: dict[str, torch.Tensor] = {}
+        self.gathered = (0, 0)
 
     # -- layout ---------------------------------------------------------------------------------
     @property
-    def _answers(self) -> bool:
+    def answers(self) -> bool:
         """Whether this rank answers its data-parallel share (tp rank 0 of the last stage)."""
         return self.tp_rank == 0 and self.pp_rank == self.pp - 1
 
@@ -185,7 +179,7 @@ class MegatronWorker(ModelWorker):
         mine = self._piece_of(hf)
         params = local_state(self.model)
         if set(mine) != set(params):
-            raise ValueError(f"weights for '{self.name}' do not match its megatron layout: "
+            raise ValueError(f"weights for '{self.host.name}' do not match its megatron layout: "
                              f"{sorted(set(mine) ^ set(params))[:4]}")
         with torch.no_grad():
             for key, value in mine.items():
@@ -242,48 +236,26 @@ class MegatronWorker(ModelWorker):
         return results
 
     # -- forwards: each data-parallel rank its share of the rows ---------------------------------
-    def _mine(self, rollout: Rollout) -> Rollout:
+    def rows(self, rollout: Rollout) -> Rollout:
         return rows_of(rollout, *row_share(rollout.size, self.dp_rank, self.dp))
 
-    def _forward(self, rollout: Rollout, fn: Callable) -> Any:
-        mine = self._mine(rollout)
-        batch = mine.batch.to(self.device)
+    def forward(self, rollout: Rollout, fn: Callable) -> torch.Tensor | None:
+        """``fn(outputs, batch)`` on this rank's rows (:meth:`rows`) through the pipeline schedule; the model's
+        outputs come as :class:`~rlhfc.runtime.models.megatron.Outputs`, which the log-prob, value and score
+        code reads as it reads a single-rank model. None on a rank that does not answer."""
+        batch = rollout.batch.to(self.device)
         with torch.no_grad():
             outs = self._schedule(batch.input_ids, batch.attention_mask,
                                   lambda o, rows: fn(Outputs(o), batch.select(range(rows.start, rows.stop))),
                                   forward_only=True)
-        return (torch.cat(outs).cpu(), mine) if self._answers else (None, mine)
+        return torch.cat(outs).cpu() if self.answers else None
 
-    @stage_call
-    def logprobs(self, rollout: Rollout, *, temperature: float = 1.0) -> TokenValues | None:
-        self._check_tokens(rollout)
-        lp, mine = self._forward(rollout, lambda m, b: response_logprobs(m, b, temperature))
-        return TokenValues(lp, mine.mask) if lp is not None else None
-
-    @stage_call
-    def values(self, rollout: Rollout) -> TokenValues | None:
-        self._check_tokens(rollout)
-        v, mine = self._forward(rollout, lambda m, b: response_values(m, b))
-        if v is None:
-            return None
-        check_finite(v, f"the value estimate of '{self.name}'", mask=mine.mask, prompts=mine.prompts)
-        return TokenValues(v, mine.mask)
-
-    def _score(self, rollout: Rollout) -> torch.Tensor | None:
-        if rollout.tokenizer != self.tok_id:
-            raise ValueError(f"reward model '{self.name}' under the megatron trainer scores rollouts of its own "
-                             "tokenizer only")
-        s, _ = self._forward(rollout, lambda m, b: sequence_scores(m, b))
-        return s
-
-    @stage_call
-    def score(self, rollout: Rollout) -> torch.Tensor | None:
-        s = self._score(rollout)
-        return None if s is None else check_finite(s, f"the score of reward model '{self.name}'",
-                                                   prompts=self._mine(rollout).prompts)
+    def score_text(self, input_ids, mask):
+        raise ValueError(f"reward model '{self.host.name}' under the megatron trainer scores rollouts of its own "
+                         "tokenizer only")
 
     # -- training --------------------------------------------------------------------------------
-    def _train_epochs(self, *args, **kwargs) -> dict[str, float]:
+    def train_epochs(self, optimizer, batch, loss_fn, **kwargs) -> dict:
         def reduce(t: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(t, group=self.ps.get_data_parallel_group())
             return t
@@ -291,7 +263,7 @@ class MegatronWorker(ModelWorker):
         if self.dp > 1:
             kwargs.update(shard=(self.dp_rank, self.dp), reduce=reduce)
         self._fresh = False
-        return loop.train_epochs(*args, backward=self._backward, clip=self._clip, **kwargs)
+        return super().train_epochs(optimizer, batch, loss_fn, backward=self._backward, clip=self._clip, **kwargs)
 
     def _backward(self, model, part: dict, loss_fn: Callable, scale: float):
         """Forward and backward of one minibatch part in microbatches. The losses are token means, so each
@@ -356,7 +328,7 @@ class MegatronWorker(ModelWorker):
                 p.grad.mul_(coef)
         return norm
 
-    # -- generation: rank 0 samples every row on the single-rank copy -----------------------------
+    # -- generation: a single-rank copy on every rank -----------------------------------------------
     def _refresh(self, bucket_mb: int = GATHER_BUCKET_MB) -> tuple[int, int]:
         """Bring every rank's single-rank copy up to date (a collective; nothing to do when unchanged).
         Returns (bytes this rank received, buckets)."""
@@ -366,60 +338,38 @@ class MegatronWorker(ModelWorker):
         self._fresh = True
         return self.gathered
 
-    def reshard(self, bucket_mb: int) -> tuple[int, int]:
-        """The plan's reshard stage: every rank gathers the full weights into its generation copy now."""
+    def generation_model(self, engine) -> nn.Module:
+        """The single-rank copy, gathered first if the weights changed (a collective); an engine with weights of
+        its own refits from it (a tensor-parallel generation layout is not built)."""
+        self._refresh()
+        return self.replica
+
+    def reshard(self, engine, bucket_mb: int) -> tuple[int, int]:
+        """Every rank gathers the full weights into its generation copy now."""
         return self._refresh(bucket_mb)
 
-    @stage_call
-    def generate(self, prompts: list[str], **kwargs):
-        self._refresh()
-        with _swapped(self):   # every rank decodes its share of the rows on its copy
-            return split_generate(self, prompts, self.rank, self.world, **kwargs)
-
-    @stage_call
-    def generate_chunks(self, prompts: list[str], **kwargs):
-        self._refresh()
-        with _swapped(self):   # every rank starts and refits its engine from its copy (collectives)
-            self.rollout_engine.prepare(kwargs.get("refit_mb", 64))
-        if self.rank != 0:
-            skip_draw(self)
-            return
-        with _swapped(self):
-            yield from super().generate_chunks(prompts, **kwargs)
-
-    # -- weights -----------------------------------------------------------------------------------
-    def get_weights(self) -> dict[str, torch.Tensor]:
+    # -- weights: Hugging Face layout -----------------------------------------------------------------
+    def full_weights(self) -> dict[str, torch.Tensor]:
         return self._pieces(local_state(self.model))
 
-    def set_weights(self, weights: dict[str, torch.Tensor], version: int | None = None) -> int:
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self._load_full(weights)
-        if version is not None:
-            self.version = version
-        return self.version
 
-    def _state_items(self):
-        return self.get_weights().items()
+    def state_items(self):
+        return self.full_weights().items()
 
-    def sync_export(self, bucket_mb: int) -> tuple[list, int, int]:
-        if self.rank == 0:
-            return super().sync_export(bucket_mb)   # its buckets gather the full tensors
-        self.get_weights()                             # take part in the gather
-        return [], self.version, 0
-
-    def sync_import(self, bucket: dict) -> int:
+    def import_bucket(self, bucket: dict) -> None:
         """Take one bucket of Hugging Face-layout tensors; once every tensor of the model has come, each rank
         keeps its pieces (the converter needs a layer's query, key and value together)."""
         self._incoming.update({k: torch.from_numpy(v.copy()) for k, v in bucket.items()})
         if self._incoming.keys() >= self._needed:
             self._load_full(self._incoming)
             self._incoming = {}
-        return len(bucket)
 
-    # -- checkpoints: Hugging Face layout, the single-rank model's optimizer order ------------------
-    @property
-    def _writes(self) -> bool:
-        return self.rank == 0
+    def weights_changed(self) -> None:
+        self._fresh = False
 
+    # -- optimizer state: Hugging Face layout, the single-rank model's order --------------------------
     def _optimizer_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer state in full, Hugging Face layout: {state key: {parameter name: tensor}} (a collective)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -434,52 +384,27 @@ class MegatronWorker(ModelWorker):
         out["exp_avg"], out["exp_avg_sq"] = self._pieces_of(moments)   # both moments in one gather
         return out
 
-    def save(self, folder: str) -> None:
-        weights = self.get_weights()
-        tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
-                   "rng.torch": torch.get_rng_state()}
-        meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": None}
-        if self.optimizer is not None:
-            state = self._optimizer_by_name()
-            for index, name in enumerate(self.hf_params):
-                for key, by_name in state.items():
-                    tensors[f"opt.{index}.{key}"] = by_name[name].detach().cpu().contiguous()
-            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(self.hf_params)))}
-                      for g in self.optimizer.state_dict()["param_groups"][:1]]
-            meta["optimizer"] = {"param_groups": groups, "state_keys": {
-                str(i): sorted(state) for i in range(len(self.hf_params))}}
-        self._write_files(folder, {k: v.contiguous() for k, v in weights.items()}, tensors, meta)
-        dist.barrier()   # the checkpoint is complete on disk when any rank returns
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
+        if self.optimizer is None:
+            return {}, None
+        state = self._optimizer_by_name()
+        tensors = {f"opt.{index}.{key}": by_name[name].detach().cpu().contiguous()
+                   for index, name in enumerate(self.hf_params) for key, by_name in state.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": list(range(len(self.hf_params)))}
+                  for g in self.optimizer.state_dict()["param_groups"][:1]]
+        return tensors, {"param_groups": groups, "state_keys": {str(i): sorted(state) for i in range(len(self.hf_params))}}
 
-    def load(self, folder: str) -> int:
-        tensors, meta = self._read_files(folder)
-        opt = meta.get("optimizer")
-        if opt is not None:
-            groups = self._optimizer_from(opt)
-            params = list(self.model.named_parameters())
-            local: dict[str, dict[str, torch.Tensor]] = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                hf = {name: tensors[f"opt.{i}.{key}"] for i, name in enumerate(self.hf_params)}
-                hf |= {k: torch.zeros_like(v) for k, v in self.replica.state_dict().items() if k not in hf}   # tied copy
-                local[key] = self._piece_of(hf)
-            step = tensors["opt.0.step"] if "opt.0.step" in tensors else torch.tensor(0.0)
-            state = {i: {"step": step.clone(), "exp_avg": local["exp_avg"][n].clone(),
-                         "exp_avg_sq": local["exp_avg_sq"][n].clone()} for i, (n, _) in enumerate(params)}
-            mine = self.optimizer.state_dict()["param_groups"]
-            self.optimizer.load_state_dict({"state": state, "param_groups": [
-                {**groups[0], "params": g["params"]} for g in mine]})
+    def load_optimizer(self, tensors: dict[str, torch.Tensor], opt: dict) -> None:
+        params = list(self.model.named_parameters())
+        local: dict[str, dict[str, torch.Tensor]] = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            hf = {name: tensors[f"opt.{i}.{key}"] for i, name in enumerate(self.hf_params)}
+            hf |= {k: torch.zeros_like(v) for k, v in self.replica.state_dict().items() if k not in hf}   # tied copy
+            local[key] = self._piece_of(hf)
+        step = tensors["opt.0.step"] if "opt.0.step" in tensors else torch.tensor(0.0)
+        state = {i: {"step": step.clone(), "exp_avg": local["exp_avg"][n].clone(),
+                     "exp_avg_sq": local["exp_avg_sq"][n].clone()} for i, (n, _) in enumerate(params)}
+        mine = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": state, "param_groups": [
+            {**opt["param_groups"][0], "params": g["params"]} for g in mine]})
         self._fresh = False
-        return self.version
-
-
-class _swapped:
-    """Run the single-rank generation code on the replica, then put the megatron model back."""
-
-    def __init__(self, worker: MegatronWorker):
-        self.worker = worker
-
-    def __enter__(self):
-        self.saved, self.worker.model = self.worker.model, self.worker.replica
-
-    def __exit__(self, *exc):
-        self.worker.model = self.saved
