@@ -4,10 +4,13 @@
 command-line fuzzers scale with it. CI runs the default (2000 programs, about half a minute); a long local
 run is ``pytest tests/test_fuzz.py --fuzz-n 10000``.
 
-``--slow``: also run the long end-to-end tests (marked ``slow``: fault injection, multi-rank layouts, the
-resume and claims runs, prediction through Ray; about 12 more minutes on 2 cores). The default run (the
-README's test command, CI's) skips them, saying so, to stay well inside CI's 30 minutes; the README's
-first command and its claims, and the vLLM job, run by default.
+Every test runs by default, the long end-to-end ones (marked ``slow``: fault injection, multi-rank layouts,
+the resume and claims runs, prediction through Ray) included: the README's test command is CI's.
+``pytest -m "not slow"`` is the quick local loop (it skips what docs/claims.md needs, and says so).
+
+**A claim's test must run.** When the whole suite runs (no paths, ``-k``, ``-m`` or ``--deselect``), every test
+that docs/claims.md names must have been collected and passed, each parametrization included: one skipped
+(a missing optional extra), deselected or missing fails the run, naming it (:func:`pytest_sessionfinish`).
 """
 
 from __future__ import annotations
@@ -19,19 +22,76 @@ DEFAULT_FUZZ_N = 2000
 def pytest_addoption(parser):
     parser.addoption("--fuzz-n", type=int, default=DEFAULT_FUZZ_N, metavar="N",
                      help=f"mutated programs the fuzz tests check (default {DEFAULT_FUZZ_N}; e.g. 10000 locally)")
-    parser.addoption("--slow", action="store_true", help="also run the long end-to-end tests (marked slow)")
+    parser.addoption("--slow", action="store_true",
+                     help="accepted for old command lines: the long end-to-end tests run by default now")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Without ``--slow``, tests marked ``slow`` are skipped (with the reason, so the summary counts them)."""
-    if config.getoption("--slow"):
+_OUTCOMES: dict[str, list[str]] = {}   # "tests/FILE.py::test_name" (no class, no parameters) -> outcomes
+
+
+def claim_key(nodeid: str) -> str:
+    """``tests/FILE.py::test_name`` of a node id (a test class's name and the parameters dropped), as
+    docs/claims.md names tests."""
+    path, _, rest = nodeid.partition("::")
+    return f"{path}::{rest.split('[', 1)[0].split('::')[-1]}"
+
+
+def pytest_runtest_logreport(report):
+    """Record each test's outcome (a failure or skip in any phase counts) for the claims check."""
+    if report.when == "call" or report.outcome != "passed":
+        _OUTCOMES.setdefault(claim_key(report.nodeid), []).append(
+            "passed" if report.outcome == "passed" and report.when == "call" else report.outcome)
+
+
+def _whole_suite(config) -> bool:
+    """Whether this run is the whole suite (``pytest`` as CI and the README run it)."""
+    import os
+
+    args = [os.path.normpath(os.path.join(str(config.invocation_params.dir), a)) for a in config.args]
+    root = os.path.normpath(os.path.join(str(config.rootpath), "tests"))
+    return (args == [root] and not config.getoption("keyword") and not config.getoption("markexpr")
+            and not config.getoption("deselect") and not config.getoption("lf")
+            and not config.getoption("exitfirst") and not config.getoption("collectonly"))
+
+
+def claim_problems(outcomes: dict[str, list[str]]) -> list[str]:
+    """The tests docs/claims.md names that did not run and pass in ``outcomes`` (test id -> outcomes)."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "claims.md"), encoding="utf-8") as fh:
+        refs = sorted(set(re.findall(r"(tests/[\w/]+\.py::\w+)", fh.read())))
+    # a name whose file does not exist (the page's own example) is test_claims.py's to report
+    refs = [r for r in refs if os.path.isfile(os.path.join(root, r.split("::")[0]))]
+    out = []
+    for ref in refs:
+        got = outcomes.get(ref)
+        if not got:
+            out.append(f"{ref}: not run (deselected, or no longer collected)")
+        elif any(o != "passed" for o in got):
+            out.append(f"{ref}: {', '.join(sorted(set(got)))}")
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail a whole-suite run in which a test docs/claims.md names did not run and pass."""
+    if not _whole_suite(session.config) or exitstatus not in (0, 1):
         return
-    import pytest
+    problems = claim_problems(_OUTCOMES)
+    if problems:
+        session.config._claim_problems = problems
+        session.exitstatus = 1
 
-    skip = pytest.mark.skip(reason="long end-to-end run: pytest --slow runs it")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    problems = getattr(config, "_claim_problems", None)
+    if problems:
+        terminalreporter.section("claims not proven", sep="=", red=True)
+        terminalreporter.line(f"{len(problems)} test(s) named in docs/claims.md did not run and pass "
+                              "(a claim's test must run: install the extras with .ci/run's command):")
+        for line in problems:
+            terminalreporter.line(f"  {line}")
 
 
 def _pretend_megatron_installed(monkeypatch) -> None:

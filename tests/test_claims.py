@@ -91,3 +91,18 @@ def test_explain_says_O3_changes_what_the_job_trains_on(capsys):
     assert cli(["explain", program, "-O2", "--no-profile"]) == 0
     assert "changes what the job trains on" not in capsys.readouterr().out
 
+
+
+def test_a_claims_test_that_was_skipped_or_not_run_fails_the_whole_suite():
+    """The whole-suite check of tests/conftest.py: every test docs/claims.md names must have run and passed,
+    each parametrization and test-class method included."""
+    from conftest import claim_key, claim_problems   # tests/conftest.py (pytest puts tests/ on the path)
+
+    assert claim_key("tests/e2e/test_x.py::TestA::test_b[llama-2]") == "tests/e2e/test_x.py::test_b"
+    refs = sorted({f"{p}::{n}" for _, _, rs in _claim_rows() for p, n in rs})
+    passed = {r: ["passed"] for r in refs}
+    assert claim_problems(passed) == []
+    one = refs[0]
+    assert claim_problems({**passed, one: ["passed", "skipped"]}) == [f"{one}: passed, skipped"]
+    gone = {r: o for r, o in passed.items() if r != one}
+    assert claim_problems(gone) == [f"{one}: not run (deselected, or no longer collected)"]

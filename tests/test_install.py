@@ -26,7 +26,7 @@ def _read(*parts: str) -> str:
 def test_constraints_pin_torch_and_add_the_cpu_index_and_ci_installs_as_the_readme():
     lines = [x.strip() for x in _read("constraints.txt").splitlines() if x.strip() and not x.startswith("#")]
     assert lines == [f"--extra-index-url {CPU_INDEX}", "torch==2.13.0", "transformers==5.19.0"]
-    assert '"torch==2.13.0"' in _read("pyproject.toml")                 # the same pin as the package's
+    assert _torch_range().contains("2.13.0")                            # inside the package's range
     # the traced blocks that ship were made under the pinned versions (python -m rlhfc.passes.recompute_trace)
     import glob
     import json
@@ -78,3 +78,49 @@ def test_pip_takes_the_cpu_build_through_the_repositorys_constraints_file(tmp_pa
     ours = _read("constraints.txt").replace(CPU_INDEX, (tmp_path / "cpu").as_uri())
     assert _resolve(tmp_path, ours) == "torch-2.13.0+cpu"
     assert _resolve(tmp_path, "torch==2.13.0\n") == "torch-2.13.0"   # without the index line: PyPI's build
+
+
+def _torch_range():
+    """The torch requirement's specifier in pyproject.toml's ``dependencies``."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads(_read("pyproject.toml"))["project"]["dependencies"]
+    return next(Requirement(d) for d in deps if Requirement(d).name == "torch").specifier
+
+
+def test_the_package_states_a_torch_range_whose_lowest_release_is_the_one_ci_tests():
+    """The package's requirement is a range (a user's own CUDA build stays); constraints.txt keeps the exact pin
+    CI and the README's CPU install use, and it is the range's lowest release: the oldest one tested."""
+    from packaging.version import Version
+
+    import torch
+
+    spec = _torch_range()
+    pin = next(x.split("==")[1] for x in _read("constraints.txt").splitlines() if x.startswith("torch=="))
+    lowest = [Version(s.version) for s in spec if s.operator == ">="]
+    assert lowest == [Version(pin)], spec
+    for build in (pin, f"{pin}+cpu", f"{pin}+cu130", "2.14.0+cu128"):   # CUDA builds, a later release
+        assert spec.contains(build), build
+    assert not spec.contains("2.12.1")
+    assert spec.contains(torch.__version__)   # the installed torch (this venv's)
+
+
+def test_installing_rlhfc_keeps_a_torch_release_inside_the_range(tmp_path):
+    """``pip install -e .`` where a CUDA torch of another release is installed keeps it: pip resolves offline
+    (``--no-index``: it can only keep what is installed), seeing a torch 2.14.0+cu130 (the metadata of one, on
+    the path ahead of this venv's) — with the old exact pin it could not resolve at all."""
+    pytest.importorskip("pip")
+    info = tmp_path / "site" / "torch-2.14.0+cu130.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.14.0+cu130\n")
+    (info / "RECORD").write_text("")
+    (info / "INSTALLER").write_text("pip\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "PIP_RETRIES": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
+                           "--disable-pip-version-check", "-e", ROOT], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch==2.14.0+cu130" in proc.stdout or "torch>=2.13 in" in proc.stdout, proc.stdout[-3000:]
+    assert re.search(r"^Would install rlhfc-[\d.]+$", proc.stdout, re.M), proc.stdout[-2000:]

@@ -99,6 +99,21 @@ def test_resolve_trainer():
     assert plan.resolve_trainer("torch", P(2, 2, 1)) == "torch"
 
 
+def test_a_layout_that_needs_ranks_runs_without_naming_a_trainer(tmp_path, megatron_installed):
+    """No ``trainer = ...`` and a ``layout(...)`` of several processes: the run chooses ``auto`` (printed), so
+    each model runs on a backend that runs its layout; without such a layout the default stays one process."""
+    module = _module(run="", **MIXED)
+    assert module.run.trainer == "auto" and 'trainer = "auto"' in print_module(module)
+    verify(module)
+    workers = _plan_json(_passes(module, "dce"), tmp_path)["placement"]["workers"]
+    assert {n: w["trainer"] for n, w in workers.items() if n != "reward"} == \
+        {"actor": "fsdp", "critic": "megatron", "ref": "megatron"}
+    assert _module(run="").run.trainer == "torch"
+    assert _module(run="", actor="layout(dp = 1)").run.trainer == "torch"   # one process: no change
+    with pytest.raises(CompileError, match="trainer = torch runs every model as one process"):
+        _module(run="; trainer = torch", actor="layout(dp = 2)")   # named: a located error (tests/bad/)
+
+
 def _plan_json(module, tmp_path, name="job") -> dict:
     job = str(tmp_path / name)
     emit_job(module, job, opt_level="custom", passes=[])

@@ -26,7 +26,8 @@ import networkx as nx
 from rlhfc.ir.core import Cluster, Graph, Module, Stage, Value
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.ops import BUILTIN_OPS, LOSS_FOR_HEAD, METHOD_OPS, MIXED_BATCH_OPS, get_op
-from rlhfc.ir.verifier import check_remax
+from rlhfc.ir.verifier import check_remax, rollout_readers
+from rlhfc.ir.verifier import where as stage_where
 from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, check_prompt_lengths, is_positive_int,
                                     reward_module_problem)
 
@@ -443,6 +444,15 @@ class _Pipeline:
                     continue
                 self.sink.warning(f"value '{v.name}' is never used", self.bound_at[v.name],
                                   "remove it, or pass it to a stage that needs it")
+        for s in g.stages:
+            if s.op != "generate" or not s.outputs or s.attrs.get("temperature", 1.0) != 0:
+                continue
+            trained = [r for r in rollout_readers(g, s.outputs[0]) if r.op == "train" and r.target == s.target]
+            if trained:
+                self.sink.warning(f"@{s.target} trains on a greedy rollout (temperature = 0): its responses never "
+                                  "explore, and they are not samples of the policy whose log-probs the loss uses",
+                                  stage_where(s, "temperature"), "sample with temperature > 0 (1.0 is usual); a greedy "
+                                  "rollout serves as an evaluation or as remax()'s baseline, not as training data")
         called = {s.target for s in g.stages}
         for m in self.module.models.values():
             if m.name not in called:

@@ -29,7 +29,7 @@ from rlhfc.ir.core import RUN_KEYS, Cluster, DataSource, Model, Module, RunConfi
 from rlhfc.ir.devices import GPU_KINDS
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.lora import DEFAULT_TARGETS, LORA_KEYS
-from rlhfc.ir.plan import LAYOUT_FACTORS
+from rlhfc.ir.plan import AUTO, LAYOUT_FACTORS, Parallel, fixed_layout
 from rlhfc.ir.verify_fields import EXAMPLES, check_cluster, check_data, check_model, check_run, is_positive_int
 
 from . import ast
@@ -461,6 +461,7 @@ class Declarations:
     def run_block(self) -> RunConfig:
         rc = RunConfig()
         if not self.p.runs:
+            self._default_trainer(rc)
             return rc
         for extra in self.p.runs[1:]:
             self.sink.error("a program has one run block", extra.loc,
@@ -478,8 +479,16 @@ class Declarations:
                 continue
             seen.add(s.name)
             _set(rc, s.name, s.value)
+        if "trainer" not in seen:
+            self._default_trainer(rc)
         check_run(rc, self.sink)
         return rc
+
+    def _default_trainer(self, rc: RunConfig) -> None:
+        """Without ``trainer = ...``: ``auto`` where a model's ``layout(...)`` needs several processes (each model
+        then runs on a backend that runs its layout; printed in the IR), else the one-process default."""
+        if any((fixed_layout(m) or Parallel(1, 1, 1)).size > 1 for m in self.scope.module.models.values()):
+            rc.trainer = AUTO
 
 
 __all__ = ["Scope", "Declarations"]

@@ -1,8 +1,10 @@
 """The vLLM rollout engine (``run { rollout = vllm }``, issue #15) inside a model worker, in this process.
 
-Skipped where vLLM is not installed (``pip install -c constraints.txt -e '.[vllm]'``). One engine per
-architecture for the whole module (a vLLM start is ~10-40 s on CPU); the llama tests share one worker and
-run in file order (greedy, then train + refit, then stream/overcommit, then the engine's shutdown).
+Skipped where vLLM is not installed (``pip install -c constraints.txt -e '.[vllm]'``; a whole-suite run then
+fails on the claims these tests prove, tests/conftest.py). One engine per architecture for the whole module (a
+vLLM start is ~10-40 s on CPU); the llama tests share one worker, which the ``llama`` fixture puts back to
+the initial weights, version, optimizer and sampling state before each test (the engine refits to them), so
+they pass alone and in any order. The test that stops an engine stops its own.
 """
 
 from __future__ import annotations
@@ -45,11 +47,24 @@ def _restore_environment():
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def _llama_module(tmp_path_factory):
     vllm, torch_ = _pair("llama", tmp_path_factory.mktemp("vllm"))
-    yield vllm, torch_
+    initial = {k: v.clone() for k, v in vllm.model.state_dict().items()}
+    yield vllm, torch_, initial, vllm.sample_gen.get_state()
     if vllm.rollout_engine.engine is not None:
         vllm.rollout_engine.engine.shutdown()
+
+
+@pytest.fixture
+def llama(_llama_module):
+    """The module's two llama workers, the vLLM one back at its initial state with its engine running."""
+    vllm, torch_, initial, sample_state = _llama_module
+    vllm.model.load_state_dict(initial)
+    vllm.backend.optimizer = None
+    vllm.sample_gen.set_state(sample_state)
+    vllm.version = 0
+    vllm.rollout_engine.prepare(vllm.model)   # started, or refitted to the initial weights (a new version)
+    return vllm, torch_
 
 
 def _greedy_rows_agree(vllm: ModelWorker, torch_: ModelWorker, max_new_tokens: int = 24) -> None:
@@ -148,23 +163,33 @@ def test_one_seed_per_call_gives_the_same_tokens_whatever_the_engine_ran_before(
     assert _tokens(engine, rows, 8, eos) != first
 
 
-def test_a_stopped_engine_gives_an_error_naming_it(llama):
-    vllm, _ = llama
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A gpt2 worker on vLLM and its torch twin."""
+    vllm, torch_ = _pair("gpt2", tmp_path_factory.mktemp("vllm_gpt2"))
+    yield vllm, torch_
+    if vllm.rollout_engine.engine is not None:
+        vllm.rollout_engine.engine.shutdown()
+
+
+def test_gpt2_greedy_tokens_and_refit(gpt2):
+    vllm, torch_ = gpt2
+    _greedy_rows_agree(vllm, torch_, max_new_tokens=16)
+    with torch.no_grad():
+        for p in vllm.model.parameters():   # the tied embedding / output layer included
+            p.add_(0.05 * torch.randn_like(p))
+    vllm.version += 1
+    roll = vllm.generate(PROMPTS[:8], max_new_tokens=8, temperature=1.0, top_p=1.0)
+    assert float((roll.logprobs - vllm.logprobs(roll).values).abs()[roll.mask.bool()].max()) < 1e-3
+
+
+def test_a_stopped_engine_gives_an_error_naming_it(gpt2):
+    """Stops the gpt2 worker's own engine (started here if the test runs alone), not the llama tests' one."""
+    vllm, _ = gpt2
+    vllm.rollout_engine.prepare(vllm.model)
     vllm.rollout_engine.engine.shutdown()
-    with pytest.raises(EngineError, match="vLLM engine of model 'actor'"):
-        vllm.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, top_p=1.0)
-
-
-def test_gpt2_greedy_tokens_and_refit(tmp_path):
-    vllm, torch_ = _pair("gpt2", tmp_path)
     try:
-        _greedy_rows_agree(vllm, torch_, max_new_tokens=16)
-        with torch.no_grad():
-            for p in vllm.model.parameters():   # the tied embedding / output layer included
-                p.add_(0.05 * torch.randn_like(p))
-        vllm.version += 1
-        roll = vllm.generate(PROMPTS[:8], max_new_tokens=8, temperature=1.0, top_p=1.0)
-        assert float((roll.logprobs - vllm.logprobs(roll).values).abs()[roll.mask.bool()].max()) < 1e-3
+        with pytest.raises(EngineError, match="vLLM engine of model 'actor'"):
+            vllm.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, top_p=1.0)
     finally:
-        if vllm.rollout_engine.engine is not None:
-            vllm.rollout_engine.engine.shutdown()
+        vllm.rollout_engine.engine = None   # a later test of the fixture starts a fresh engine

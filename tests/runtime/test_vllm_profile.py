@@ -1,7 +1,7 @@
 """``rlhfc profile`` measures the vLLM engine (issue #15): on a head-size-64 tiny llama it records generate
 points with the rows' own tokens, a refit point and the engine's limits, and fits a rate the cost model
 prices; a head-size-16 model is recorded as one vLLM cannot run, with the reason, without starting an
-engine. Skipped where vLLM is not installed; marked ``slow`` (``pytest --slow``): vLLM's import and one engine
+engine. Skipped where vLLM is not installed; marked ``slow`` (left out by ``-m "not slow"``): vLLM's import and one engine
 start take 25-80 s on the shared 2-core machine, too much for the default CI run's budget."""
 
 from __future__ import annotations
