@@ -24,7 +24,8 @@ from rlhfc.ir.verify_fields import rollout_readers, tokenizer_key
 def model_spec(m) -> contract.ModelSpec:
     return contract.ModelSpec(m.arch, m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab, m.max_seq, m.head,
                               os.path.abspath(m.source) if m.source else None,
-                              dict(m.lora) if m.lora else None)   # adapters (rlhfc.runtime.models.lora): only they train
+                              dict(m.lora) if m.lora else None,   # adapters (rlhfc.runtime.models.lora): only they train
+                              dropout=bool(m.dropout and m.source))
 
 
 def _trained_spec(module: Module, m) -> contract.ModelSpec:

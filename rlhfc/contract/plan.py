@@ -58,7 +58,8 @@ class ClusterPlan:
 class ModelSpec:
     """What a worker builds a model from (:func:`rlhfc.runtime.models.build.build_model` takes :meth:`as_dict`).
     ``source``: a local Hugging Face folder (absolute) or None for seeded random weights; ``lora``: adapter
-    settings; ``recompute``: the training's activation recomputation (:mod:`rlhfc.runtime.models.recompute`)."""
+    settings; ``recompute``: the training's activation recomputation (:mod:`rlhfc.runtime.models.recompute`);
+    ``dropout``: keep a loaded folder's dropout in the RL stages (off by default, as the peers run)."""
 
     arch: str
     layers: int
@@ -72,12 +73,15 @@ class ModelSpec:
     source: str | None = None
     lora: dict | None = None
     recompute: dict | None = None
+    dropout: bool = False
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         for key in ("lora", "recompute"):
             if out[key] is None:
                 del out[key]
+        if not out["dropout"]:
+            del out["dropout"]
         return out
 
 

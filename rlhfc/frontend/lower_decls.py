@@ -293,11 +293,23 @@ class Declarations:
 
     def hf_model(self, d: ast.ModelDecl) -> Model | None:
         ctor = d.ctor
-        if len(ctor.args) != 1 or not isinstance(ctor.args[0], ast.Literal) or ctor.args[0].kind != "str" \
-                or ctor.kwargs:
+        if len(ctor.args) != 1 or not isinstance(ctor.args[0], ast.Literal) or ctor.args[0].kind != "str":
             self.sink.error("hf() takes the path of a local Hugging Face model folder", ctor.loc,
                             'e.g. model actor = hf("checkpoints/tiny-llama") trainable')
             return None
+        dropout, dropout_at = False, None
+        for kw in ctor.kwargs:
+            value = value_of(kw.value)
+            if kw.name != "dropout":
+                self.sink.error(f"unknown hf setting '{kw.name}'", kw.loc,
+                                did_you_mean(kw.name, ("dropout",)) or "settings: dropout = true (keep the folder's "
+                                "dropout in training; it is off by default)")
+                return None
+            if not isinstance(value, bool):
+                self.sink.error(f"dropout must be true or false, got {value!r}", kw.value.loc,
+                                "dropout = true keeps the folder's dropout; leave it out to train without")
+                return None
+            dropout, dropout_at = value, kw.value.loc
         lit = ctor.args[0]
         path = os.path.normpath(os.path.join(self.scope.base_dir, lit.value))
         if not os.path.isdir(path):
@@ -341,7 +353,10 @@ class Declarations:
             return None
         # every field comes from the folder named here
         locs = {f: lit.loc for f in ("arch", "init", "source") + archs.ARCH_FIELDS}
-        return Model(d.name, mt, loc=d.loc, init="pretrained", source=path, field_locs=locs, **fields)
+        if dropout_at is not None:
+            locs["dropout"] = dropout_at
+        return Model(d.name, mt, loc=d.loc, init="pretrained", source=path, field_locs=locs, dropout=dropout,
+                     **fields)
 
     def finish_model(self, d: ast.ModelDecl, m: Model) -> None:
         """Apply the options (``head = ...``) and the trainable/frozen flag, then have the verifier check it."""

@@ -102,6 +102,9 @@ class Model:
     #: LoRA adapters of a policy, ``{"alpha": A, "rank": R, "targets": [module names]}`` (the ``lora(...)``
     #: clause; :mod:`rlhfc.ir.lora`), or None: every weight trains
     lora: dict | None = None
+    #: keep the loaded folder's dropout in the RL stages (``hf("...", dropout = true)``); by default it is off,
+    #: as in the peers (config-built models have none)
+    dropout: bool = False
     loc: Loc | None = None
     annotations: dict = field(default_factory=dict)
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
@@ -118,6 +121,8 @@ class Model:
             out["layout"] = self.layout
         if self.lora is not None:     # printed only when the program asks for adapters
             out["lora"] = self.lora
+        if self.dropout:              # printed only when the program keeps it
+            out["dropout"] = True
         return out
 
     @property

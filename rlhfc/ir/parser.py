@@ -218,11 +218,12 @@ class _Builder:
         sym, attrs, annot, loc = tree.children
         layout = _plain(attrs["layout"]) if "layout" in attrs else None   # optional: the fixed layout
         lora = _plain(attrs["lora"]) if "lora" in attrs else None         # optional: LoRA adapters
-        required = _KeyedDict({k: v for k, v in attrs.items() if k not in ("layout", "lora")})
+        dropout = _plain(attrs["dropout"]) if "dropout" in attrs else False   # optional: keep the folder's dropout
+        required = _KeyedDict({k: v for k, v in attrs.items() if k not in ("layout", "lora", "dropout")})
         required.key_tokens = attrs.key_tokens
         a = self.take(required, _MODEL_KEYS, sym, "model")
         return Model(name=str(sym)[1:], loc=self.loc(loc), annotations=self.annot(annot), ir_loc=self.here(sym),
-                     field_locs=self.key_locs(attrs), layout=layout, lora=lora, **a)
+                     field_locs=self.key_locs(attrs), layout=layout, lora=lora, dropout=dropout, **a)
 
     def data(self, tree) -> DataSource:
         sym, attrs, annot, loc = tree.children

@@ -17,6 +17,8 @@ import keyword
 import math
 import sys
 
+from rlhfc.contract.rules import tokenizer_fingerprint
+
 from .arch import ARCH_FIELDS, ARCHS, HEADS
 from .core import DATA_OPTIONS, TRUNCATE_POLICIES, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol
 from .devices import DEVICE_MEMORY, GPU_KINDS
@@ -177,6 +179,12 @@ def check_model(m: Model, models: dict[str, Model], sink: DiagnosticSink) -> boo
     if m.init == "pretrained" and not m.source:
         f.error(("source", "init"), 'init "pretrained" needs a source folder',
                 'set source = "path/to/hf_folder", or use init = "random"')
+    if not isinstance(m.dropout, bool):
+        f.error("dropout", f"dropout must be true or false, got {_describe(m.dropout)}",
+                "write dropout = true to keep a loaded folder's dropout, or leave it out (off)")
+    elif m.dropout and not m.source:
+        f.error("dropout", "dropout = true keeps a loaded folder's dropout, but this model is built from a config "
+                "(it has none)", 'load it with hf("folder", dropout = true), or leave dropout out')
     if m.layout is not None:
         _check_layout(m, f)
     if m.lora is not None:
@@ -400,8 +408,11 @@ CHAR_VOCAB_EXACT = 30
 
 
 def tokenizer_key(m: Model) -> tuple:
-    """Which tokenizer a model uses: its folder's (``hf(...)``), else the built-in one of its vocabulary."""
-    return ("hf", m.source) if m.source else ("char", m.vocab)
+    """Which tokenizer a model uses: its folder's (``hf(...)``, by content: the same files in two folders are one
+    tokenizer, :func:`rlhfc.contract.rules.tokenizer_fingerprint`), else the built-in one of its vocabulary."""
+    if m.source:
+        return ("hf", tokenizer_fingerprint(m.source) or m.source)
+    return ("char", m.vocab)
 
 
 def tokenizer_text(m: Model) -> str:

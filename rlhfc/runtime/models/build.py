@@ -89,7 +89,8 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     rounded up to a multiple of 32 (llama), ``max_seq = 512``,
     ``head = "lm"``, ``source = None``, ``dtype = "float32"``, ``attn = "sdpa"``.
     With a ``source`` folder the shape fields are taken from the folder's config
-    and may be missing from ``spec``.
+    and may be missing from ``spec``; its dropout is switched off unless ``dropout`` is true (models built
+    from a config have none).
     """
     out = dict(spec)
     out.setdefault("head", "lm")
@@ -368,10 +369,27 @@ def build_model(
     return model
 
 
+def without_dropout(config) -> Any:
+    """``config`` with every dropout rate of its own set to 0 (``*dropout*``, ``*pdrop*``: GPT-2's 0.1, llama's
+    ``attention_dropout``): RL's log-prob ratios and value targets must not carry dropout noise (TRL's
+    ``disable_dropout``, OpenRLHF and verl alike). Returns the names it zeroed."""
+    zeroed = []
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+            setattr(config, key, 0.0)
+            zeroed.append(key)
+    return zeroed
+
+
 def _load_from_source(spec: dict[str, Any], dtype: torch.dtype, generator: torch.Generator) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM
+    """A model loaded from its folder, dropout switched off unless the spec keeps it (``dropout: True``)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     kwargs = dict(local_files_only=True, dtype=dtype, attn_implementation=spec["attn"], use_safetensors=True)
+    if not spec.get("dropout"):
+        config = AutoConfig.from_pretrained(spec["source"], local_files_only=True)
+        without_dropout(config)
+        kwargs["config"] = config
     if spec["head"] == "lm":
         hf = _construct(lambda: AutoModelForCausalLM.from_pretrained(spec["source"], **kwargs))
         return PolicyModel(hf, spec)

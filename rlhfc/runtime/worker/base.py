@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlhfc.contract.rules import tokenizer_fingerprint
 from rlhfc.runtime.data.prompts import prompt_parts
 from rlhfc.runtime.data.tokenizer import load_tokenizer
 from rlhfc.runtime.data.values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
@@ -57,7 +58,11 @@ def derive_seed(seed: int, *parts: str) -> int:
 
 
 def tokenizer_id(spec: dict) -> str:
-    return f"hf:{spec['source']}" if spec.get("source") else f"char:{spec['vocab']}"
+    """Which tokenizer a model uses, as rollouts carry it: a folder's by content (two folders holding the same
+    tokenizer files are one tokenizer), else the built-in one of its vocabulary."""
+    if spec.get("source"):
+        return f"hf:{tokenizer_fingerprint(spec['source']) or spec['source']}"
+    return f"char:{spec['vocab']}"
 
 
 class ModelWorker(TracedWorker):
@@ -325,10 +330,15 @@ class ModelWorker(TracedWorker):
         return check_finite(scores, f"the score of reward model '{self.name}'", prompts=mine.prompts)
 
     def _score(self, rollout: Rollout) -> torch.Tensor | None:
+        """Scores read at each sample's last token: the token ids as generated (EOS included) when this model
+        shares the generating model's tokenizer, else its own encoding of the text."""
         if rollout.tokenizer == self.tok_id:
             return self.backend.forward(rollout, sequence_scores)
-        # a reward model with its own tokenizer scores the text
+        # a reward model with its own tokenizer scores the text in its own tokens, with the special tokens a
+        # reward model's training sees around a sample: BOS first, EOS last where the response ended with one
         ids = encode_prompts(self.tokenizer, [p + r for p, r in zip(rollout.prompts, rollout.responses)])
+        ended = rollout.batch.eos.tolist()
+        ids = [x + [self.tokenizer.eos_id] if ended[i] else x for i, x in enumerate(ids)]
         width = max(len(x) for x in ids)
         input_ids = torch.full((len(ids), width), self.tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
