@@ -545,8 +545,47 @@ def test_fuzz_command_lines(cli_world, request):
             failures.append(f"--- argv {i}: rlhfc {' '.join(map(repr, argv))}: exit {code}\n{err[-1500:]}")
         elif code != 0 and not (err.strip() or "Usage:" in out):   # bare `rlhfc`: the help, exit 2
             failures.append(f"--- argv {i}: rlhfc {' '.join(map(repr, argv))}: exit {code} without a message")
+        elif code == 1 and not _documented_exit_1(argv, err):
+            failures.append(f"--- argv {i}: rlhfc {' '.join(map(repr, argv))}: exit 1 for none of the documented "
+                            f"cases (rlhfc.cli.app.EXIT_1)\n{err[-1500:]}")
     assert not failures, f"{len(failures)} of {n} command lines; first:\n" + "\n".join(failures[:8])
     assert codes.get(0, 0) > n // 10 and codes.get(2, 0) > n // 4, codes
+
+
+def _documented_exit_1(argv: list[str], err: str) -> str | None:
+    """Which documented exit-1 case (:data:`rlhfc.cli.app.EXIT_1`) ``err`` of ``rlhfc ARGV`` is, if any."""
+    from rlhfc.cli.app import EXIT_1
+
+    for case, (commands, pattern) in EXIT_1.items():
+        if (commands is None or (argv and argv[0] in commands)) and re.search(pattern, err, re.M):
+            return case
+    return None
+
+
+def test_exit_1_is_one_of_the_documented_cases_each_with_its_own_message(world, monkeypatch):
+    """Exit 1 only for a run that failed, a path the file system refused, or input that ended at a prompt —
+    each recognised by its own message; an operating system error naming no path is an internal error."""
+    import rlhfc.runtime.job
+    from rlhfc.runtime.errors import JobError
+
+    (world / "prog.rlhf").write_text((ROOT / "examples" / "ppo_tiny.rlhf").read_text())
+    code, _, err = run_cli(["compile", "prog.rlhf", "-o", "missing_dir/o.rlir"])
+    assert code == 1 and _documented_exit_1(["compile"], err) == "file refused", err
+
+    def fail(*args, **kwargs):
+        raise JobError("stage 'roll' failed: worker 'actor' died", "resume with: rlhfc run prog.rlhf --resume")
+
+    monkeypatch.setattr(rlhfc.runtime.job, "run_job", fail)
+    code, _, err = run_cli(["run", "prog.rlhf", "--no-progress", "--out", "r"])
+    assert code == 1 and _documented_exit_1(["run"], err) == "run failed", err
+    assert _documented_exit_1(["compile"], err) is None   # only a run fails that way
+
+    def no_path(*args, **kwargs):
+        raise OSError(28, "No space left on device")   # names no path: not a file the user gave
+
+    monkeypatch.setattr(rlhfc.runtime.job, "run_job", no_path)
+    code, _, err = run_cli(["run", "prog.rlhf", "--no-progress", "--out", "r2"])
+    assert code == 3 and "internal error" in err, err
 
 
 # -- what the fuzzers found, one regression test each ------------------------------------------------------

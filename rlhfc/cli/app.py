@@ -78,10 +78,20 @@ def _usage_hint(argv: list[str]) -> str | None:
     return None
 
 
+#: the cases that exit 1: (the commands that may, None: any; the message's first lines, a regex on stderr)
+#: — docs/language.md, "Exit status"
+EXIT_1 = {
+    "run failed": (("run",), r"^rlhfc: [a-z ]+: .+"),                          # a JobError of a run
+    "file refused": (None, r"^rlhfc: error: .+: .+\n  hint: check the path"),  # an OSError naming a path
+    "aborted": (None, r"^rlhfc: aborted$"),                                    # end of input at a prompt
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI and return its exit status: 0, 1 for a run that failed or a file that cannot be read or
-    written, 2 for compile and usage errors, 3 for internal errors, 130 when interrupted (a command's own
-    ``SystemExit`` status passes through)."""
+    """Run the CLI and return its exit status: 0; 1 for one of :data:`EXIT_1` (a run that failed, a named file
+    the system cannot read or write, input that ended at a prompt), each with its own message; 2 for compile
+    and usage errors; 3 for internal errors; 130 when interrupted (a command's own ``SystemExit`` status passes
+    through)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         # non-standalone: typer returns a command's typer.Exit code (130 for a Ctrl-C it caught)
@@ -107,23 +117,28 @@ def main(argv: list[str] | None = None) -> int:
         if hint:
             typer.echo(f"  hint: {hint}", err=True)
         return int(getattr(exc, "exit_code", 2) or 2)
-    except OSError as exc:   # the file system refused: an output path that is a folder, a full disk, ...
-        if os.environ.get("RLHFC_DEBUG"):
-            raise
-        what = f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc)
-        typer.echo(f"rlhfc: error: {what}\n"
+    except OSError as exc:
+        if os.environ.get("RLHFC_DEBUG") or not exc.filename:   # no path named: not the user's file; a bug
+            return _internal_error(exc)
+        # the file system refused a path the command line named: an output path that is a folder, a full disk
+        typer.echo(f"rlhfc: error: {exc.strerror or exc}: {exc.filename}\n"
                    "  hint: check the path (an output file's folder must exist), its permissions and free space",
                    err=True)
         return 1
     except Exception as exc:  # internal bugs
-        if os.environ.get("RLHFC_DEBUG"):
-            raise
-        typer.echo(f"rlhfc: internal error: {type(exc).__name__}: {exc}\n"
-                   "  hint: rerun with RLHFC_DEBUG=1 for a traceback, and report it", err=True)
-        return 3
+        return _internal_error(exc)
     if code == 130:   # typer turned a KeyboardInterrupt into Exit(130)
         typer.echo("rlhfc: interrupted", err=True)
     return code if isinstance(code, int) else 0
+
+
+def _internal_error(exc: BaseException) -> int:
+    """A bug: exit 3 with the error and how to get its traceback (``RLHFC_DEBUG=1`` raises it)."""
+    if os.environ.get("RLHFC_DEBUG"):
+        raise exc
+    typer.echo(f"rlhfc: internal error: {type(exc).__name__}: {exc}\n"
+               "  hint: rerun with RLHFC_DEBUG=1 for a traceback, and report it", err=True)
+    return 3
 
 
 def _entry() -> None:

@@ -53,3 +53,29 @@ def untimed(rows: list[dict], *, layout: bool = False) -> list[dict]:
 def tiny_ppo_job(tmp_path_factory) -> str:
     """The tiny PPO program compiled at -O0, once per test module (runs write to their own folders)."""
     return compile_job(TINY_PPO, str(tmp_path_factory.mktemp("tiny_ppo") / "job"))
+
+
+def job_step(job_dir: str):
+    """The generated ``step`` function of a compiled job (its ``main.py``, imported under its own name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"job_{abs(hash(job_dir))}", os.path.join(job_dir, "main.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.step
+
+
+def recording(step, samples: list):
+    """``step`` that also appends, each step, the rollout it sampled as [(prompt, response token ids)] in batch
+    order to ``samples`` — what "the same sampled tokens" compares, row by row."""
+
+    def recorded(job, w):
+        values = step(job, w)
+        name = job.plan.metrics.rollout
+        roll = job.resolve({name: values[name]})[name]
+        b = roll.batch
+        samples.append([(p, tuple(b.responses[i, :int(n)].tolist()))
+                        for i, (p, n) in enumerate(zip(roll.prompts, b.response_lengths))])
+        return values
+
+    return recorded

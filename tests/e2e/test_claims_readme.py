@@ -21,7 +21,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from rlhfc.runtime.job import run_job
 
-from .conftest import compile_job, untimed
+from .conftest import compile_job, job_step, recording, untimed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
@@ -47,32 +47,12 @@ def _train(tmp, program: str, level: str):
     job_dir = compile_job(program, str(tmp / f"job_{name}_{level}"), level=level)
     out = str(tmp / f"run_{name}_{level}")
     samples: list[list[tuple[str, tuple[int, ...]]]] = []
-    rows = run_job(job_dir, _recording(job_dir, samples), out=out, progress=False)
+    rows = run_job(job_dir, recording(job_step(job_dir), samples), out=out, progress=False)
     return _strip(rows), samples, out, job_dir
 
 
 def _strip(rows):
     return untimed(rows, layout=True)
-
-
-def _recording(job_dir: str, samples: list):
-    """The job's own step function, also recording the token ids each step sampled."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"job_{abs(hash(job_dir))}", os.path.join(job_dir, "main.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    def step(job, w):
-        values = mod.step(job, w)
-        name = job.plan.metrics.rollout
-        roll = job.resolve({name: values[name]})[name]
-        b = roll.batch
-        samples.append([(p, tuple(b.responses[i, :int(n)].tolist()))
-                        for i, (p, n) in enumerate(zip(roll.prompts, b.response_lengths))])
-        return values
-
-    return step
 
 
 def _close(a, b) -> bool:
@@ -123,7 +103,7 @@ def test_readme_example_one_O2_step_from_O0s_state_agrees_with_O0s_step(ppo_runs
     with open(os.path.join(out, "checkpoints", "latest"), "w") as fh:
         fh.write("step_30")
     samples: list = []
-    rows = run_job(job2, _recording(job2, samples), out=out, steps=31, resume=True, progress=False)
+    rows = run_job(job2, recording(job_step(job2), samples), out=out, steps=31, resume=True, progress=False)
     assert [r["step"] for r in rows] == [30]
     assert samples == [tokens0[30]]
     assert _close(rows0[30], _strip(rows)[0]), (rows0[30], rows[0])

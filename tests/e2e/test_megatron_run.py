@@ -17,7 +17,7 @@ from rlhfc.frontend import compile_source
 from rlhfc.passes import PIPELINES
 from rlhfc.runtime.job import run_job
 
-from .conftest import HERE, TIMING, compile_job
+from .conftest import HERE, TIMING, compile_job, job_step, recording
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
@@ -44,32 +44,30 @@ def _job(tmp_path, name: str, layouts: bool) -> str:
     return job
 
 
-def _rows(job: str, out: str, sizes: dict) -> list[dict]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"m_{os.path.basename(job)}", os.path.join(job, "main.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def _rows(job: str, out: str, sizes: dict, samples: list) -> list[dict]:
+    """The run's metric rows (no timings); ``sizes``: the ranks of each model's group; ``samples``: each
+    step's sampled [(prompt, token ids)]."""
+    own = job_step(job)
 
     def step(job, w):   # records how many ranks each model's group runs
         sizes.update({name: group.size for name, group in job.workers.items()})
-        return mod.step(job, w)
+        return own(job, w)
 
     return [{k: v for k, v in r.items() if k not in TIMING and not isinstance(v, dict)}
-            for r in run_job(job, step, out=out, progress=False)]
+            for r in run_job(job, recording(step, samples), out=out, progress=False)]
 
 
 def test_mixed_trainers_train_like_one_process_each(tmp_path):
-    sizes_one, sizes = {}, {}
-    one = _rows(_job(tmp_path, "one", False), str(tmp_path / "run_one"), sizes_one)
-    mixed = _rows(_job(tmp_path, "mixed", True), str(tmp_path / "run_mixed"), sizes)
+    sizes_one, sizes, tok_one, tok_mixed = {}, {}, [], []
+    one = _rows(_job(tmp_path, "one", False), str(tmp_path / "run_one"), sizes_one, tok_one)
+    mixed = _rows(_job(tmp_path, "mixed", True), str(tmp_path / "run_mixed"), sizes, tok_mixed)
     assert set(sizes_one.values()) == {1}
     assert sizes == {"actor": 2, "critic": 2, "ref": 2, "reward": 1}
     with open(tmp_path / "run_mixed" / "metrics.jsonl") as fh:
         assert json.loads(fh.readline())["ranks"] == sizes   # each metrics row says what ran
     assert [r["step"] for r in mixed] == [0, 1]
+    assert tok_mixed == tok_one and len(tok_one) == 2   # the same sampled token ids, row by row
     for a, b in zip(one, mixed):
         assert a.keys() == b.keys()
-        assert a["response_len_mean"] == b["response_len_mean"]   # the same sampled tokens
         for k, v in a.items():
             assert b[k] == pytest.approx(v, rel=1e-3, abs=1e-6), (k, a, b)

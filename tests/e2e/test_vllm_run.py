@@ -37,8 +37,20 @@ pipeline grpo(batch = 8) {
   adv      = group_advantages(roll, scores, method = grpo)
   actor.train(ppo_clip(roll, logp, adv, ref_logp, kl_coef = 0.02, tis_cap = 2.0), lr = 1e-3, minibatches = 2)
 }
-run { steps = 5; seed = 0 }
+run { steps = 10; seed = 0 }
 """
+
+#: steps per window of the learning check: the mean reward of the last window exceeds the first's by more than
+#: twice the standard error of the difference (each window's steps as its samples)
+WINDOW = 3
+
+
+def _window(rows: list[dict]) -> tuple[float, float]:
+    """(mean, standard error of the mean) of the rows' ``reward_mean``."""
+    import statistics
+
+    values = [r["reward_mean"] for r in rows]
+    return statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
 
 
 def test_grpo_trains_with_rollout_vllm_streamed_and_refitted_every_step(tmp_path):
@@ -56,10 +68,12 @@ def test_grpo_trains_with_rollout_vllm_streamed_and_refitted_every_step(tmp_path
     main_py = open(os.path.join(out, "job", "main.py")).read()
     assert "generate_chunks" in main_py and "refit_mb=64" in main_py   # streamed; refit buckets of 64 MiB
     rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    assert len(rows) == 5 and rows[0]["engine_start_s"] > 0
+    assert len(rows) == 10 and rows[0]["engine_start_s"] > 0
     assert all(r["refit_s"] > 0 for r in rows[1:])   # the new weights reached the engine every step
     assert all(r["rollout_logprob_diff_max"] < 1e-3 for r in rows)
-    assert rows[-1]["reward_mean"] > rows[0]["reward_mean"]
+    # it learns: the last steps' mean reward above the first steps' by more than two standard errors
+    (first, se_first), (last, se_last) = _window(rows[:WINDOW]), _window(rows[-WINDOW:])
+    assert last - first > 2 * (se_first ** 2 + se_last ** 2) ** 0.5, [r["reward_mean"] for r in rows]
     assert os.path.isfile(os.path.join(out, "vllm", "actor", "hf", "config.json"))
     assert os.path.isdir(os.path.join(out, "vllm", "actor", "cache"))
 

@@ -2,7 +2,8 @@
 
 Skipped where vLLM is not installed. Two processes host the ranks of a dp2 group (``trainer = fsdp``) whose
 rollout engine is vLLM, each starting one engine (~10-20 s on CPU), side by side. The one-engine reference
-is rank 0's engine decoding every row alone (a streamed call, as ``stream`` runs on a group).
+is a separate single-process worker on vLLM, in a third process (and rank 0's engine decoding every row
+alone, a streamed call, as ``stream`` runs on a group).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def _rank(rank: int, world: int, store, folder: str) -> dict:
     return out
 
 
+def _single(folder: str) -> list[list[int]]:
+    """The reference: one worker of the same model, not in any group, greedy on its own vLLM engine."""
+    torch.set_num_threads(1)
+    w = ModelWorker("actor", SPEC, {"kind": "random"}, seed=7, rollout={"engine": "vllm", "folder": folder})
+    try:
+        return w.generate(PROMPTS, temperature=0.0, **GEN).batch.response_token_lists()
+    finally:
+        w.rollout_engine.shutdown()
+
+
 def _spawned(key, fn, args, queue):
     try:
         queue.put((key, pickle.dumps(fn(*args))))   # bytes: torch shares tensors through file descriptors
@@ -90,8 +101,21 @@ def _two_ranks(body, tmp_path) -> list[dict]:
     return [pickle.loads(res[0]), pickle.loads(res[1])]
 
 
+def _one_process(fn, *args):
+    """``fn(*args)`` in a spawned process of its own (a vLLM engine outside the test process)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_spawned, args=(0, fn, args, queue))
+    proc.start()
+    _, res = queue.get(timeout=600)
+    proc.join(timeout=60)
+    assert isinstance(res, bytes), f"the single-process reference failed:\n{res}"
+    return pickle.loads(res)
+
+
 def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp_path):
     ranks = _two_ranks(_rank, tmp_path)
+    single = _one_process(_single, str(tmp_path / "single"))
 
     # greedy: each rank decodes its share on its own engine; row for row what one engine decodes alone
     greedy = ranks[0]["greedy"]
@@ -100,6 +124,7 @@ def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp
         alone.update(zip(chunk.rows, chunk.batch.response_token_lists()))
     assert [c.size for c in ranks[0]["alone"]] == [8, 8, 8] and ranks[1]["alone"] == []
     assert greedy.batch.response_token_lists() == [alone[i] for i in range(len(PROMPTS))]
+    assert greedy.batch.response_token_lists() == single   # a separate one-process engine: the same tokens
     assert greedy.rollout_engine == "vllm" and greedy.logprobs is not None
 
     # sampled: the ranks draw from seeds of their own, so the same prompt on rank 1 continues otherwise
