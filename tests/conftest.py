@@ -19,6 +19,26 @@ from __future__ import annotations
 DEFAULT_FUZZ_N = 2000
 
 
+def pytest_configure(config):
+    """One compile cache for every vLLM engine the suite starts (``RLHFC_VLLM_CACHE``: the kernels and
+    precompiled headers an engine's start builds, about half a minute each on 2 cores, built once), removed
+    at the end. Ray workers and spawned processes inherit it from the environment."""
+    import os
+    import tempfile
+
+    if "RLHFC_VLLM_CACHE" not in os.environ and not hasattr(config, "workerinput"):
+        config._vllm_cache = tempfile.mkdtemp(prefix="rlhfc-vllm-cache-")
+        os.environ["RLHFC_VLLM_CACHE"] = config._vllm_cache
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    folder = getattr(config, "_vllm_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def pytest_addoption(parser):
     parser.addoption("--fuzz-n", type=int, default=DEFAULT_FUZZ_N, metavar="N",
                      help=f"mutated programs the fuzz tests check (default {DEFAULT_FUZZ_N}; e.g. 10000 locally)")

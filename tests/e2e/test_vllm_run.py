@@ -53,7 +53,8 @@ def _window(rows: list[dict]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) / len(values) ** 0.5
 
 
-def test_grpo_trains_with_rollout_vllm_streamed_and_refitted_every_step(tmp_path):
+def test_grpo_trains_with_rollout_vllm_streamed_and_refitted_every_step(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLHFC_VLLM_CACHE", raising=False)   # no shared cache: every file in the run folder
     (tmp_path / "grpo_vllm.rlhf").write_text(PROGRAM)
     out = str(tmp_path / "run")
     from rlhfc.passes import PIPELINES

@@ -74,11 +74,20 @@ class EngineError(RuntimeError):
     """The vLLM engine of a model failed, stopped, or cannot start; the message names the model."""
 
 
+#: where engines keep their compile caches (vLLM's, TorchInductor's: the kernels and precompiled headers an
+#: engine's start builds, about half a minute on a 2-core CPU) when it is set, shared by every engine and run
+#: that sets it, instead of each engine's own folder: ``RLHFC_VLLM_CACHE=~/.cache/rlhfc-vllm rlhfc run ...``
+SHARED_CACHE_ENV = "RLHFC_VLLM_CACHE"
+
+
 def engine_env(folder: str) -> None:
-    """Point vLLM's files into ``folder`` and run its engine in this process (before ``import vllm``)."""
+    """Point vLLM's files into ``folder`` and run its engine in this process (before ``import vllm``); the
+    compile caches go to ``$RLHFC_VLLM_CACHE`` instead where it is set (:data:`SHARED_CACHE_ENV`)."""
+    shared = os.environ.get(SHARED_CACHE_ENV)
     for key, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TMPDIR", "tmp")):
-        os.makedirs(os.path.join(folder, sub), exist_ok=True)
-        os.environ[key] = os.path.join(folder, sub)
+        where = os.path.join(shared, sub) if shared and key != "TMPDIR" else os.path.join(folder, sub)
+        os.makedirs(where, exist_ok=True)
+        os.environ[key] = where
     # Python caches its temp folder at the first tempfile call, before TMPDIR changed: vLLM's own temp files
     # (e.g. its file:// rendezvous, vllm_dist_*) would land in /tmp, outside the run folder
     tempfile.tempdir = os.environ["TMPDIR"]
