@@ -69,9 +69,8 @@ def _whole_suite(config) -> bool:
 
     args = [os.path.normpath(os.path.join(str(config.invocation_params.dir), a)) for a in config.args]
     root = os.path.normpath(os.path.join(str(config.rootpath), "tests"))
-    return (args == [root] and not config.getoption("keyword") and not config.getoption("markexpr")
-            and not config.getoption("deselect") and not config.getoption("lf")
-            and not config.getoption("exitfirst") and not config.getoption("collectonly"))
+    narrowed = ("keyword", "markexpr", "deselect", "lf", "exitfirst", "collectonly")   # options that run fewer
+    return args == [root] and not any(config.getoption(o, default=None) for o in narrowed)
 
 
 def claim_problems(outcomes: dict[str, list[str]]) -> list[str]:
