@@ -1,5 +1,8 @@
 """Lower the AST to the IR: resolve names, type the pipeline, order it, fill defaults.
 
+Why this file is long: it is one pass over the pipeline (its calls, their operands and settings, the
+warnings about what the program leaves unused); the declarations are lowered in :mod:`.lower_decls`.
+
 :func:`lower` builds the module: the declarations (:mod:`.lower_decls`), then
 the pipeline into the graph (here). Lowering only builds: every rule about
 values (shapes, ranges, choices, kinds) is the verifier's

@@ -1,5 +1,9 @@
 """Lowering of the declarations: the cluster, models, data sources and the run block.
 
+Why this file is long: every kind of declaration is lowered the same way, here side by side (the model
+constructors llama/gpt2/hf/copy/like, their clauses, the cluster, the run block); data sources have their own
+module.
+
 Each declaration is built into its IR entity — names resolved, literals turned
 into values, defaults filled, and where each field was written recorded in the
 entity's ``field_locs`` — and then handed to the verifier's check for that kind

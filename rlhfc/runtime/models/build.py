@@ -1,5 +1,8 @@
 """Model construction for the runtime: a plain dict spec in, a torch module out.
 
+Why this file is long: it is the one place a spec becomes a module — config-built and loaded models, the
+three heads, seeded initialisation and the weight helpers every backend shares.
+
 The compiler hands the runtime one JSON object per model::
 
     {"arch": "llama" | "gpt2", "layers": 2, "hidden": 64, "heads": 4,
