@@ -137,3 +137,19 @@ import pytest  # noqa: E402
 @pytest.fixture
 def megatron_installed(monkeypatch):
     _pretend_megatron_installed(monkeypatch)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _temp_folder_restored():
+    """A vLLM engine started in the test process points ``TMPDIR`` and Python's temp folder into its own folder,
+    which its test's tmp_path may remove: every module starts and ends with the session's temp folder."""
+    import os
+    import tempfile
+
+    saved, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    yield
+    tempfile.tempdir = saved
+    if saved_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved_env

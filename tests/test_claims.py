@@ -96,7 +96,13 @@ def test_explain_says_O3_changes_what_the_job_trains_on(capsys):
 def test_a_claims_test_that_was_skipped_or_not_run_fails_the_whole_suite():
     """The whole-suite check of tests/conftest.py: every test docs/claims.md names must have run and passed,
     each parametrization and test-class method included."""
-    from conftest import claim_key, claim_problems   # tests/conftest.py (pytest puts tests/ on the path)
+    import importlib.util
+
+    # tests/conftest.py itself (a bare `import conftest` may find another folder's conftest)
+    spec = importlib.util.spec_from_file_location("rlhfc_tests_root_conftest", os.path.join(ROOT, "tests", "conftest.py"))
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    claim_key, claim_problems = root.claim_key, root.claim_problems
 
     assert claim_key("tests/e2e/test_x.py::TestA::test_b[llama-2]") == "tests/e2e/test_x.py::test_b"
     refs = sorted({f"{p}::{n}" for _, _, rs in _claim_rows() for p, n in rs})

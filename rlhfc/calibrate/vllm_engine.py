@@ -35,7 +35,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
     problem = head_problem(rollout_traits("vllm"), int(spec["hidden"]), int(spec["heads"]))
     if problem is not None:
         return {"unsupported": f"vLLM cannot run its {problem[0]}"}
-    saved = dict(os.environ)
+    saved, saved_tempdir = dict(os.environ), tempfile.tempdir   # the engine moves both into its folder
     folder = tempfile.mkdtemp(prefix="rlhfc-profile-vllm-")
     old = torch.get_num_threads()
     worker = None
@@ -83,6 +83,7 @@ def measure_vllm(spec: dict, threads: int, *, device: str = "cpu", quick: bool =
         torch.set_num_threads(old)
         os.environ.clear()
         os.environ.update(saved)
+        tempfile.tempdir = saved_tempdir   # not the removed folder: a later mkdtemp in this process works
         shutil.rmtree(folder, ignore_errors=True)
 
 
