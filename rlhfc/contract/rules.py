@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _PLACE_KEYS = ("name_or_path", "_name_or_path", "tokenizer_file", "auto_map", "_commit_hash")
 
 
+@functools.lru_cache(maxsize=64)   # the verifier asks for every pair of models that exchange token ids
 def tokenizer_fingerprint(folder: str) -> str | None:
     """A digest of the tokenizer files in ``folder`` (their names and bytes; the JSON configs without the keys
     that name where they were saved): equal for folders holding the same tokenizer. None when the folder holds

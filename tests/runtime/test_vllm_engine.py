@@ -40,13 +40,10 @@ def _restore_environment():
     """The engine points TMPDIR and vLLM's caches into its folder, in its own process: a Ray worker in a job,
     the test process here. Put the test process's environment back for the tests after these (Ray, started
     by a later test, would put its sockets under the long TMPDIR, past AF_UNIX's 107 bytes)."""
-    import tempfile
-
-    saved, saved_tempdir = dict(os.environ), tempfile.tempdir
+    saved = dict(os.environ)   # Python's temp folder: tests/conftest.py restores it after every module
     yield
     os.environ.clear()
     os.environ.update(saved)
-    tempfile.tempdir = saved_tempdir   # the engine pointed Python's temp folder into its own
 
 
 @pytest.fixture(scope="module")

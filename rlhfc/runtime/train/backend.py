@@ -187,6 +187,10 @@ class GroupBackend(TrainBackend):
 
     grouped = True
 
+    def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1, **_layout):
+        TrainBackend.__init__(self, host, model)
+        self.rank, self.world = int(rank), int(world)
+
     def gather(self, obj: Any) -> list | None:
         import torch.distributed as dist
 

@@ -104,8 +104,7 @@ class FsdpBackend(GroupBackend):
             raise ValueError(f"the fsdp trainer splits a model over data-parallel ranks only, not tp = {tp}, pp = {pp}")
         if store is None:
             raise ValueError("the fsdp trainer's ranks need their group's rendezvous (store = (host, port))")
-        super().__init__(host, model)
-        self.rank, self.world = int(rank), int(world)
+        super().__init__(host, model, rank=rank, world=world)
         self._tcp = init_group(f"rlhfc-dp/{host.name}", store, self.rank, self.world, dist_backend)
         shard_model(self.model, self.device)
         self._replica: nn.Module | None = None

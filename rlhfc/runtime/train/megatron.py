@@ -74,10 +74,10 @@ class MegatronBackend(GroupBackend):
             raise ValueError(f"the megatron trainer runs fp32 only, not precision = {host.precision}")
         if store is None:
             raise ValueError("the megatron trainer's ranks need their group's rendezvous (store = (host, port))")
-        super().__init__(host, model)
+        super().__init__(host, model, rank=rank, world=world)
         from megatron.core import parallel_state as ps
 
-        self.rank, self.world, self.tp, self.pp = int(rank), int(world), int(tp), int(pp)
+        self.tp, self.pp = int(tp), int(pp)
         if model.spec.get("source") or model.spec.get("dtype", "float32") not in ("float32", "fp32"):
             raise ValueError(f"model '{host.name}': the megatron trainer builds float32 models from a config "
                              "(hf(...) folders and other dtypes are not supported yet); use trainer = fsdp or torch")
