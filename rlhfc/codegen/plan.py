@@ -160,7 +160,7 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
         data={d.name: _data(module, d) for d in module.data.values()},
         run=contract.RunPlan(**run),
         graph=contract.GraphPlan(g.name, dict(g.params), stages, tuple(
-            contract.VersionEdge(e.model, e.writer, e.reader, e.distance) for e in g.versions)),
+            contract.VersionEdge(e.model, e.writer, e.reader, e.distance, e.staleness) for e in g.versions)),
         placement=placement(module),
         metrics=metric_roles(module),
         ir=print_module(module),

@@ -153,6 +153,7 @@ class RunPlan:
     precision: str = "fp32"
     log_samples: int = 4
     rollout: str = "torch"
+    staleness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,12 +174,14 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class VersionEdge:
-    """Model ``model``'s weights written by stage ``writer`` and read ``distance`` steps later by ``reader``."""
+    """Model ``model``'s weights written by stage ``writer`` and read ``distance`` (to ``distance + staleness``,
+    under asynchronous rollout) steps later by ``reader``."""
 
     model: str
     writer: str
     reader: str
     distance: int
+    staleness: int = 0
 
 
 @dataclass(frozen=True)

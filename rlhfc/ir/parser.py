@@ -255,14 +255,19 @@ class _Builder:
                 g.stages.append(stage)
                 stage_names.add(stage.name)
             else:
-                model, writer, reader, dist = item.children
+                model, writer, reader, dist, upto = item.children
                 for tok in (writer, reader):
                     name = str(tok)[1:]
                     if name not in stage_names:
                         hint = (f"{tok} is not the first result of its stage; stages are named after their first result"
                                 if name in defined else "version edges name stages defined above them")
                         raise _Fail(f"version edge names unknown stage {tok}", tok, hint)
-                g.versions.append(VersionEdge(str(model)[1:], str(writer)[1:], str(reader)[1:], int(str(dist)[1:])))
+                d = int(str(dist)[1:])
+                stale = int(str(upto)[1:]) - d if upto is not None else 0
+                if stale < 0:
+                    raise _Fail(f"version edge range [{dist}..{upto}] ends before it starts", upto,
+                                "write [+D..+E] with E >= D: the reader reads weights D to E steps old")
+                g.versions.append(VersionEdge(str(model)[1:], str(writer)[1:], str(reader)[1:], d, stale))
         return g
 
     def stage(self, tree, defined: dict[str, Value]) -> Stage:

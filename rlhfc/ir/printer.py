@@ -130,7 +130,7 @@ def print_module(module: Module) -> str:
     for s in g.stages:
         out.append(f"    {format_stage(s)}")
     for e in sorted(g.versions, key=_version_order(module)):
-        out.append(f"    version @{e.model} %{e.writer} -> %{e.reader} [+{e.distance}]")
+        out.append(f"    version @{e.model} %{e.writer} -> %{e.reader} [{e.span}]")
     out.append("  }")
     out.append("}")
     return "\n".join(out) + "\n"

@@ -18,8 +18,13 @@ The driver runs the stages in graph order, one line each:
   runs its ``consumers`` chunk by chunk (``in_stream``, their ``source`` is the
   generate) and, when overcommitted, draws its prompts itself (the ``load`` feeding
   it is ``in_stream`` too, with no ``source``);
+- ``ahead`` — a generate under asynchronous rollout (``run { staleness = K }``, the ``async_rollout`` pass):
+  the driver takes this step's rollout from the generations it launched up to K steps earlier and launches
+  the next ones, drawing their prompts itself (the ``load`` feeding it is ``in_stream``, with no ``source``);
+  blocking for this step's rollout only;
 - ``sync`` — a blocking weight transfer to another mesh, after awaiting the train
-  stage whose weights it sends.
+  stage whose weights it sends (under asynchronous rollout the receiving side is not awaited: it takes the
+  weights between generations).
 
 ``after`` is what the driver has already waited for when it launches a stage:
 nothing launched later can start before those have finished. A worker runs its
@@ -130,6 +135,10 @@ def build_schedule(module: Module) -> Schedule:
                 load = g.producer(s.inputs[0])
                 if load.op == "load" and all(plan.overcommit(u) is not None for u in g.users(load.outputs[0])):
                     inside[load.name] = s.name
+        elif plan.async_rollout(module, s) is not None and s.inputs:
+            load = g.producer(s.inputs[0])
+            if load.op == "load" and len(g.users(load.outputs[0])) == 1:
+                inside[load.name] = s.name
     entries: list[Entry] = []
     for s in g.stages:
         group = plan.overlap_group(s)
@@ -140,6 +149,9 @@ def build_schedule(module: Module) -> Schedule:
         if s.op == "load":
             entries.append(Entry(s, "load", after=frozenset(done), group=group))
             done.add(s.name)
+        elif plan.async_rollout(module, s) is not None:
+            entries.append(Entry(s, "ahead", after=frozenset(done), group=group))
+            done.update((s.name, *(n for n, src in inside.items() if src == s.name)))
         elif plan.streams(s):
             consumers = tuple(c.name for c in plan.stream_consumers(g, s))
             entries.append(Entry(s, "stream", after=frozenset(done), group=group, consumers=consumers))
@@ -162,7 +174,7 @@ def build_schedule(module: Module) -> Schedule:
                 done.add(pending.pop(n))
             entries.append(Entry(s, "compute", awaits=needed, after=frozenset(done), group=group))
             done.add(s.name)
-    launched = {e.name: e.after for e in entries if e.kind == "stream"}
+    launched = {e.name: e.after for e in entries if e.kind in ("stream", "ahead")}
     entries = [Entry(e.stage, e.kind, group=e.group, within=e.within, source=e.source, after=launched[e.within])
                if e.kind == "in_stream" else e for e in entries]   # a stage inside a stream launches with it
     return Schedule(entries, tuple(pending), refill=_refill(module, entries))
@@ -209,7 +221,7 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     schedule = schedule or build_schedule(module)
     ws = plan.workers(module)
     on = [(e, ws[plan.worker_key(module, e.stage)]) for e in schedule.launch_order()
-          if e.kind in ("remote", "stream", "in_stream") and plan.on_worker(module, e.stage)]
+          if e.kind in ("remote", "stream", "in_stream", "ahead") and plan.on_worker(module, e.stage)]
     out = {}
     for e, w in on:
         mine = set(w.devices)

@@ -45,6 +45,7 @@ from typing import Callable
 from .core import Module, Stage, Value, derive_versions
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, did_you_mean, field_loc, where
 from .ops import LOSS_FOR_HEAD, MIXED_BATCH_OPS, OpSpec, all_ops, get_op
+from . import plan
 from .plan import OPT_LEVELS, verify_plan
 from .types import ValueType
 from .verify_fields import (EXAMPLES, attr_hint, check_attr_value, check_attr_values, check_cluster, check_data,
@@ -149,7 +150,7 @@ def _check_graph(module: Module, sink: DiagnosticSink) -> None:
 
 def _check_versions(module: Module, sink: DiagnosticSink) -> None:
     g = module.graph
-    expected = derive_versions(g, module.trainable_models())
+    expected = derive_versions(g, module.trainable_models(), module.staleness_of)
     have = set(g.versions)
     at = where(g)
     for e in expected:
@@ -157,17 +158,17 @@ def _check_versions(module: Module, sink: DiagnosticSink) -> None:
             when = "the previous step" if e.distance else "this step"
             sink.error(f"missing parameter-version edge: %{e.reader} reads the @{e.model} weights %{e.writer} "
                        f"wrote {when}", at,
-                       f"add `version @{e.model} %{e.writer} -> %{e.reader} [+{e.distance}]` "
+                       f"add `version @{e.model} %{e.writer} -> %{e.reader} [{e.span}]` "
                        "(a pass that moves, adds or removes stages calls Module.refresh_versions())")
     for e in g.versions:
         if e not in expected:
-            sink.error(f"stale parameter-version edge @{e.model} %{e.writer} -> %{e.reader} [+{e.distance}]: "
+            sink.error(f"stale parameter-version edge @{e.model} %{e.writer} -> %{e.reader} [{e.span}]: "
                        f"{_why_stale(module, e)}", at,
                        "remove it (a pass that moves, adds or removes stages calls Module.refresh_versions())")
     seen: set = set()
     for e in g.versions:
         if e in seen:
-            sink.error(f"parameter-version edge @{e.model} %{e.writer} -> %{e.reader} [+{e.distance}] is listed twice",
+            sink.error(f"parameter-version edge @{e.model} %{e.writer} -> %{e.reader} [{e.span}] is listed twice",
                        at, "remove the duplicate")
         seen.add(e)
 
@@ -189,6 +190,10 @@ def _why_stale(module: Module, e) -> str:
     right = 1 if g.stages.index(reader) < g.stages.index(writer) else 0
     if right != e.distance:
         return f"%{e.reader} runs {'before' if right else 'after'} %{e.writer}, so the distance is +{right}"
+    k = module.staleness_of(reader)
+    if k != e.staleness:
+        return (f"%{e.reader}'s staleness bound is {k} (run {{ staleness }} or its async_rollout annotation), so the "
+                f"edge reads [+{right}" + (f"..+{right + k}]" if k else "]"))
     return "the stage order does not imply it"
 
 
@@ -291,6 +296,32 @@ def _check_training(module: Module, sink: DiagnosticSink) -> None:
                            "generate n = 1 and estimate advantages with a critic (gae)")
     _check_algorithms(module, sink)
     _check_tokenizers(module, sink)
+    _check_staleness(module, sink)
+
+
+def _check_staleness(module: Module, sink: DiagnosticSink) -> None:
+    """``run { staleness = K > 0 }`` needs a trained model that generates: the weight edge it loosens."""
+    k = module.run.staleness
+    if not is_positive_int(k):
+        return
+    g = module.graph
+    if not any(s.op == "generate" and s.target in module.trainable_models() for s in g.stages):
+        gens = sorted({s.target for s in g.stages if s.op == "generate"})
+        why = (f"the pipeline's generate stages use frozen models ({', '.join('@' + m for m in gens)}), whose "
+               "weights never change" if gens else "the pipeline generates nothing")
+        sink.error(f"staleness = {k} needs a trained model that generates: {why}", where(module.run, "staleness"),
+                   "asynchronous rollout lets a trained policy's generation run ahead of its training; drop "
+                   "staleness, or generate with the model the pipeline trains")
+        return
+    for s in g.stages:
+        if s.op == "generate" and s.target in module.trainable_models() and not plan.can_run_ahead(module, s):
+            refill = any(x.op == "compute.group_advantages" and x.attrs.get("max_refill") for x in g.stages)
+            why = ("the pipeline refills its sampling round (max_refill), which re-runs the generate within the step"
+                   if refill else "its prompts are read by another stage too (the driver draws an asynchronous "
+                   "generate's prompts per generation it launches)")
+            sink.error(f"staleness = {k}: %{s.name} cannot run ahead of training: {why}",
+                       where(module.run, "staleness"), "drop staleness (synchronous), or give the generate prompts "
+                       "of its own and no max_refill")
 
 
 def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:

@@ -313,6 +313,10 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
         value = getattr(r, key)
         if not _is_int(value) or value < lo:
             f.error(key, f"{key} must be an integer >= {lo}, got {show(value)}", f"e.g. {key} = {EXAMPLES[key]}")
+    if r.staleness is not None and (not _is_int(r.staleness) or r.staleness < 0):
+        f.error("staleness", f"staleness must be an integer >= 0, got {show(r.staleness)}",
+                "staleness = K lets generation run up to K steps ahead of training (0: synchronous; 1 is the "
+                "usual choice, as AReaL's and verl's one-step-off)")
     if r.optimize not in OPT_LEVELS:
         f.error("optimize", f"optimize must be one of {', '.join(OPT_LEVELS)}, got {_name(r.optimize)}",
                 "O0 runs no passes, O1 is the default; e.g. optimize = O2")

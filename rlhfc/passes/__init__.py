@@ -10,6 +10,7 @@ from .pipelines import PIPELINES, pipeline_for
 
 for _name, _module in {
     "dce": "rlhfc.passes.dce",
+    "async_rollout": "rlhfc.passes.async_rollout",
     "unpad": "rlhfc.passes.unpad",
     "engine": "rlhfc.passes.engine",
     "reuse_logprobs": "rlhfc.passes.reuse_logprobs",

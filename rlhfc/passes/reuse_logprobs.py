@@ -58,6 +58,8 @@ class ReuseLogprobs(Pass):
             temperature = float(s.attrs.get("temperature", 1.0))
             if gen.op != "generate" or not rollout_traits(plan.stage_engine(module, gen)).trainer_numerics:
                 continue
+            if plan.async_rollout(module, gen) is not None:   # the forward is decoupled PPO's proximal policy
+                continue
             if gen.target != s.target or temperature <= 0 \
                     or float(gen.attrs.get("temperature", 1.0)) != temperature:
                 continue

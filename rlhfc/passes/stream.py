@@ -37,7 +37,7 @@ from rlhfc.cost import CostModel
 from rlhfc.ir import CompileError, Module, where
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import Stream as StreamAttr
-from rlhfc.ir.plan import set_stream_from
+from rlhfc.ir.plan import async_rollout, set_stream_from
 
 from .base import Pass, register_pass
 
@@ -62,6 +62,8 @@ class Stream(Pass):
     def run(self, module: Module) -> Module:
         g = module.graph
         for gen in [s for s in g.stages if s.op == "generate"]:
+            if async_rollout(module, gen) is not None:   # generated a step ahead: nothing to stream into
+                continue
             roll = gen.outputs[0]
             consumers = [s for s in g.users(roll) if s.op.startswith("forward.") and s.target != gen.target
                          and len(s.inputs) == 1]

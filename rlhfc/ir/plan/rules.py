@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from rlhfc.contract.engines import DEFAULT_TRAINER, TrainTraits, auto_backend, train_backends, train_traits
 
 from ..core import Graph, Model, Module, Stage
-from .attrs import (AUTO, STRATEGIES, WORKER_FAMILIES, Layout, Mesh, Overcommit, Parallel, PlanError,
+from .attrs import (AUTO, STRATEGIES, WORKER_FAMILIES, AsyncRollout, Layout, Mesh, Overcommit, Parallel, PlanError,
                     Recompute, Stream, Sync, _is_int)
 
 # -- reading a plan -------------------------------------------------------------------------------------
@@ -39,6 +39,36 @@ def stream_chunk(stage: Stage) -> int | None:
 
 def overcommit(stage: Stage) -> Overcommit | None:
     return _read(stage, Overcommit) if stage.op == "generate" else None
+
+
+def async_rollout(module: Module, stage: Stage) -> AsyncRollout | None:
+    """How far the generate ``stage`` may run ahead of training: its ``async_rollout`` annotation (the pass's
+    decision), else the program's ``run { staleness = K }`` with the default cap; None when synchronous
+    (staleness 0, or a generate of a frozen model: no newer weights to wait for)."""
+    k = module.staleness_of(stage)
+    if not k:
+        return None
+    got = _read(stage, AsyncRollout)
+    return AsyncRollout(k, got.behaviour_cap) if got else AsyncRollout(k)
+
+
+def can_run_ahead(module: Module, gen: Stage) -> bool:
+    """Whether a generate stage can run ahead of training (asynchronous rollout): a trained model's, drawing
+    prompts no other stage reads (the driver draws them per generation it launches), in a pipeline that does
+    not refill its sampling round (DAPO's dynamic sampling re-runs it)."""
+    g = module.graph
+    if gen.op != "generate" or gen.target not in module.trainable_models() or not gen.inputs:
+        return False
+    load = g.producer(gen.inputs[0])
+    if load.op != "load" or len(g.users(load.outputs[0])) != 1:
+        return False
+    return not any(s.op == "compute.group_advantages" and s.attrs.get("max_refill") for s in g.stages)
+
+
+def staleness(module: Module, stage: Stage) -> int:
+    """The staleness bound of a generate stage (0: synchronous)."""
+    a = async_rollout(module, stage)
+    return a.staleness if a else 0
 
 
 def overcommit_delta(stage: Stage) -> int:

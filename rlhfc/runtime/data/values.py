@@ -112,6 +112,11 @@ class PolicyLossInput:
     ratio: str = "token"
     #: statistics of how the batch was made (dropped groups), reported with the train step's metrics
     stats: dict = field(default_factory=dict)
+    #: decoupled PPO (asynchronous rollout): the log-probs [B, R] of the weights that generated each token;
+    #: ``old_logp`` is then the proximal policy, and tokens whose weight exp(old − behaviour) exceeds
+    #: ``behaviour_cap`` are dropped (:func:`rlhfc.runtime.rl.ppo.policy_loss`)
+    behaviour_logp: torch.Tensor | None = None
+    behaviour_cap: float | None = None
 
 
 @dataclass
@@ -133,6 +138,31 @@ class CarryOver:
     """
 
     samples: list[dict]
+
+
+_BATCH_TENSORS = ("input_ids", "attention_mask", "response_mask", "response_lengths", "prompt_lengths", "eos")
+
+
+def rollout_state(rollout: Rollout, prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A rollout as plain JSON and named tensors (``prefix.<field>``), for a checkpoint's in-flight rollouts
+    (asynchronous rollout); :func:`rollout_from_state` rebuilds it exactly."""
+    tensors = {f"{prefix}.{k}": getattr(rollout.batch, k).detach().cpu().contiguous() for k in _BATCH_TENSORS}
+    if rollout.logprobs is not None:
+        tensors[f"{prefix}.logprobs"] = rollout.logprobs.detach().cpu().contiguous()
+    meta = {"prompt_len": rollout.batch.prompt_len, "prompts": rollout.prompts, "responses": rollout.responses,
+            "model": rollout.model, "version": rollout.version, "tokenizer": rollout.tokenizer,
+            "rows": rollout.rows, "born": rollout.born, "decode_steps": rollout.decode_steps,
+            "unpad": rollout.unpad, "computed_tokens": rollout.computed_tokens, "fields": rollout.fields,
+            "engine": rollout.engine, "rollout_engine": rollout.rollout_engine}
+    return meta, tensors
+
+
+def rollout_from_state(meta: dict, tensors: dict[str, torch.Tensor], prefix: str) -> Rollout:
+    batch = RolloutBatch(prompt_len=int(meta["prompt_len"]), **{k: tensors[f"{prefix}.{k}"] for k in _BATCH_TENSORS})
+    return Rollout(batch, list(meta["prompts"]), list(meta["responses"]), meta["model"], int(meta["version"]),
+                   meta["tokenizer"], list(meta["rows"]), list(meta["born"]), int(meta["decode_steps"]),
+                   tensors.get(f"{prefix}.logprobs"), bool(meta["unpad"]), float(meta["computed_tokens"]),
+                   list(meta["fields"]), dict(meta["engine"]), meta["rollout_engine"])
 
 
 def select_rows(rollout: Rollout, index: torch.Tensor) -> Rollout:

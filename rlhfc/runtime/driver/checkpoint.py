@@ -28,6 +28,8 @@ import re
 import shutil
 from typing import Iterable
 
+from safetensors.torch import load_file, save_file
+
 from rlhfc import __version__
 from rlhfc.contract.plan import Plan
 from rlhfc.runtime.errors import JobError
@@ -75,8 +77,14 @@ def latest_checkpoint(root: str) -> str | None:
     return path if name and os.path.isfile(os.path.join(path, "job.json")) else None
 
 
-def save_checkpoint(root: str, step: int, workers: dict[str, WorkerGroup], meta: dict) -> str:
-    """Write ``step_{step}``: every worker group saves its model, ``meta`` goes to job.json; returns its path.
+#: the driver's tensors in a checkpoint: rollouts generated ahead of its step (asynchronous rollout)
+IN_FLIGHT = "in_flight.safetensors"
+
+
+def save_checkpoint(root: str, step: int, workers: dict[str, WorkerGroup], meta: dict,
+                    tensors: dict | None = None) -> str:
+    """Write ``step_{step}``: every worker group saves its model, ``meta`` goes to job.json and ``tensors``
+    (when any) to in_flight.safetensors; returns its path.
 
     On failure (a worker dies or raises, a write fails) the half-written ``step_{step}.tmp`` is removed,
     ``latest`` is left as it was, and :class:`CheckpointWriteError` names the worker."""
@@ -95,6 +103,8 @@ def save_checkpoint(root: str, step: int, workers: dict[str, WorkerGroup], meta:
                 failed = failed or (name, exc)
         if failed is not None:
             raise CheckpointWriteError(step, failed[0], failed[1])
+        if tensors:
+            save_file(tensors, os.path.join(tmp, IN_FLIGHT))
         write_atomic(os.path.join(tmp, "job.json"), json.dumps(meta))   # one writer for the driver's files
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -115,6 +125,14 @@ def load_checkpoint(path: str, workers: dict[str, WorkerGroup]) -> dict:
     meta = read_meta(path)
     ray.get([group.load.remote(os.path.join(path, name)) for name, group in workers.items()])
     return meta
+
+
+def read_tensors(path: str) -> dict:
+    """The driver's tensors of checkpoint ``path`` ({} when it has none)."""
+    file = os.path.join(path, IN_FLIGHT)
+    if not os.path.exists(file):
+        return {}
+    return load_file(file)
 
 
 def read_meta(path: str) -> dict:

@@ -19,8 +19,10 @@ from rlhfc.runtime.data.values import Rollout, TokenValues
 
 
 def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, values: dict[str, Any],
-                 seconds: float) -> dict[str, float]:
-    """The metric row of one step; ``roles`` is the plan's ``metrics``, ``overcommit`` the driver's state."""
+                 seconds: float, ahead: bool = False) -> dict[str, float]:
+    """The metric row of one step; ``roles`` is the plan's ``metrics``, ``overcommit`` the driver's state;
+    ``ahead``: the rollout was generated ahead (asynchronous rollout): its staleness is counted against this
+    step's weights (``staleness_mean``/``_max``), not the generating ones."""
     m: dict[str, float] = {"step": step}
     roll: Rollout | None = values.get(roles.rollout) if roles.rollout else None
     scores = values.get(roles.reward) if roles.reward else None
@@ -40,7 +42,7 @@ def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, val
             m["policy_loss"] = stats.get("pg_loss", stats.get("loss", float("nan")))
             for k in ("entropy", "clipfrac", "approx_kl", "grad_norm", "lr", "dropped_groups", "kept_samples",
                       "sample_rounds", "sampled_groups", "rollout_logprob_diff_mean", "rollout_logprob_diff_max",
-                      "tis_weight_mean"):
+                      "tis_weight_mean", "behaviour_weight_mean", "behaviour_weight_max", "behaviour_masked_frac"):
                 if k in stats:
                     m[f"policy_{k}" if k in ("grad_norm", "lr") else k] = stats[k]
         else:
@@ -62,8 +64,8 @@ def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, val
         m["gen_version"] = roll.version
         m.update(roll.engine)   # rollout = vllm: refit_s, refit_mb, refit_buckets, engine_start_s
         m["samples"] = roll.size
-        if roll.born:
-            stale = [roll.version - b for b in roll.born]
+        if roll.born:   # versions behind the weights that train on them (this step's under asynchronous rollout)
+            stale = [(step if ahead else roll.version) - b for b in roll.born]
             m["carried"] = sum(1 for x in stale if x > 0)
             m["staleness_max"] = max(stale)
             m["staleness_mean"] = sum(stale) / len(stale)

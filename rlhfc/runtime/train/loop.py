@@ -169,12 +169,14 @@ def actor_loss_fn(
     kl_estimator: str = "k3",
     loss_agg: str = "token_mean",
     ratio_level: str = "token",
+    behaviour_cap: float | None = None,
 ) -> Callable[[torch.nn.Module, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]:
     """A ``loss_fn`` for ``train_epochs`` on a policy.
 
     The minibatch dict holds the ``RolloutBatch`` fields (``RolloutBatch.as_dict()``)
     plus ``old_logp`` and ``advantages`` [B, R], and ``ref_logp`` [B, R] when
-    ``kl_coef`` is set (GRPO).
+    ``kl_coef`` is set (GRPO), and ``behaviour_logp`` [B, R] under asynchronous rollout (decoupled PPO,
+    capped at ``behaviour_cap``).
     """
 
     def loss_fn(model: torch.nn.Module, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -194,6 +196,8 @@ def actor_loss_fn(
             kl_estimator=kl_estimator,
             loss_agg=loss_agg,
             ratio_level=ratio_level,
+            behaviour_logp=mb.get("behaviour_logp"),
+            behaviour_cap=behaviour_cap,
         )
 
     return loss_fn

@@ -377,10 +377,13 @@ class ModelWorker(TracedWorker):
             batch["loss_agg"] = loss.loss_agg
             if loss.ref_logp is not None:
                 batch["ref_logp"] = loss.ref_logp.to(self.device)
+            if loss.behaviour_logp is not None:   # decoupled PPO (asynchronous rollout)
+                batch["behaviour_logp"] = loss.behaviour_logp.to(self.device)
             fn = loop.actor_loss_fn(clip=loss.clip, clip_high=loss.clip_high, temperature=loss.temperature,
                                    entropy_coef=loss.entropy_coef,
                                    kl_coef=loss.kl_coef if loss.ref_logp is not None else 0.0,
-                                   kl_estimator=loss.estimator, loss_agg=loss.loss_agg, ratio_level=loss.ratio)
+                                   kl_estimator=loss.estimator, loss_agg=loss.loss_agg, ratio_level=loss.ratio,
+                                   behaviour_cap=loss.behaviour_cap)
         else:
             batch["old_values"] = loss.old_values.to(self.device)
             batch["returns"] = loss.returns.to(self.device)
