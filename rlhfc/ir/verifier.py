@@ -313,15 +313,16 @@ def _check_staleness(module: Module, sink: DiagnosticSink) -> None:
                    "asynchronous rollout lets a trained policy's generation run ahead of its training; drop "
                    "staleness, or generate with the model the pipeline trains")
         return
-    for s in g.stages:
-        if s.op == "generate" and s.target in module.trainable_models() and not plan.can_run_ahead(module, s):
-            refill = any(x.op == "compute.group_advantages" and x.attrs.get("max_refill") for x in g.stages)
-            why = ("the pipeline refills its sampling round (max_refill), which re-runs the generate within the step"
-                   if refill else "its prompts are read by another stage too (the driver draws an asynchronous "
-                   "generate's prompts per generation it launches)")
-            sink.error(f"staleness = {k}: %{s.name} cannot run ahead of training: {why}",
-                       where(module.run, "staleness"), "drop staleness (synchronous), or give the generate prompts "
-                       "of its own and no max_refill")
+    stuck = [s for s in g.stages if s.op == "generate" and s.target in module.trainable_models()
+             and not plan.can_run_ahead(module, s)]
+    if stuck:
+        refill = any(x.op == "compute.group_advantages" and x.attrs.get("max_refill") for x in g.stages)
+        why = ("the pipeline refills its sampling round (max_refill), which re-runs the generate within the step"
+               if refill else "their prompts are read by another stage too (the driver draws an asynchronous "
+               "generate's prompts per generation it launches)")
+        sink.error(f"staleness = {k}: {', '.join('%' + s.name for s in stuck)} cannot run ahead of training: {why}",
+                   where(module.run, "staleness"), "drop staleness (synchronous), or give the generate prompts "
+                   "of its own and no max_refill")
 
 
 def _check_algorithms(module: Module, sink: DiagnosticSink) -> None:

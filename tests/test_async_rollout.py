@@ -1,0 +1,186 @@
+"""Asynchronous rollout in the compiler (issue #37): ``run { staleness = K }``, the weight edge's bound in the IR,
+the ``async_rollout`` pass, the schedule and the generated driver, the plan attribute, the decoupled loss's
+bundling and the in-flight rollouts' checkpoint form. The runs are tests/e2e/test_async_run.py; the bad
+programs (negative, fractional, frozen generator, shared prompts, refill) are tests/bad/run_staleness_*.rlhf."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from rlhfc.codegen import emit_job
+from rlhfc.frontend import compile_source
+from rlhfc.ir import CompileError, parse_ir, plan, print_module, verify
+from rlhfc.ir.schedule import build_schedule
+from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PPO = open(os.path.join(ROOT, "examples", "ppo_tiny.rlhf")).read()
+
+
+def _program(run_extra: str = "", text: str = PPO) -> str:
+    return text.replace("optimize = O2 }", f"optimize = O2{run_extra} }}")
+
+
+def _module(run_extra: str = "", passes: str = ""):
+    module, _ = compile_source(_program(run_extra), "ppo_tiny.rlhf")
+    return PassManager(parse_pipeline(passes)).run(module) if passes else module
+
+
+def _edges(module) -> dict[str, str]:
+    return {e.reader: e.span for e in module.graph.versions}
+
+
+def test_staleness_puts_the_bound_on_the_generates_weight_edge_and_round_trips():
+    for k in (1, 2):
+        module = _module(f"; staleness = {k}")
+        assert _edges(module) == {"roll": f"+1..+{1 + k}", "logp": "+1", "values": "+1"}
+        text = print_module(module)
+        assert f"version @actor %actor_train -> %roll [+1..+{1 + k}]" in text and f"staleness = {k}" in text
+        assert print_module(parse_ir(text)) == text
+
+
+def test_staleness_0_compiles_to_the_synchronous_job(tmp_path):
+    """The same graph, edges and generated driver as without the setting; the plan differs only in the stated
+    run setting, which the runtime does not read for a synchronous job — so it trains bitwise identically."""
+    plain, zero = _module(), _module("; staleness = 0")
+    assert _edges(zero) == _edges(plain) == {"roll": "+1", "logp": "+1", "values": "+1"}
+    body = lambda m: re.sub(r' loc\([^)]*\)', "", print_module(m)).replace(", staleness = 0", "")  # noqa: E731
+    assert body(zero) == body(plain)
+    for level in ("O0", "O2", "O3"):
+        jobs = {}
+        for name, extra in (("plain", ""), ("zero", "; staleness = 0")):
+            module, _ = compile_source(_program(extra), "ppo_tiny.rlhf")
+            module = PassManager(parse_pipeline(",".join(PIPELINES[level]))).run(module)
+            out = str(tmp_path / f"{name}_{level}")
+            emit_job(module, out, source_path="ppo_tiny.rlhf", opt_level=level, passes=list(PIPELINES[level]))
+            main = open(os.path.join(out, "main.py")).read()
+            got = json.load(open(os.path.join(out, "plan.json")))
+            got["run"].pop("staleness", None)
+            got.pop("ir")
+            jobs[name] = (main, got)
+        assert jobs["zero"] == jobs["plain"], level
+        assert "job.ahead" not in jobs["zero"][0]
+
+
+def test_a_wrong_edge_bound_is_a_located_error():
+    text = print_module(_module("; staleness = 1"))
+    for wrong in ("[+1]", "[+1..+3]"):
+        bad = text.replace("%actor_train -> %roll [+1..+2]", f"%actor_train -> %roll {wrong}")
+        with pytest.raises(CompileError) as err:
+            verify(parse_ir(bad))
+        assert "staleness bound is 1" in str(err.value) and "missing parameter-version edge" in str(err.value)
+    with pytest.raises(CompileError, match=r"ends before it starts"):
+        parse_ir(text.replace("[+1..+2]", "[+2..+1]"))
+
+
+def test_the_pass_gives_k_where_the_program_states_none_and_keeps_a_stated_one():
+    module = _module(passes="async_rollout")
+    roll = module.graph.stage("roll")
+    assert roll.annotations["async_rollout"] == {"staleness": 1, "behaviour_cap": 5.0}
+    assert plan.changes_training(module) == ["async_rollout"] and _edges(module)["roll"] == "+1..+2"
+    module = _module(passes="async_rollout{staleness=2,behaviour_cap=3}")
+    assert plan.async_rollout(module, module.graph.stage("roll")) == plan.AsyncRollout(2, 3.0)
+    # a staleness the program states is its meaning: the pass neither overrides it nor calls it a change
+    stated = _module("; staleness = 0", passes="async_rollout{staleness=2}")
+    assert "async_rollout" not in stated.graph.stage("roll").annotations and not plan.changes_training(stated)
+    stated = _module("; staleness = 3", passes="async_rollout")
+    assert plan.staleness(stated, stated.graph.stage("roll")) == 3 and not plan.changes_training(stated)
+    # the reference's forward reads a frozen model: synchronous whatever the bound
+    assert all(plan.staleness(stated, s) == 0 for s in stated.graph.stages if s.name != "roll")
+    for bad in ("async_rollout{staleness=-1}", "async_rollout{behaviour_cap=1}"):
+        with pytest.raises(Exception, match="staleness must be|behaviour_cap must be"):
+            parse_pipeline(bad)
+
+
+def test_an_async_generate_is_neither_streamed_overcommitted_nor_its_proximal_forward_replaced():
+    passes = "async_rollout,unpad,reuse_logprobs,parallelize,stream,overcommit"
+    module = _module(passes=passes)
+    roll = module.graph.stage("roll")
+    assert "stream" not in roll.annotations and "overcommit" not in roll.annotations
+    assert module.graph.stage("logp").op == "forward.logprobs"   # decoupled PPO's proximal policy
+    sync = _module(passes=passes.replace("async_rollout,", ""))
+    assert "overcommit" in sync.graph.stage("roll").annotations
+    assert sync.graph.stage("logp").op == "compute.sample_logprobs"
+
+
+def test_the_driver_draws_prompts_inside_the_async_generate_and_the_loss_is_decoupled(tmp_path):
+    module = _module("; staleness = 2", passes="dce,parallelize,placement{strategy=separate},realloc")
+    schedule = build_schedule(module)
+    assert schedule["roll"].kind == "ahead" and schedule["prompts"].kind == "in_stream"
+    assert schedule["prompts"].within == "roll"
+    out = str(tmp_path / "job")
+    emit_job(module, out, source_path="ppo_tiny.rlhf", opt_level=None, passes=[])
+    main = open(os.path.join(out, "main.py")).read()
+    assert "job.next_prompts" not in main
+    assert re.search(r"roll = job\.ahead\('roll', lambda prompts: w\.actor_at_0_1\.generate\.remote\(prompts, .*"
+                     r"logprobs=True\), data='prompts', batch=16, staleness=2\)", main)
+    assert "job.sync('actor_sync', w.actor, w.actor_at_0_1, bucket_mb=64, after=actor_train, wait=False)" in main
+    assert "behaviour_cap=5.0" in main
+    plan_json = json.load(open(os.path.join(out, "plan.json")))
+    assert plan_json["run"]["staleness"] == 2
+    assert {"model": "actor", "writer": "actor_train", "reader": "roll", "distance": 1, "staleness": 2} in \
+        plan_json["graph"]["versions"]
+
+
+def test_the_plan_attribute_parses_and_refuses():
+    assert plan.AsyncRollout.parse({"staleness": 1}) == plan.AsyncRollout(1, 5.0)
+    for bad in ({"staleness": -1}, {"staleness": 1.5}, {"staleness": 1, "behaviour_cap": 0.5},
+                {"staleness": 1, "cap": 2}, 3):
+        with pytest.raises(plan.PlanError, match="async_rollout must be"):
+            plan.AsyncRollout.parse(bad)
+    text = print_module(_module(passes="async_rollout")).replace("behaviour_cap = 5.0", "behaviour_cap = true")
+    with pytest.raises(CompileError, match="async_rollout must be"):
+        verify(parse_ir(text))
+
+
+def _rollout(logprobs: bool = True):
+    from rlhfc.runtime.data.values import Rollout
+    from rlhfc.runtime.rollout.generation import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    batch = RolloutBatch(torch.randint(0, 50, (3, 7), generator=g), torch.ones(3, 7, dtype=torch.long), mask, 3,
+                         mask.sum(1).long(), torch.tensor([3, 2, 3]), torch.tensor([True, True, False]))
+    return Rollout(batch, ["a", "b", "c"], ["x", "y", "z"], "actor", 4, "tok", [0, 1, 2], [3, 3, 4], 5,
+                   -torch.rand(3, 4, generator=g) * mask if logprobs else None, True, 40.0,
+                   [{"answer": "1"}, {}, {"answer": "3"}], {"refit_s": 0.5}, "torch")
+
+
+def test_an_in_flight_rollout_survives_its_checkpoint_form_exactly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from rlhfc.runtime.data.values import rollout_from_state, rollout_state
+
+    roll = _rollout()
+    meta, tensors = rollout_state(roll, "roll.0")
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    back = rollout_from_state(json.loads(json.dumps(meta)), load_file(str(tmp_path / "t.safetensors")), "roll.0")
+    for f in ("prompts", "responses", "model", "version", "tokenizer", "rows", "born", "decode_steps", "unpad",
+              "computed_tokens", "fields", "engine", "rollout_engine"):
+        assert getattr(back, f) == getattr(roll, f), f
+    for f in ("input_ids", "attention_mask", "response_mask", "response_lengths", "prompt_lengths", "eos"):
+        assert torch.equal(getattr(back.batch, f), getattr(roll.batch, f)), f
+    assert back.batch.prompt_len == 3 and torch.equal(back.logprobs, roll.logprobs)
+
+
+def test_ppo_clip_hands_the_rollouts_logprobs_to_the_decoupled_loss():
+    from rlhfc.runtime import compute
+    from rlhfc.runtime.data.values import TokenValues
+
+    roll = _rollout()
+    logp = TokenValues(-torch.rand(3, 4), roll.mask)
+    adv = TokenValues(torch.randn(3, 4), roll.mask)
+    out = compute.ppo_clip(roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3",
+                           behaviour_cap=4.0)
+    assert torch.equal(out.behaviour_logp, roll.logprobs) and out.behaviour_cap == 4.0
+    assert torch.equal(out.advantages, adv.values)   # no TIS weight on top: the behaviour weight corrects
+    plain = compute.ppo_clip(roll, logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0, estimator="k3")
+    assert plain.behaviour_logp is None and plain.behaviour_cap is None
+    with pytest.raises(ValueError, match="log-probs on the rollout"):
+        compute.ppo_clip(_rollout(logprobs=False), logp, adv, clip=0.2, entropy_coef=0.0, kl_coef=0.0,
+                         estimator="k3", behaviour_cap=4.0)
