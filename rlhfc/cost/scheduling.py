@@ -63,16 +63,43 @@ class _Context:
     readers: dict
     steps: int
     step_barrier: bool
+    #: generate stage -> its staleness bound K, for generates that run ahead (asynchronous rollout)
+    ahead: dict = field(default_factory=dict)
+
+
+def submission_blocks(ctx: _Context) -> list[list[tuple[Stage, int]]]:
+    """The (stage, step) tasks in the order the driver submits them, one block per step it runs: a generate
+    running K steps ahead submits steps 0..K in block 0 and step b + K in block b, before the block's other
+    stages (``job.ahead`` is the step's first call); every other stage submits its own step's task."""
+    blocks = []
+    for b in range(ctx.steps):
+        block = []
+        for s in ctx.stages:
+            k_ahead = ctx.ahead.get(s.name, 0)
+            if not k_ahead:
+                block.append((s, b))
+            elif b == 0:
+                block += [(s, k) for k in range(min(k_ahead, ctx.steps - 1) + 1)]
+            elif b + k_ahead < ctx.steps:
+                block.append((s, b + k_ahead))
+        blocks.append(block)
+    return blocks
 
 
 def _dependencies(ctx: _Context, s: Stage, k: int) -> list[tuple[str, int]]:
     """The (stage, step) tasks that must end before ``s`` of step ``k`` starts (data, launch order,
-    parameter versions; not the step barrier)."""
-    keys = [(p, k) for p in ctx.data_deps[s.name] + ctx.order_deps[s.name]]
+    parameter versions; not the step barrier). A generate running ahead draws its own prompts and is the
+    first call of the step that launches it: it waits only for the weights it may read, those written
+    ``distance + staleness`` steps before; a train stage does not wait for such readers (a generating copy
+    holds its own weights; on the trainer's worker the queue already runs the generation first)."""
+    ahead = s.name in ctx.ahead
+    keys = [] if ahead else [(p, k) for p in ctx.data_deps[s.name] + ctx.order_deps[s.name]]
     for e in ctx.cm.module.graph.versions:
-        if e.reader == s.name and k - e.distance >= 0:
-            keys.append((e.writer, k - e.distance))
+        if e.reader == s.name and k - e.distance - e.staleness >= 0:
+            keys.append((e.writer, k - e.distance - e.staleness))
     for e in ctx.readers.get(s.name, []):
+        if e.staleness:
+            continue
         kk = k if e.distance == 1 else k - 1
         if kk >= 0:
             keys.append((e.reader, kk))
@@ -161,9 +188,10 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
 
     tasks: list[Task] = []
     step_end = [0.0] * steps
-    for k in range(steps):
-        for s in stages:
-            ready, why = _ready(done, _dependencies(ctx, s, k), step_end[k - 1] if step_barrier and k > 0 else None)
+    for blk, block in enumerate(submission_blocks(ctx)):
+        for s, k in block:
+            ready, why = _ready(done, _dependencies(ctx, s, k),
+                                step_end[blk - 1] if step_barrier and blk > 0 else None)
             mem = members[s.name]
             res, mine = resources[s.name], runs[s.name]
             dev_free = max((max(free[a:b]) for a, b in mine), default=0.0)
@@ -214,7 +242,7 @@ def _schedule_exclusive(ctx: "_Context") -> list[Task]:
                         extra.get(s.name, 0.0), why, res if res != [DRIVER] else [])
             done[(s.name, k)] = task
             tasks.append(task)
-        step_end[k] = max(t.end for t in tasks if t.step == k)
+        step_end[blk] = max(t.end for t in tasks if t.step == blk)
     return tasks
 
 
@@ -295,14 +323,16 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
     threads = stage_threads(module)
     jobs: list[_Job] = []
     pos: dict[tuple[str, int], int] = {}
-    for k in range(ctx.steps):
-        for s in ctx.stages:
+    block_of: list[int] = []
+    for b, block in enumerate(submission_blocks(ctx)):
+        for s, k in block:
             pos[(s.name, k)] = len(jobs)
             jobs.append(_cpu_job(ctx, s, k, workers, threads, jobs, pos))
+            block_of.append(b)
     for n, j in enumerate(jobs):
         deps = [pos[key] for key in _dependencies(ctx, j.stage, j.step) if key in pos and pos[key] < n]
-        if ctx.step_barrier and j.step > 0:
-            deps += [m for m in range(n) if jobs[m].step == j.step - 1]
+        if ctx.step_barrier and block_of[n] > 0:   # the tasks of the step before the one that submits it
+            deps += [m for m in range(n) if jobs[m].step == block_of[n] - 1]
         j.prereqs = sorted(set(deps))
     queues: dict = {}
     for n, j in enumerate(jobs):

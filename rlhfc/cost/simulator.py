@@ -8,6 +8,10 @@ when all of these hold:
 - **parameter versions**: a reader with edge ``[+d]`` waits for the writer of
   step k-d; a writer (``train``) waits for every reader of the weights it
   overwrites (readers ``[+1]`` of its step and ``[+0]`` of the step before);
+- **asynchronous rollout** (a generate whose edge is ``[+1..+1+K]``): the driver submits step k's
+  generation at the start of step k-K (steps 0..K at the start of step 0), before that step's other
+  calls, so it waits only for the weights of step k-1-K and the barrier before step k-K; the steady-state
+  step time then shows the overlap of generation with training;
 - **launch order** (the driver's program order): a stage waits for every stage
   above it in the IR, except those of its own ``overlap`` group (launched
   together) and, for a consumer of a ``stream``-ed generate, that generate
@@ -238,8 +242,9 @@ def _context(module: Module, cm: CostModel, steps: int, step_barrier: bool,
     for e in g.versions:
         readers.setdefault(e.writer, []).append(e)
 
+    ahead = {s.name: a.staleness for s in stages if (a := plan.async_rollout(module, s)) is not None}
     return _Context(cm, stages, costs, extra, sync_time, sync_devices, members, streams, stream_source,
-                    data_deps, order_deps, readers, steps, step_barrier), notes
+                    data_deps, order_deps, readers, steps, step_barrier, ahead), notes
 
 
 def _simulate(module: Module, cm: CostModel, steps: int, step_barrier: bool) -> SimResult:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
 from rlhfc.cost.profile import model_key
 from rlhfc.ir import Module, print_module
-from rlhfc.ir.plan import overcommit_delta, overlap_group, stream_chunk, workers
+from rlhfc.ir.plan import async_rollout, overcommit_delta, overlap_group, stream_chunk, workers
 from rlhfc.ir.schedule import build_schedule
 
 
@@ -72,6 +72,7 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
         if overcommit_delta(s):
             notes.append(f"%{s.name} overcommits by {overcommit_delta(s)} prompts: each step trains on the first "
                          f"{s.outputs[0].type.batch} to finish (this changes which samples are trained on)")
+    notes += async_notes(module, cm, sim, steps)
     groups: dict = {}
     for s in module.graph.stages:
         g = overlap_group(s)
@@ -99,6 +100,29 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     found = getattr(module, "search_report", None)   # set by the placement pass when it searched
     return Report(module, print_module(module), level, list(passes or []), list(records or []), cm, sim, issues,
                   notes, source, found.as_dict() if found is not None else None)
+
+
+def async_notes(module: Module, cm: CostModel, sim, steps: int) -> list[str]:
+    """What asynchronous rollout changes, and its predicted gain: the steady-state step against the same plan
+    run synchronously (the bound taken away), both simulated over the same steps."""
+    ahead = [(s, a) for s in module.graph.stages if (a := async_rollout(module, s)) is not None]
+    if not ahead:
+        return []
+    sync = module.clone()
+    sync.run.staleness = None
+    for s in sync.graph.stages:
+        s.annotations.pop("async_rollout", None)
+    sync.refresh_versions()
+    base = simulate(sync, steps=max(steps, 3), cost_model=CostModel(sync, cm.config)).step_time_s
+    out = []
+    for s, a in ahead:
+        out.append(f"%{s.name} runs up to {a.staleness} step(s) ahead of training (asynchronous rollout; this changes "
+                   f"what the job trains on: samples from weights up to {a.staleness} version(s) old, decoupled PPO "
+                   f"with behaviour_cap {a.behaviour_cap:g})")
+    out.append(f"asynchronous rollout: predicted steady-state step {sim.step_time_s:.3g} s against "
+               f"{base:.3g} s synchronous (x{base / sim.step_time_s:.2f})" if sim.step_time_s > 0 else
+               "asynchronous rollout: no step time predicted")
+    return out
 
 
 def search_summary(report: Report) -> str | None:

@@ -160,7 +160,8 @@ def build_schedule(module: Module) -> Schedule:
             needed = tuple(v.name for v in s.inputs if v.name in pending)
             done.update(pending.pop(n) for n in needed)
             entries.append(Entry(s, "sync", awaits=needed, after=frozenset(done), group=group))
-            done.add(s.name)
+            if not any(plan.async_rollout(module, x) for x in g.stages_on(s.target)):
+                done.add(s.name)   # under asynchronous rollout the copy's side is not awaited
         elif plan.on_worker(module, s):
             future = group is not None
             entries.append(Entry(s, "remote", future=future, after=frozenset(done), group=group))
