@@ -67,6 +67,18 @@ def llama(_llama_module):
     return vllm, torch_
 
 
+def test_the_process_can_still_set_its_torch_threads_after_the_engine_started(llama):
+    """vLLM's CPU worker swaps torch.set_num_threads for a no-op in the whole process; the engine puts the real
+    one back (the worker's per-call ``threads=N`` and its own count depend on it)."""
+    own = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(own)
+
+
 def _greedy_rows_agree(vllm: ModelWorker, torch_: ModelWorker, max_new_tokens: int = 24) -> None:
     """At equal weights, greedy tokens of both engines agree on >= 95 % of rows; where a row differs, the
     trainer's logits at the first differing token hold a near-tie (the top two within 1e-3)."""

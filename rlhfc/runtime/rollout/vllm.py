@@ -124,6 +124,7 @@ class VllmEngine:
             raise EngineError(f"model '{name}' generates under rollout = vllm, but vLLM cannot be imported "
                               f"({exc}); {INSTALL_HINT}") from exc
         threads = torch.get_num_threads()
+        set_threads = torch.set_num_threads
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         #: on CUDA the engine sleeps between generate calls (its KV cache freed, weights offloaded to host
         #: memory) while the co-located trainer trains: vLLM's sleep mode (CUDA only; untested here)
@@ -139,6 +140,11 @@ class VllmEngine:
         except Exception as exc:
             raise EngineError(f"the vLLM engine of model '{name}' did not start: {type(exc).__name__}: {exc}") from exc
         finally:
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process (it binds its
+            # OpenMP threads to cores; rlhfc starts it with VLLM_CPU_OMP_THREADS_BIND=nobind, so nothing is
+            # bound): put the real one back, or the worker's per-call thread counts and this restore would
+            # silently do nothing once an engine has started
+            torch.set_num_threads = set_threads
             torch.set_num_threads(threads)   # vLLM lowers the process's torch threads for serving
 
     # -- weights -----------------------------------------------------------------------------------
