@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 
 import pytest
@@ -36,9 +37,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SEED_SPREAD = 0.15
 
 
-def _with_staleness(path: str, k: int | None):
-    """The program at ``path`` with ``staleness = k`` added to its run block (None: as written)."""
+def _with_staleness(path: str, k: int | None, max_new_tokens: int | None = None):
+    """The program at ``path`` with ``staleness = k`` added to its run block (None: as written), and its
+    generate's ``max_new_tokens`` replaced when given."""
     text = open(path).read()
+    if max_new_tokens is not None:
+        text = re.sub(r"max_new_tokens = \d+", f"max_new_tokens = {max_new_tokens}", text)
     if k is not None:
         head, _, tail = text.rpartition("run {")
         text = head + f"run {{ staleness = {k};" + tail
@@ -99,8 +103,10 @@ def _spans(trace: dict, name: str) -> list[tuple[float, float, int]]:
 
 
 def test_generation_on_its_own_copy_overlaps_training_and_trains_as_on_the_trainers_worker(tmp_path):
-    here = compile_job(_with_staleness(TINY_PPO, 1), str(tmp_path / "here"), level="O0", source=TINY_PPO)
-    apart = compile_job(_with_staleness(TINY_PPO, 1), str(tmp_path / "apart"), level=None, source=TINY_PPO,
+    # responses up to 24 tokens: generating a batch takes longer than the other models' forwards, so the next
+    # step's generation is still running when this step trains (with 6 tokens it ends before: measured)
+    here = compile_job(_with_staleness(TINY_PPO, 1, 24), str(tmp_path / "here"), level="O0", source=TINY_PPO)
+    apart = compile_job(_with_staleness(TINY_PPO, 1, 24), str(tmp_path / "apart"), level=None, source=TINY_PPO,
                         passes=["dce", "parallelize", "placement{strategy=separate}", "realloc"])
     code = open(os.path.join(apart, "main.py")).read()
     assert "w.actor_at_0_1.generate.remote" in code and "wait=False" in code
@@ -114,6 +120,8 @@ def test_generation_on_its_own_copy_overlaps_training_and_trains_as_on_the_train
         trace = json.load(fh)
     gens, trains = _spans(trace, "roll"), _spans(trace, "actor_train")
     assert len(trains) == 4 and len(gens) >= 5 and {p for *_, p in gens}.isdisjoint({p for *_, p in trains})
+    # every step's training starts after the next step's generation did (it was launched at the step's start)
+    assert all(g[0] < t[1] for g, t in zip(gens[1:], trains)), (gens, trains)
     overlapping = [(g, t) for g in gens for t in trains if g[0] < t[1] and t[0] < g[1]]
     assert overlapping, f"no generation ran while the actor trained: generate {gens}, train {trains}"
 
