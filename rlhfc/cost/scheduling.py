@@ -1,5 +1,8 @@
 """The simulator's two list schedulers: exclusive devices (GPU clusters) and processor sharing (CPU).
 
+Why this file is long: it is one idea, turning a priced step into a timeline; the two schedulers share the
+dependencies, the submission order (asynchronous rollout submits a generation steps ahead) and the task record.
+
 Both take a :class:`_Context` — the priced stages of one step and their
 dependencies (data, the driver's launch order from the step's
 :class:`~rlhfc.ir.schedule.Schedule`, parameter versions) — and return the
