@@ -17,8 +17,9 @@ pytest's grouping of a module's parametrized fixtures is kept, so no fixture is 
 on an earlier test's state (an engine another test stopped, a job another test trained) fails in one of the two
 orders, as it would for a user running a claim's test by its id alone or the claims' ids sorted. The default is
 file order. Not yet CI's: the whole suite reversed fails from tests/e2e/test_cluster.py on (every job's workers
-"cancelled before they started") after the unit and runtime modules ran first, while tests/e2e reversed alone
-passes — the state one of those modules leaves is not found yet (issue #36).
+"cancelled before they started") after tests/runtime ran first (reproduced with tests/runtime + test_cluster.py
+reversed; not with test_vllm_ranks.py alone), while tests/e2e reversed alone passes — the state a runtime module
+leaves is not found yet (issue #36).
 """
 
 from __future__ import annotations
@@ -157,15 +158,15 @@ def megatron_installed(monkeypatch):
 
 @pytest.fixture(autouse=True, scope="module")
 def _temp_folder_restored():
-    """A vLLM engine started in the test process points ``TMPDIR`` and Python's temp folder into its own folder,
-    which its test's tmp_path may remove: every module starts and ends with the session's temp folder."""
+    """Every module starts and ends with the session's temp folder and environment. A vLLM engine started in the
+    test process points ``TMPDIR`` and Python's temp folder into its own folder, which its test's tmp_path may
+    remove; a vLLM rank's engine sets ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` for torch.distributed, which every
+    Ray worker a later job starts would inherit."""
     import os
     import tempfile
 
-    saved, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    saved, saved_env = tempfile.tempdir, dict(os.environ)
     yield
     tempfile.tempdir = saved
-    if saved_env is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = saved_env
+    os.environ.clear()
+    os.environ.update(saved_env)
