@@ -208,7 +208,7 @@ class PythonEmitter:
                         f"after={py_name(s.inputs[0].name)})")
             dst = plan.worker_name(self.m, s.target, sync.dest)
             how = f", transport={sync.transport!r}" if sync.transport != "object_store" else ""
-            if any(plan.async_rollout(self.m, x) for x in self.m.graph.stages_on(s.target)):
+            if plan.generates_ahead(self.m, s.target):
                 how += ", wait=False"   # the copy takes the weights between the generations it runs ahead
             return (f"{outs} = job.sync({name!r}, {self.worker(s)}, w.{dst}, "
                     f"bucket_mb={sync.bucket_mb}, after={py_name(s.inputs[0].name)}{how})")

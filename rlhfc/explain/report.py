@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
 from rlhfc.cost.profile import model_key
 from rlhfc.ir import Module, print_module
-from rlhfc.ir.plan import async_rollout, overcommit_delta, overlap_group, stream_chunk, workers
+from rlhfc.ir.plan import AsyncRollout, async_rollout, overcommit_delta, unset, overlap_group, stream_chunk, workers
 from rlhfc.ir.schedule import build_schedule
 
 
@@ -111,7 +111,7 @@ def async_notes(module: Module, cm: CostModel, sim, steps: int) -> list[str]:
     sync = module.clone()
     sync.run.staleness = None
     for s in sync.graph.stages:
-        s.annotations.pop("async_rollout", None)
+        unset(s, AsyncRollout.key)
     sync.refresh_versions()
     base = simulate(sync, steps=max(steps, 3), cost_model=CostModel(sync, cm.config)).step_time_s
     out = []

@@ -160,7 +160,7 @@ def build_schedule(module: Module) -> Schedule:
             needed = tuple(v.name for v in s.inputs if v.name in pending)
             done.update(pending.pop(n) for n in needed)
             entries.append(Entry(s, "sync", awaits=needed, after=frozenset(done), group=group))
-            if not any(plan.async_rollout(module, x) for x in g.stages_on(s.target)):
+            if not plan.generates_ahead(module, s.target):
                 done.add(s.name)   # under asynchronous rollout the copy's side is not awaited
         elif plan.on_worker(module, s):
             future = group is not None

@@ -316,9 +316,8 @@ def _check_staleness(module: Module, sink: DiagnosticSink) -> None:
     stuck = [s for s in g.stages if s.op == "generate" and s.target in module.trainable_models()
              and not plan.can_run_ahead(module, s)]
     if stuck:
-        refill = any(x.op == "compute.group_advantages" and x.attrs.get("max_refill") for x in g.stages)
         why = ("the pipeline refills its sampling round (max_refill), which re-runs the generate within the step"
-               if refill else "their prompts are read by another stage too (the driver draws an asynchronous "
+               if plan.refills(g) else "their prompts are read by another stage too (the driver draws an asynchronous "
                "generate's prompts per generation it launches)")
         sink.error(f"staleness = {k}: {', '.join('%' + s.name for s in stuck)} cannot run ahead of training: {why}",
                    where(module.run, "staleness"), "drop staleness (synchronous), or give the generate prompts "

@@ -62,13 +62,22 @@ def can_run_ahead(module: Module, gen: Stage) -> bool:
     load = g.producer(gen.inputs[0])
     if load.op != "load" or len(g.users(load.outputs[0])) != 1:
         return False
-    return not any(s.op == "compute.group_advantages" and s.attrs.get("max_refill") for s in g.stages)
+    return not refills(g)
+
+
+def refills(graph: Graph) -> bool:
+    """Whether the pipeline refills its sampling round (DAPO's dynamic sampling, ``max_refill``)."""
+    return any(s.op == "compute.group_advantages" and s.attrs.get("max_refill") for s in graph.stages)
+
+
+def generates_ahead(module: Module, model: str) -> bool:
+    """Whether a generate stage of ``model`` runs ahead of training (its weight syncs are then not awaited)."""
+    return any(async_rollout(module, s) is not None for s in module.graph.stages_on(model))
 
 
 def staleness(module: Module, stage: Stage) -> int:
     """The staleness bound of a generate stage (0: synchronous)."""
-    a = async_rollout(module, stage)
-    return a.staleness if a else 0
+    return module.staleness_of(stage)
 
 
 def overcommit_delta(stage: Stage) -> int:
