@@ -16,10 +16,8 @@ that docs/claims.md names must have been collected and passed, each parametrizat
 pytest's grouping of a module's parametrized fixtures is kept, so no fixture is set up twice): a test that leans
 on an earlier test's state (an engine another test stopped, a job another test trained) fails in one of the two
 orders, as it would for a user running a claim's test by its id alone or the claims' ids sorted. The default is
-file order. Not yet CI's: the whole suite reversed fails from tests/e2e/test_cluster.py on (every job's workers
-"cancelled before they started") after tests/runtime ran first (reproduced with tests/runtime + test_cluster.py
-reversed; not with test_vllm_ranks.py alone), while tests/e2e reversed alone passes — the state a runtime module
-leaves is not found yet (issue #36).
+file order. A whole-suite run reversed once failed from tests/e2e/test_cluster.py on: a runtime test's bare
+``ray.init()`` had turned Ray's token authentication on for the process (see :func:`pytest_configure`).
 """
 
 from __future__ import annotations
@@ -31,9 +29,17 @@ DEFAULT_FUZZ_N = 2000
 def pytest_configure(config):
     """One compile cache for every vLLM engine the suite starts (``RLHFC_VLLM_CACHE``: the kernels and
     precompiled headers an engine's start builds, about half a minute each on 2 cores, built once), removed
-    at the end. Ray workers and spawned processes inherit it from the environment."""
+    at the end. Ray workers and spawned processes inherit it from the environment.
+
+    ``RAY_AUTH_MODE=disabled`` for the whole session, as a job's driver sets it (rlhfc.runtime.driver.cluster
+    .import_ray): a test's own ``ray.init()`` with the mode unset turns token authentication on *for the rest
+    of the process* (Ray caches its config), and every later job whose Ray cluster runs without tokens —
+    the two-raylet cluster of tests/e2e/test_cluster.py — then fails to start its workers ("cancelled before
+    it started"). That was the suite's failure in reverse order."""
     import os
     import tempfile
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     if "RLHFC_VLLM_CACHE" not in os.environ and not hasattr(config, "workerinput"):
         config._vllm_cache = tempfile.mkdtemp(prefix="rlhfc-vllm-cache-")

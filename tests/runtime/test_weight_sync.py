@@ -55,7 +55,9 @@ def test_collective_broadcast_gives_exact_copies_in_buckets(make_spec, arch):
 
 
 def test_object_store_buckets_give_exact_copies(make_spec):
-    ray = pytest.importorskip("ray")
+    from rlhfc.runtime.driver.cluster import import_ray
+
+    ray = import_ray()   # the environment a job's driver starts Ray with (no token authentication)
     src, dst = _pair(make_spec, "llama")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
