@@ -120,6 +120,7 @@ def world(tmp_path, monkeypatch):
     (tmp_path / "rules.py").write_text("def reward(prompt, response):\n    return 0.0\n")
     for data in (ROOT / "examples").glob("*.jsonl"):   # the examples' own data files (arith_tiny.jsonl)
         shutil.copy(data, tmp_path / data.name)
+    shutil.copy(ROOT / "examples" / "agent_lookup.py", tmp_path / "agent_lookup.py")   # agent_tiny's environment
     fixtures = ROOT / "tests" / "bad" / "fixtures"
     for name in ("no_tokenizer", "bad_heads", "big_tokenizer"):
         if (fixtures / name).is_dir():

@@ -249,7 +249,7 @@ NEVER_WORSE_CLUSTERS = [(1, 8, "A100-80GB"), (2, 8, "A100-80GB")]
 #: the CPU clusters of the table, for the examples that compile there (the tiny ones; ppo_7b and ppo_70b fit no
 #: CPU): their own 2 cores, one core (placement flattens), four
 CPU_CLUSTERS = [(1, 2, "cpu"), (1, 1, "cpu"), (1, 4, "cpu")]
-EXAMPLE_NAMES = ["arith_tiny", "dapo_tiny", "grpo_tiny", "ppo_tiny", "ppo_7b", "ppo_70b"]
+EXAMPLE_NAMES = ["agent_tiny", "agent_tiny_ppo", "arith_tiny", "dapo_tiny", "grpo_tiny", "ppo_tiny", "ppo_7b", "ppo_70b"]
 
 
 @pytest.mark.parametrize("example", EXAMPLE_NAMES)

@@ -32,7 +32,9 @@ def _args(values) -> list[str]:
 
 
 def _kwargs(attrs: dict) -> list[str]:
-    return [f"{k}={v!r}" for k, v in attrs.items()]
+    # a multi-turn generate's tools travel as their specs from the plan (job.tools resolves their files)
+    return [f"{k}=job.tools({v!r})" if k == "tools" else f"{k}=job.env({v!r})" if k == "env" else f"{k}={v!r}"
+            for k, v in attrs.items()]
 
 
 def _flags(s: Stage) -> list[str]:

@@ -165,6 +165,8 @@ def build_plan(module: Module, *, source: str | None, opt_level: str | None, pas
         metrics=metric_roles(module),
         ir=print_module(module),
         plugins=tuple(recorded(p) for p in plugins),
+        tools={t.name: contract.ToolPlan(t.fn, float(t.timeout), int(t.memory_mb), int(t.max_output), t.kind)
+               for t in module.tools.values()},
     )
 
 

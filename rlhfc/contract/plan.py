@@ -122,6 +122,19 @@ class PromptFit:
 
 
 @dataclass(frozen=True)
+class ToolPlan:
+    """A tool multi-turn generates call: ``fn`` ("module:function", found as a rule's module is) and the
+    limits of each call's sandboxed process."""
+
+    fn: str
+    timeout: float = 2.0
+    memory_mb: int = 256
+    max_output: int = 1024
+    #: "tool" (a sandboxed function of the call's text) or "env" (a class, an instance per trajectory)
+    kind: str = "tool"
+
+
+@dataclass(frozen=True)
 class DataPlan:
     """A prompt source: ``kind`` and its options (paths absolute), and the models that read it."""
 
@@ -265,6 +278,8 @@ class Plan:
     #: modules (or absolute ``.py`` paths) the compiler imported with ``--plugin``: they register passes, ops
     #: or engines; the job imports them in its driver and in every worker (:mod:`rlhfc.contract.plugins`)
     plugins: tuple[str, ...] = ()
+    #: the tools the program declares (multi-turn generates name them)
+    tools: dict[str, ToolPlan] = field(default_factory=dict)
     format: int = PLAN_FORMAT
 
     def to_json(self) -> dict:

@@ -86,6 +86,18 @@ class DataDecl:
 
 
 @dataclass
+class ToolDecl:
+    """``tool NAME = python("module:function", timeout = 2, memory = 256M)``, or (``kind = "env"``)
+    ``env NAME = python("module:Class")``."""
+
+    name: str
+    ctor: Call
+    loc: Loc
+    name_loc: Loc
+    kind: str = "tool"
+
+
+@dataclass
 class Stmt:
     """``targets = call`` (or a bare ``call``); ``index`` is its position in the pipeline."""
 
@@ -111,5 +123,6 @@ class Program:
     clusters: list[ClusterDecl] = field(default_factory=list)
     models: list[ModelDecl] = field(default_factory=list)
     data: list[DataDecl] = field(default_factory=list)
+    tools: list[ToolDecl] = field(default_factory=list)
     pipelines: list[PipelineDecl] = field(default_factory=list)
     runs: list[RunDecl] = field(default_factory=list)

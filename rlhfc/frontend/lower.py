@@ -58,6 +58,9 @@ def lower(program: ast.Program, sink: DiagnosticSink) -> Module:
     decls.models()
     decls.data()
     module.run = decls.run_block()
+    allowed = module.run.reward_modules
+    decls.tools([m for m in allowed if isinstance(m, str) and reward_module_problem(m) is None]
+                if isinstance(allowed, list) else [])
     pipeline = _Pipeline(scope)
     module.graph = pipeline.lower()
     module.refresh_versions()
@@ -374,6 +377,13 @@ class _Pipeline:
                 self.sink.error(f"setting '{kw.name}' given twice", kw.loc, "remove one")
                 ok = False
                 continue
+            if spec.op == "generate" and kw.name in ("tools", "env"):   # declared tools' / environment's names
+                value = self.tool_names(kw.value, kw.name)
+                if value is None:
+                    ok = False
+                    continue
+                attrs[kw.name], locs[kw.name] = value, kw.value.loc
+                continue
             value = coerce(kw.value, a.kind)   # the literal's kind, which the IR does not keep
             if value is None:
                 self.sink.error(f"'{kw.name}' expects {KIND_NAMES.get(a.kind, a.kind)}, "
@@ -393,6 +403,41 @@ class _Pipeline:
             attrs[a.name] = a.default
         return {a.name: attrs[a.name] for a in spec.attrs
                 if a.name in attrs and not (a.omit_default and attrs[a.name] == a.default)}, locs, ok
+
+    def tool_names(self, lit: ast.Literal, key: str = "tools") -> str | None:
+        """``tools = [calc, search]`` (or one name) as the attribute's comma-separated names, each a declared
+        tool; ``env = game``: one declared environment. None when one is not (reported)."""
+        kind = "env" if key == "env" else "tool"
+        if kind == "env" and lit.kind == "list":
+            self.sink.error("env = names one environment", lit.loc, "env = game")
+            return None
+        items = lit.value if lit.kind == "list" else [lit]
+        names = []
+        for item in items:
+            if not isinstance(item, ast.Literal) or item.kind not in ("ident", "str"):
+                self.sink.error(f"{key} = ... names declared {'environments' if kind == 'env' else 'tools'}",
+                                item.loc if isinstance(item, ast.Literal) else lit.loc,
+                                'declare one first: env game = python("envs:Game")' if kind == "env" else
+                                'declare one first: tool calc = python("tools:calculator")')
+                return None
+            name = str(item.value)
+            declared = [t.name for t in self.module.tools.values() if t.kind == kind]
+            if name not in declared:
+                if any(t.name == name and t.kind == kind for t in self.p.tools):
+                    return None   # its declaration failed (reported there)
+                other = self.module.tools.get(name)
+                self.sink.error(f"'{name}' is {'a tool' if other.kind == 'tool' else 'an environment'}, not "
+                                f"{'an environment' if kind == 'env' else 'a tool'}" if other is not None else
+                                f"unknown {'environment' if kind == 'env' else 'tool'} '{name}'", item.loc,
+                                did_you_mean(name, declared) or (
+                                    f'declare it: env {name} = python("envs:Game")' if kind == "env" else
+                                    f'declare it: tool {name} = python("tools:{name}")'))
+                return None
+            names.append(name)
+        if not names:
+            self.sink.error("tools = [] names no tool", lit.loc, "list the declared tools the policy may call")
+            return None
+        return ",".join(names)
 
     def check_model(self, call: ast.Call, spec, target: str | None, inputs: list[Value]) -> None:
         if target is None:

@@ -29,7 +29,7 @@ import json
 import os
 
 from rlhfc.ir import arch as archs
-from rlhfc.ir.core import RUN_KEYS, Cluster, DataSource, Model, Module, RunConfig, Symbol
+from rlhfc.ir.core import RUN_KEYS, Cluster, DataSource, Model, Module, RunConfig, Symbol, Tool
 from rlhfc.ir.devices import GPU_KINDS
 from rlhfc.ir.diagnostics import DiagnosticSink, Loc, did_you_mean
 from rlhfc.ir.lora import DEFAULT_TARGETS, LORA_KEYS
@@ -41,6 +41,7 @@ from .data_decls import lower_jsonl, lower_synthetic
 from .files import tokenizer_problem
 from .literals import memory_bytes, size_text, value_of
 from .parser import end_of_code
+from .rules import tool_problem
 
 _MODEL_CTORS = ("llama", "gpt2", "hf", "copy", "like")
 _DATA_CTORS = ("synthetic", "jsonl", "parquet", "arrow")
@@ -475,6 +476,66 @@ class Declarations:
 
     def jsonl(self, d: ast.DataDecl) -> DataSource | None:
         return lower_jsonl(d, self.scope.base_dir, self.scope.prompt_lengths, self.sink)
+
+    # -- tools -------------------------------------------------------------------------------
+    def tools(self, allowed: list[str]) -> None:
+        """``tool NAME = python("module:function", timeout = 2, memory = 256M, max_output = 1024)`` and
+        ``env NAME = python("module:Class")``: the function or class is checked where it lives
+        (:func:`rlhfc.frontend.rules.tool_problem`), never imported."""
+        for d in self.p.tools:
+            c = d.ctor
+            env = d.kind == "env"
+            if c.receiver is not None or c.name != "python":
+                self.sink.error(f"unknown {d.kind} kind '{c.name}'", c.name_loc,
+                                'environments: python("module:Class")' if env else
+                                'tools: python("module:function", timeout = 2, memory = 256M)')
+                continue
+            if len(c.args) != 1 or not isinstance(c.args[0], ast.Literal) or c.args[0].kind != "str":
+                self.sink.error(f'python() takes the {"environment class" if env else "tool function"} first, as '
+                                f'"module:{"Class" if env else "function"}"', c.loc,
+                                'e.g. env game = python("envs:Game")' if env else
+                                'e.g. tool calc = python("tools:calculator", timeout = 2)')
+                continue
+            tool = Tool(d.name, str(c.args[0].value), kind=d.kind, loc=d.loc)
+            tool.field_locs["fn"] = c.args[0].loc
+            ok = True
+            for kw in c.kwargs:
+                if env:
+                    self.sink.error(f"python() of environment '{d.name}' takes no settings", kw.loc,
+                                    "an environment runs in the generating worker: no sandbox limits apply")
+                    ok = False
+                    continue
+                key = {"memory": "memory_mb"}.get(kw.name, kw.name)
+                if key not in ("timeout", "memory_mb", "max_output"):
+                    self.sink.error(f"python() of tool '{d.name}' has no setting '{kw.name}'", kw.loc,
+                                    did_you_mean(kw.name, ("timeout", "memory", "max_output")) or
+                                    "settings: timeout (seconds), memory (e.g. 256M), max_output (characters)")
+                    ok = False
+                    continue
+                lit = kw.value
+                if key == "timeout":
+                    value = float(lit.value) if lit.kind in ("int", "float") else None
+                elif key == "memory_mb":   # a size (256M: bytes) or an integer of megabytes
+                    value = int(round(lit.value / 10**6)) if lit.kind == "size" else \
+                        int(lit.value) if lit.kind == "int" else None
+                else:
+                    value = int(lit.value) if lit.kind == "int" else None
+                low = {"timeout": 0.01, "memory_mb": 16, "max_output": 1}[key]
+                if value is None or value < low:
+                    self.sink.error(f"tool setting '{kw.name}' must be {'a number of seconds' if key == 'timeout' else 'a size such as 256M' if key == 'memory_mb' else 'an integer'} "
+                                    f"of at least {low if key != 'memory_mb' else '16M'}, got {lit.value!r}", lit.loc,
+                                    {"timeout": "timeout = 2", "memory_mb": "memory = 256M",
+                                     "max_output": "max_output = 1024"}[key])
+                    ok = False
+                    continue
+                setattr(tool, key, value)
+                tool.field_locs[key] = lit.loc
+            problem = tool_problem(tool.fn, self.scope.base_dir, allowed, d.kind)
+            if problem is not None:
+                self.sink.error(problem[0], c.args[0].loc, problem[1])
+                ok = False
+            if ok:
+                self.module.tools[d.name] = tool
 
     # -- run ---------------------------------------------------------------------------------
     def run_block(self) -> RunConfig:

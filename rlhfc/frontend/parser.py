@@ -41,7 +41,7 @@ def parse_program(text: str, file: str = "<input>") -> ast.Program:
         raise
     prog = ast.Program(file=file, text=text)
     for d in decls:
-        {ast.ClusterDecl: prog.clusters, ast.ModelDecl: prog.models, ast.DataDecl: prog.data,
+        {ast.ClusterDecl: prog.clusters, ast.ModelDecl: prog.models, ast.DataDecl: prog.data, ast.ToolDecl: prog.tools,
          ast.PipelineDecl: prog.pipelines, ast.RunDecl: prog.runs}[type(d)].append(d)
     return prog
 
@@ -64,8 +64,8 @@ def _check_nesting(text: str, file: str) -> None:
 
 
 #: words the grammar reserves; a program cannot use them as names
-_KEYWORDS = ("cluster", "model", "data", "pipeline", "run", "true", "false", "trainable", "frozen")
-_DECL_KEYWORDS = ("cluster", "model", "data", "pipeline", "run")
+_KEYWORDS = ("cluster", "model", "data", "tool", "env", "pipeline", "run", "true", "false", "trainable", "frozen")
+_DECL_KEYWORDS = ("cluster", "model", "data", "tool", "env", "pipeline", "run")
 _CLOSERS = {"(": ")", "{": "}"}
 
 
@@ -342,6 +342,12 @@ class _ToAst(Transformer):
 
     def data_decl(self, meta, items):
         return ast.DataDecl(str(items[0]), items[1], self._loc(meta), self._tok(items[0]))
+
+    def tool_decl(self, meta, items):
+        return ast.ToolDecl(str(items[0]), items[1], self._loc(meta), self._tok(items[0]))
+
+    def env_decl(self, meta, items):
+        return ast.ToolDecl(str(items[0]), items[1], self._loc(meta), self._tok(items[0]), kind="env")
 
     def targets(self, meta, items):
         return [ast.Ref(str(t), self._tok(t)) for t in items]

@@ -197,6 +197,89 @@ def _function_problem(tree: ast.Module, mod: str, fn: str, what: str,
     return None
 
 
+def tool_problem(ref: str, base_dir: str, allowed: list[str], kind: str = "tool") -> tuple[str, str] | None:
+    """(message, hint) when tool ``ref`` ("module:function") cannot be used by a program in ``base_dir`` that
+    allows the installed ``allowed`` modules, else None. Its module is found as a rule's is (the program's
+    folder, or an installed module the run block lists in ``reward_modules``), read and parsed, never imported;
+    the function must be a plain ``def`` callable with one argument, the call's text. ``kind = "env"``: an
+    environment, a class defining ``reset(self, record)`` and ``step(self, action)``."""
+    mod, _, fn = ref.partition(":")
+    if not mod or not fn or not all(p.isidentifier() for p in mod.split(".")) or not fn.isidentifier():
+        return (f'a tool is written "module:function", got {json.dumps(ref)}',
+                'e.g. tool calc = python("tools:calculator"), with def calculator(text) in tools.py beside the program')
+    if mod in allowed:
+        source = _installed_source(mod)
+        if source is None or not source.endswith(".py"):
+            return (f"tool module '{mod}' (listed in reward_modules) is not installed as Python source",
+                    f"install it where the job runs ({sys.executable}), or put the tool beside the program")
+    else:
+        source = local_source(base_dir, mod)
+        top = mod.split(".")[0]
+        if source is None and (top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "rlhfc"):
+            return (f"a tool may not call into '{mod}': a tool names a function of the program's folder",
+                    "define def f(text) -> str in a .py file beside the program")
+        if source is None:
+            shown = os.path.join(base_dir or ".", *mod.split(".")) + ".py"
+            return (f"tool module '{mod}' not found: no {mod.replace('.', '/')}.py in the program's folder",
+                    f"looked for {shown}; put the module beside the program, or allow an installed module with "
+                    f"reward_modules = [{json.dumps(mod)}] in the run block")
+    try:
+        with open(source, "rb") as fh:
+            tree = ast.parse(fh.read(), filename=source)
+    except (OSError, SyntaxError, ValueError) as exc:
+        line = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        return (f"cannot read tool module '{mod}' ({os.path.relpath(source)}{line}): {type(exc).__name__}",
+                "fix the module so that Python can parse it")
+    binding, defs = None, []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs.append(node.name)
+        if _binds(node, fn):
+            binding = node
+    if kind == "env":
+        return _env_problem(binding, mod, fn, defs)
+    if binding is None:
+        return (f"tool module '{mod}' has no function '{fn}'",
+                " ".join(filter(None, [did_you_mean(fn, defs), f"define it there: def {fn}(text) -> str"])))
+    if not isinstance(binding, ast.FunctionDef):
+        return (f"tool '{mod}:{fn}' is not a plain function defined in its module (it is "
+                f"{'a class' if isinstance(binding, ast.ClassDef) else 'not a def'})",
+                f"a tool is a function written with def: def {fn}(text) -> str")
+    a = binding.args
+    positional = a.posonlyargs + a.args
+    required = len(positional) - len(a.defaults)
+    if (not positional and a.vararg is None) or required > 1 or any(d is None for d in a.kw_defaults):
+        shown = ", ".join(x.arg for x in positional)
+        return (f"tool function '{mod}:{fn}' must take one argument, the call's text, but it is {fn}({shown})",
+                f"define it as def {fn}(text) -> str")
+    return None
+
+
+def _env_problem(binding, mod: str, cls: str, defs: list[str]) -> tuple[str, str] | None:
+    """Why ``cls`` of module ``mod`` is not an environment class (reset(record), step(action))."""
+    example = f"class {cls}:\n    def reset(self, record): ...\n    def step(self, action): ..."
+    if binding is None:
+        return (f"environment module '{mod}' has no class '{cls}'",
+                " ".join(filter(None, [did_you_mean(cls, defs), f"define it there: {example.splitlines()[0]}"])))
+    if not isinstance(binding, ast.ClassDef):
+        return (f"environment '{mod}:{cls}' is not a class defined in its module",
+                "an environment is a class with reset(self, record) and step(self, action)")
+    methods = {n.name: n for n in binding.body if isinstance(n, ast.FunctionDef)}
+    for name, params in (("reset", "record"), ("step", "action")):
+        m = methods.get(name)
+        if m is None:
+            return (f"environment class '{mod}:{cls}' has no method '{name}'",
+                    f"define def {name}(self, {params}) in it (reset returns the first observation, step returns "
+                    "(observation, reward, done))")
+        positional = m.args.posonlyargs + m.args.args
+        required = len(positional) - len(m.args.defaults)
+        if (len(positional) < 2 and m.args.vararg is None) or required > 2:
+            shown = ", ".join(x.arg for x in positional)
+            return (f"method '{name}' of environment '{mod}:{cls}' must take ({params}), but it is {name}({shown})",
+                    f"define it as def {name}(self, {params})")
+    return None
+
+
 def _binds(node: ast.stmt, name: str) -> bool:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return node.name == name
@@ -208,4 +291,4 @@ def _binds(node: ast.stmt, name: str) -> bool:
     return False
 
 
-__all__ = ["rule_problem", "rollout_fields", "extract_problem", "local_source", "EXTRACTORS"]
+__all__ = ["rule_problem", "tool_problem", "rollout_fields", "extract_problem", "local_source", "EXTRACTORS"]

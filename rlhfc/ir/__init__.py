@@ -4,7 +4,7 @@ This package imports nothing else of rlhfc; every other stage of the compiler im
 """
 
 from .arch import ARCHS, HEADS, PRESETS, human_count, param_count
-from .core import (DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol, Value,
+from .core import (DATA_OPTIONS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol, Tool, Value,
                    VersionEdge, derive_versions)
 from .devices import DEVICE_MEMORY, GPU_KINDS
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, Loc, error
@@ -16,7 +16,7 @@ from .verifier import VerificationError, register_check, verify, where
 
 __all__ = [
     "ARCHS", "HEADS", "PRESETS", "human_count", "param_count",
-    "Cluster", "DataSource", "Graph", "Model", "Module", "RunConfig", "Stage", "Symbol", "Value", "VersionEdge",
+    "Cluster", "DataSource", "Graph", "Model", "Module", "RunConfig", "Stage", "Symbol", "Tool", "Value", "VersionEdge",
     "derive_versions", "DATA_OPTIONS", "DEVICE_MEMORY", "GPU_KINDS",
     "CompileError", "Diagnostic", "DiagnosticSink", "Loc", "error",
     "Attr", "Emit", "Operand", "OpSpec", "all_ops", "get_op", "register_op",

@@ -166,6 +166,38 @@ class DataSource:
         return {"kind": self.kind, **{k: self.options[k] for k in order}}
 
 
+#: a tool's settings in IR text order, with their defaults (``fn`` has none)
+TOOL_DEFAULTS = {"timeout": 2.0, "memory_mb": 256, "max_output": 1024}
+
+
+@dataclass
+class Tool:
+    """A tool a multi-turn generate may call (``tool calc = python("tools:calculator", timeout = 2)``):
+    ``fn`` is ``"module:function"`` (resolved like a rule's module: the program's folder or an installed
+    module the run block allows), each call in a sandboxed process of its own with ``timeout`` seconds of
+    wall clock, ``memory_mb`` of address space and its result cut to ``max_output`` characters.
+
+    ``kind = "env"``: an environment (``env game = python("envs:Game")``): ``fn`` names a class, one
+    instance per trajectory, ``reset(record) -> observation`` and ``step(action) -> (observation, reward,
+    done)``, run in the generating worker's process (the program's own code, as its reward rules are); the
+    limits do not apply to it."""
+
+    name: str
+    fn: str
+    kind: str = "tool"
+    timeout: float = 2.0
+    memory_mb: int = 256
+    max_output: int = 1024
+    loc: Loc | None = None
+    ir_loc: Loc | None = field(default=None, compare=False, repr=False)
+    field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+
+    def attrs(self) -> dict:
+        if self.kind == "env":
+            return {"fn": self.fn}
+        return {"fn": self.fn, "timeout": self.timeout, "memory_mb": self.memory_mb, "max_output": self.max_output}
+
+
 @dataclass
 class RunConfig:
     """Run settings: steps, seed, checkpoint interval (0 = only at the end), default -O level, the
@@ -390,6 +422,9 @@ class Module:
     models: dict[str, Model] = field(default_factory=dict)
     data: dict[str, DataSource] = field(default_factory=dict)
     graph: Graph = field(default_factory=lambda: Graph("main"))
+    #: the tools and environments the program declares (multi-turn generates use them); printed only when there are
+    #: some
+    tools: dict[str, Tool] = field(default_factory=dict)
     run: RunConfig = field(default_factory=RunConfig)
     annotations: dict = field(default_factory=dict)
 

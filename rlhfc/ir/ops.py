@@ -213,7 +213,15 @@ register_op(OpSpec(
      Attr("top_p", "float", 1.0, min=0.0, max=1.0, doc="nucleus sampling mass"),
      Attr("n", "int", 1, min=1, max=4096, doc="samples per prompt (GRPO/RLOO groups)"),
      Attr("chat", "bool", False, omit_default=True,
-          doc="wrap each prompt as a user turn in the model's chat template (its local HF tokenizer's)")),
+          doc="wrap each prompt as a user turn in the model's chat template (its local HF tokenizer's)"),
+     Attr("tools", "str", "", omit_default=True,
+          doc="the declared tools the policy may call, comma-separated (a multi-turn generate)"),
+     Attr("env", "str", "", omit_default=True,
+          doc="the declared environment each trajectory acts in (a multi-turn generate)"),
+     Attr("max_turns", "int", 1, min=1, max=64, omit_default=True,
+          doc="policy turns per trajectory (tool results between them); the whole trajectory fits max_new_tokens"),
+     Attr("turn_tokens", "int", 0, min=0, omit_default=True,
+          doc="most tokens one turn decodes (0 = max_new_tokens)")),
     ("Rollout",), model="model", head="lm", batch_from="operand0*attr:n",
     emit=Emit("worker", "generate", flags=("unpad", "logprobs")),
     pure=False,  # sampling advances the worker's RNG stream: removing an unused generate would change later samples
@@ -294,6 +302,10 @@ register_op(OpSpec(
     (), _TF, doc="ReMax advantages: each sample's score minus its prompt's greedy-response score"))
 
 register_op(OpSpec(
+    "compute.env_reward", (Operand("rollout", ("Rollout",)),), (),
+    ("SeqFloat",), doc="each trajectory's summed reward from its environment (a generate with env = ...)"))
+
+register_op(OpSpec(
     "compute.overlong",
     (Operand("rollout", ("Rollout",)), Operand("scores", ("SeqFloat",))),
     (Attr("max_len", "int", required=True, min=1, example=16,
@@ -363,5 +375,5 @@ METHOD_OPS = {"generate": "generate", "logprobs": "forward.logprobs", "values": 
               "score": "forward.score", "train": "train"}
 BUILTIN_OPS = {"rule": "compute.rule", "kl_penalty": "compute.kl_penalty", "gae": "compute.gae",
                "group_advantages": "compute.group_advantages", "ppo_clip": "compute.ppo_clip",
-               "remax": "compute.remax", "overlong": "compute.overlong",
+               "remax": "compute.remax", "overlong": "compute.overlong", "env_reward": "compute.env_reward",
                "value_loss": "compute.value_loss"}

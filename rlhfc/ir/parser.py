@@ -20,8 +20,8 @@ from importlib import resources
 from lark import Lark, Token, Transformer, Tree
 from lark.exceptions import UnexpectedInput, VisitError
 
-from .core import (DATA_OPTIONS, RUN_KEYS, Cluster, DataSource, Graph, Model, Module, RunConfig, Stage, Symbol,
-                   Value, VersionEdge)
+from .core import (DATA_OPTIONS, RUN_KEYS, TOOL_DEFAULTS, Cluster, DataSource, Graph, Model, Module, RunConfig,
+                   Stage, Symbol, Tool, Value, VersionEdge)
 from .diagnostics import CompileError, Diagnostic, Loc, did_you_mean
 from .larkdiag import syntax_diagnostic
 from .types import ValueType
@@ -159,6 +159,11 @@ class _Builder:
                 if d.name in module.data:
                     raise _Fail(f"duplicate data source @{d.name}", item.children[0], "rename one of them")
                 module.data[d.name] = d
+            elif kind in ("tool", "env"):
+                t = self.tool(item, kind)
+                if t.name in module.tools:
+                    raise _Fail(f"duplicate tool @{t.name}", item.children[0], "rename one of them")
+                module.tools[t.name] = t
             elif kind == "run":
                 if run_seen:
                     raise _Fail("a module has one run block", item, "merge the two run lines")
@@ -234,6 +239,19 @@ class _Builder:
         kind = opts.pop("kind")
         return DataSource(str(sym)[1:], kind, opts, self.loc(loc), self.annot(annot), ir_loc=self.here(sym),
                           field_locs=self.key_locs(attrs))
+
+    def tool(self, tree, kind: str) -> Tool:
+        sym, attrs, loc = tree.children
+        keys = ("fn",) if kind == "env" else ("fn", *TOOL_DEFAULTS)
+        for k in attrs:
+            if k not in keys:
+                raise _Fail(f"unknown {kind} setting '{k}'", attrs.key_tokens[k],
+                            did_you_mean(k, keys) or f"{kind} settings: {', '.join(keys)}")
+        if "fn" not in attrs:
+            raise _Fail(f"{kind} {sym} is missing 'fn'", sym,
+                        'add `fn = "envs:Game"`' if kind == "env" else 'add `fn = "tools:calculator"`')
+        return Tool(str(sym)[1:], **_plain(attrs), kind=kind, loc=self.loc(loc), ir_loc=self.here(sym),
+                    field_locs=self.key_locs(attrs))
 
     def run(self, tree) -> RunConfig:
         attrs, loc = tree.children

@@ -123,6 +123,8 @@ def print_module(module: Module) -> str:
     for d in module.data.values():
         attrs = d.attrs()
         out.append(f"  data @{d.name} {format_dict(attrs, list(attrs))}{_annot(d.annotations)}{format_loc(d.loc)}")
+    for t in module.tools.values():
+        out.append(f"  {t.kind} @{t.name} {format_dict(t.attrs(), list(t.attrs()))}{format_loc(t.loc)}")
     r = module.run
     out.append(f"  run {format_dict(r.attrs(), list(r.attrs()))}{format_loc(r.loc)}")
     g = module.graph

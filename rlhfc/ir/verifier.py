@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .core import Module, Stage, Value, derive_versions
+from .core import TOOL_DEFAULTS, Module, Stage, Value, derive_versions
 from .diagnostics import CompileError, Diagnostic, DiagnosticSink, did_you_mean, field_loc, where
 from .ops import LOSS_FOR_HEAD, MIXED_BATCH_OPS, OpSpec, all_ops, get_op
 from . import plan
@@ -86,8 +86,10 @@ def verify(module: Module) -> None:
         check_data(d, sink)
     check_run(module.run, sink)
     _check_graph(module, sink)
+    _check_tools(module, sink)
     if not sink.errors:   # the rules below follow values to their producers: only on a well-formed graph
         _check_training(module, sink)
+        _check_env_rewards(module, sink)
     verify_plan(module, sink)
     for check in _EXTRA_CHECKS:
         check(module, sink)
@@ -297,6 +299,54 @@ def _check_training(module: Module, sink: DiagnosticSink) -> None:
     _check_algorithms(module, sink)
     _check_tokenizers(module, sink)
     _check_staleness(module, sink)
+
+
+def _check_tools(module: Module, sink: DiagnosticSink) -> None:
+    """The tools (their settings) and the multi-turn generates that call them: each named tool declared, a
+    turn no longer than the trajectory, more than one turn where tools are called."""
+    for t in module.tools.values():
+        fn = t.fn if isinstance(t.fn, str) else ""
+        mod, _, name = fn.partition(":")
+        if not mod or not name:
+            sink.error(f'tool @{t.name}: fn must be "module:function", got {t.fn!r}', where(t, "fn"),
+                       'fn = "tools:calculator"')
+        for key, low in (("timeout", 0.01), ("memory_mb", 16), ("max_output", 1)):
+            v = getattr(t, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < low:
+                sink.error(f"tool @{t.name}: {key} must be a number of at least {low}, got {v!r}", where(t, key),
+                           f"e.g. {key} = {TOOL_DEFAULTS[key]}")
+    for s in module.graph.stages:
+        if s.op != "generate":
+            continue
+        names = [n for n in str(s.attrs.get("tools", "")).split(",") if n]
+        for n in names:
+            if n not in module.tools or module.tools[n].kind != "tool":
+                sink.error(f"%{s.name} calls tool '{n}', which the module does not declare", where(s, "tools"),
+                           did_you_mean(n, list(module.tools)) or f'declare it: tool @{n} {{fn = "tools:{n}"}}')
+        env = s.attrs.get("env", "")
+        if env and (env not in module.tools or module.tools[env].kind != "env"):
+            sink.error(f"%{s.name} acts in environment '{env}', which the module does not declare", where(s, "env"),
+                       did_you_mean(env, list(module.tools)) or f'declare it: env @{env} {{fn = "envs:Game"}}')
+        turn, width = s.attrs.get("turn_tokens", 0), s.attrs.get("max_new_tokens", 32)
+        if is_positive_int(turn) and is_positive_int(width) and turn > width:
+            sink.error(f"%{s.name}: turn_tokens = {turn} is longer than the whole trajectory (max_new_tokens = "
+                       f"{width})", where(s, "turn_tokens"),
+                       f"a trajectory's turns and tool results share max_new_tokens: turn_tokens <= {width}")
+        if names and s.attrs.get("max_turns", 1) == 1 and not env:
+            sink.error(f"%{s.name} may call tools but has max_turns = 1: the policy would never see a result",
+                       where(s, "tools"), "give it room for the answer after a call: max_turns = 2 or more")
+
+
+def _check_env_rewards(module: Module, sink: DiagnosticSink) -> None:
+    """``env_reward(roll)`` reads the rewards of an environment: its rollout comes from a generate with one."""
+    g = module.graph
+    for s in g.stages:
+        if s.op != "compute.env_reward" or not s.inputs:
+            continue
+        gen = g.producer(s.inputs[0])
+        if gen.op != "generate" or not gen.attrs.get("env"):
+            sink.error(f"%{s.name}: env_reward reads an environment's rewards, but %{gen.name} acts in no "
+                       "environment", where(s), "generate with one: actor.generate(prompts, env = game, max_turns = 4)")
 
 
 def _check_staleness(module: Module, sink: DiagnosticSink) -> None:

@@ -8,6 +8,9 @@ without a field position it points at the entity and names it.
 :func:`rlhfc.ir.verifier.verify` runs these on a whole module; lowering runs them on each declaration and
 stage it builds, before building on it (see :mod:`rlhfc.frontend.lower_decls`), so a program's mistakes are
 reported in these words at their ``.rlhf`` position and rules about values live here only.
+
+Why this file is long: it is the one table of value rules for every kind of entity; split by entity, each
+part would import the same helpers and the verifier would gather them again.
 """
 
 from __future__ import annotations
@@ -119,6 +122,10 @@ def _is_int(v) -> bool:
 
 
 # -- declarations ------------------------------------------------------------------------------------------
+#: the most nodes the planner takes (past any real cluster; devices per node have their own bound)
+MAX_NODES = 100_000
+
+
 def check_cluster(c: Cluster, sink: DiagnosticSink) -> bool:
     """Check a cluster's device kind and sizes; False if anything was reported."""
     f = _Fields(c, f"cluster @{c.name}", sink)
@@ -128,9 +135,13 @@ def check_cluster(c: Cluster, sink: DiagnosticSink) -> bool:
                                        f"known kinds: {', '.join(GPU_KINDS)}"])))   # cpu: the default
     if not is_positive_int(c.nodes):
         f.error("nodes", f"nodes must be a positive integer, got {show(c.nodes)}", f"e.g. nodes = {EXAMPLES['nodes']}")
+    elif c.nodes > MAX_NODES:   # the planner enumerates meshes: a cluster past any real one is a typo
+        f.error("nodes", f"nodes = {c.nodes} is more than rlhfc plans for ({MAX_NODES})",
+                f"e.g. nodes = {EXAMPLES['nodes']}")
     if not is_positive_int(c.per_node):
         f.error("per_node", f"per_node must be a positive integer, got {show(c.per_node)}",
                 "devices per node, e.g. per_node = 2 (a program writes devices = cpu:2 or gpus_per_node = 8)")
+
     if c.memory is not None and not is_positive_int(c.memory):
         f.error("memory", "memory must be a size per device like \"2GB\", \"512MiB\" or a byte count",
                 'e.g. memory = "2GB" (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)')

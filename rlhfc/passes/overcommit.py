@@ -44,7 +44,8 @@ class Overcommit(Pass):
     def run(self, module: Module) -> Module:
         changed = False
         for gen in [s for s in module.graph.stages if s.op == "generate"]:
-            if gen.attrs.get("n", 1) != 1 or not gen.inputs or plan.async_rollout(module, gen) is not None:
+            if gen.attrs.get("n", 1) != 1 or not gen.inputs or plan.async_rollout(module, gen) is not None \
+                    or plan.multi_turn(gen):
                 continue
             load = module.graph.producer(gen.inputs[0])
             if load.op != "load" or len(module.graph.users(load.outputs[0])) != 1:

@@ -37,7 +37,7 @@ from rlhfc.cost import CostModel
 from rlhfc.ir import CompileError, Module, where
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import Stream as StreamAttr
-from rlhfc.ir.plan import async_rollout, set_stream_from
+from rlhfc.ir.plan import async_rollout, multi_turn, set_stream_from
 
 from .base import Pass, register_pass
 
@@ -63,6 +63,8 @@ class Stream(Pass):
         g = module.graph
         for gen in [s for s in g.stages if s.op == "generate"]:
             if async_rollout(module, gen) is not None:   # generated a step ahead: nothing to stream into
+                continue
+            if multi_turn(gen):   # trajectories are built whole by the worker's turn loop
                 continue
             roll = gen.outputs[0]
             consumers = [s for s in g.users(roll) if s.op.startswith("forward.") and s.target != gen.target

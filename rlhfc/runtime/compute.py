@@ -15,6 +15,7 @@ from rlhfc.contract.engines import rollout_traits
 from rlhfc.runtime.data.values import PolicyLossInput, Rollout, TokenValues, ValueLossInput, select_rows
 from rlhfc.runtime.rl import algorithms, ppo
 from rlhfc.runtime.rl.guards import check_finite
+from rlhfc.runtime.rollout.agent import ENV_REWARD
 
 from .rewards import resolve_rule, rule_scores
 
@@ -164,3 +165,11 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
 def value_loss(rollout: Rollout, values: TokenValues, returns: TokenValues, *, clip: float) -> ValueLossInput:
     """Bundle what the critic's train step needs."""
     return ValueLossInput(rollout, values.values, returns.values, clip)
+
+
+def env_reward(rollout: Rollout) -> torch.Tensor:
+    """Each trajectory's summed reward from its environment (a multi-turn generate with ``env = ...``)."""
+    if not rollout.fields or any(ENV_REWARD not in f for f in rollout.fields):
+        raise ValueError("env_reward needs a rollout whose generate acts in an environment (env = ...)")
+    return check_finite(torch.tensor([float(f[ENV_REWARD]) for f in rollout.fields]), "an environment's reward",
+                        prompts=rollout.prompts)

@@ -142,6 +142,43 @@ class Job:
     def next_prompts(self, data: str, batch: int) -> list[str]:
         return self.data[data].next_batch(batch)
 
+    def tools(self, names: str) -> list[dict]:
+        """The specs of the plan's tools ``names`` ("calc,search") for a multi-turn generate: each tool's
+        module found as a rule's is (a ``.py`` file in the program's folder, or an installed module the
+        program's ``reward_modules`` lists), its file's absolute path handed to the worker's sandbox."""
+        from rlhfc.runtime.rewards import module_file
+
+        specs = []
+        for name in [n for n in names.split(",") if n]:
+            tool = self.plan.tools.get(name)
+            if tool is None or tool.kind != "tool":
+                raise JobError(f"the plan declares no tool '{name}'", "recompile the program: rlhfc compile ...")
+            mod, _, fn = tool.fn.partition(":")
+            path = module_file(mod, self.plan.program_dir, self.plan.run.reward_modules)
+            if path is None:
+                raise JobError(f"tool '{name}': module '{mod}' not found beside the program "
+                               f"({self.plan.program_dir}) nor installed among reward_modules",
+                               "keep the tool's .py file beside the program the job was compiled from")
+            specs.append({"name": name, "path": path, "function": fn, "timeout": tool.timeout,
+                          "memory_mb": tool.memory_mb, "max_output": tool.max_output})
+        return specs
+
+    def env(self, name: str) -> dict:
+        """The spec of the plan's environment ``name`` for a multi-turn generate (its class's module found as
+        a rule's is)."""
+        env = self.plan.tools.get(name)
+        if env is None or env.kind != "env":
+            raise JobError(f"the plan declares no environment '{name}'", "recompile the program: rlhfc compile ...")
+        from rlhfc.runtime.rewards import module_file
+
+        mod, _, cls = env.fn.partition(":")
+        path = module_file(mod, self.plan.program_dir, self.plan.run.reward_modules)
+        if path is None:
+            raise JobError(f"environment '{name}': module '{mod}' not found beside the program "
+                           f"({self.plan.program_dir}) nor installed among reward_modules",
+                           "keep the environment's .py file beside the program the job was compiled from")
+        return {"name": name, "path": path, "cls": cls}
+
     def get(self, stage: str, ref):
         """Wait for one remote stage result, naming the stage if its worker fails."""
         self.current_stage = stage

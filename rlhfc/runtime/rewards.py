@@ -214,6 +214,20 @@ def field_params(fn: RuleFn) -> tuple[list[str], bool]:
     return [p.name for p in named[2:]], any(p.kind == p.VAR_KEYWORD for p in params)
 
 
+def module_file(module_name: str, program_dir: str | None, allowed) -> str | None:
+    """The ``.py`` file of ``module_name`` found as a rule's module is — an installed module listed in
+    ``allowed`` (the program's ``reward_modules``), else a file in ``program_dir`` — without importing it."""
+    top = module_name.split(".")[0]
+    if module_name in tuple(allowed or ()) and top not in sys.stdlib_module_names and top != "rlhfc":
+        try:
+            spec = importlib.util.find_spec(module_name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            return spec.origin
+    return _local_source(program_dir, module_name) if program_dir else None
+
+
 def _import_rule_module(ref: str, module_name: str, program_dir: str | None, allowed: tuple) -> ModuleType:
     top = module_name.split(".")[0]
     if module_name in allowed and top not in sys.stdlib_module_names and top not in sys.builtin_module_names \

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_PPO = os.path.join(HERE, "tiny_ppo.rlhf")
 
 #: the metrics of a step that are timings: two runs of the same training differ in them
-TIMING = frozenset({"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward"})
+TIMING = frozenset({"step_time_s", "samples_per_s", "wait_s", "pad_eff_generate", "pad_eff_forward", "tool_s"})
 #: the metrics that are facts of the layout (processes per model): equal training on another layout differs
 LAYOUT = frozenset({"ranks"})
 
@@ -35,6 +35,18 @@ def compile_job(program: str | Module, out: str, *, level: str | None = "O0", pa
     emit_job(module, out, source_path=source or (program if isinstance(program, str) else None),
              opt_level=level or "custom", passes=passes)
     return out
+
+
+def close(a, b, rel=1e-4, abs_=1e-6) -> bool:
+    """``a`` and ``b`` equal, their floats within ``rel`` (or ``abs_``): the -O2 passes that reorder float sums
+    (docs/claims.md) agree with -O0 to a relative 1e-4."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k], rel, abs_) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(close(x, y, rel, abs_) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return b == pytest.approx(a, rel=rel, abs=abs_)
+    return a == b
 
 
 def metrics(run_dir: str) -> list[dict]:

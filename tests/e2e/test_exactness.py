@@ -19,6 +19,7 @@ from rlhfc.passes import PIPELINES, get_pass
 from rlhfc.runtime.job import run_job
 
 from .conftest import HERE, compile_job, job_step, recording, untimed
+from .conftest import close as _close
 from .conftest import TINY_PPO as PROGRAM
 
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")   # long-tailed lengths: unpad really cuts columns
@@ -56,16 +57,6 @@ def _bitwise(a: dict, b: dict) -> bool:
 
     return a.keys() == b.keys() and all(x.keys() == b[m].keys() and all(torch.equal(t, b[m][k]) for k, t in x.items())
                                         for m, x in a.items())
-
-
-def _close(a, b, rel=1e-4, abs_=1e-6) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k], rel, abs_) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y, rel, abs_) for x, y in zip(a, b))
-    if isinstance(a, float) or isinstance(b, float):
-        return b == pytest.approx(a, rel=rel, abs=abs_)
-    return a == b
 
 
 def test_O2_without_unpad_trains_bitwise_identically_to_O0(tmp_path):

@@ -13,6 +13,8 @@ candidate lists, baselines and tests read them here).
 
 from __future__ import annotations
 
+import math
+
 from .attrs import Layout
 
 
@@ -31,7 +33,9 @@ def tp_within_nodes(first: int, count: int, tp: int, per_node: int) -> bool:
     per_node = max(per_node, 1)
     if tp <= 1:
         return True
-    return all((g // per_node) == ((g + tp - 1) // per_node) for g in range(first, first + count, tp))
+    # a group's offset in its node repeats every per_node / gcd(tp, per_node) groups: check one period at most
+    groups = min(-(-count // tp), per_node // math.gcd(tp, per_node))
+    return all(((g := first + k * tp) // per_node) == ((g + tp - 1) // per_node) for k in range(groups))
 
 
 def layout_problems(lay: Layout, *, per_node: int, heads: int, kv_heads: int, layers: int) -> list[str]:
@@ -53,13 +57,14 @@ def layout_problems(lay: Layout, *, per_node: int, heads: int, kv_heads: int, la
 
 def splits(first: int, count: int, *, per_node: int, heads: int, kv_heads: int, layers: int) -> list[tuple]:
     """Every ``(dp, tp, pp)`` of a mesh that the rules allow (``(count, 1, 1)`` always is)."""
-    out = []
-    for tp in range(1, count + 1):
-        if count % tp or heads % tp or kv_heads % tp or not tp_within_nodes(first, count, tp, per_node):
+    def divisors(n: int) -> list[int]:
+        return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+    out = []   # tp divides heads, kv_heads and count; pp divides layers and count / tp: walk only those
+    for tp in divisors(math.gcd(count, heads, kv_heads)):
+        if not tp_within_nodes(first, count, tp, per_node):
             continue
-        for pp in range(1, count // tp + 1):
-            if (count // tp) % pp or layers % pp:
-                continue
+        for pp in divisors(math.gcd(count // tp, layers)):
             out.append((count // (tp * pp), tp, pp))
     return out
 

@@ -65,6 +65,13 @@ def can_run_ahead(module: Module, gen: Stage) -> bool:
     return not refills(g)
 
 
+def multi_turn(stage: Stage) -> bool:
+    """Whether a generate runs a multi-turn loop (tools between the policy's turns): its rows are
+    trajectories the worker builds whole, so it is not streamed in chunks nor overcommitted."""
+    return stage.op == "generate" and (bool(stage.attrs.get("tools")) or bool(stage.attrs.get("env"))
+                                       or stage.attrs.get("max_turns", 1) != 1)
+
+
 def refills(graph: Graph) -> bool:
     """Whether the pipeline refills its sampling round (DAPO's dynamic sampling, ``max_refill``)."""
     return any(s.op == "compute.group_advantages" and s.attrs.get("max_refill") for s in graph.stages)

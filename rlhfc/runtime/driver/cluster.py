@@ -127,6 +127,7 @@ class Cluster:
             check_backend(w, self.plan.run.precision)
             where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=w.bundle)
             rollout = {"engine": w.engine, "folder": os.path.join(os.path.abspath(self.out), "vllm"),
+                       "tools": os.path.join(os.path.abspath(self.out), "tools"),   # tool calls' working folders
                        "plugins": list(self.plan.plugins)}   # imported in the worker before it builds its engine
             if w.gpu_memory_utilization:   # a CUDA engine's share of its GPU, as the compiler priced it
                 rollout["gpu_memory"] = w.gpu_memory_utilization

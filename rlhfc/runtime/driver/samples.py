@@ -11,7 +11,9 @@ JSON object per sample and line::
 the pipeline has none); ``scores`` holds every per-sequence value of the step (``SeqFloat``: the reward
 model's or rule's scores, a KL-penalised reward, ...), by value name. ``fields``: the data fields of the
 sample's prompt, when the pipeline's data has any (:func:`sample_rows`'s ``fields`` argument; absent
-otherwise).
+otherwise). A multi-turn generate's sample also has ``turns``, its trajectory as ``[[who, text], ...]``
+(``who``: ``policy``, a tool's name or ``env``: what the loss trains on and what it does not), and with an
+environment ``env_reward``.
 
 On resume :meth:`SampleLog.trim` keeps the lines of the steps before the checkpoint (as ``metrics.jsonl``),
 and :meth:`SampleLog.open` writes them again as TensorBoard text into the fresh events file that replaces
@@ -28,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhfc.runtime.data.values import Rollout
+from rlhfc.runtime.rollout.agent import ENV_REWARD, TURNS
 
 from .metrics import trim_jsonl
 
@@ -61,6 +64,13 @@ def sample_rows(step: int, roll: Rollout, values: dict[str, Any], reward: str | 
                "scores": {name: _number(v[i]) for name, v in seq.items()}, "response_tokens": int(lengths[i])}
         if fields is not None:
             row["fields"] = dict(fields[i])
+        extra = roll.fields[i] if i < len(roll.fields) else {}
+        if TURNS in extra:   # a multi-turn generate's trajectory: who said what
+            row["turns"] = extra[TURNS]
+            row.get("fields", {}).pop(TURNS, None)
+        if ENV_REWARD in extra:
+            row["env_reward"] = _number(extra[ENV_REWARD])
+            row.get("fields", {}).pop(ENV_REWARD, None)
         rows.append(row)
     return rows
 

@@ -112,6 +112,13 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1"
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
 
 
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """[B] column of each row's last masked-in token (0 for a row with none): a multi-turn trajectory's mask
+    has gaps (its tool tokens), so this is not the count of ones minus one."""
+    cols = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return ((mask.long() * cols).max(-1).values - 1).clamp(min=0)
+
+
 def kl_penalized_rewards(
     scores: torch.Tensor,
     logp: torch.Tensor,
@@ -125,9 +132,8 @@ def kl_penalized_rewards(
     response gets nothing (its score has no token to land on)."""
     kl = kl_penalty(logp, ref_logp, estimator)
     rewards = _zero_where_masked(-kl_coef * kl, mask)
-    lengths = mask.long().sum(-1)
-    has_token = lengths > 0
-    last = (lengths - 1).clamp(min=0)
+    has_token = mask.bool().any(-1)
+    last = last_token(mask)
     scores = scores.to(device=rewards.device, dtype=rewards.dtype)  # rule scores arrive on CPU
     bonus = torch.where(has_token, scores, torch.zeros_like(scores)).unsqueeze(1)
     return rewards + torch.zeros_like(rewards).scatter(1, last.unsqueeze(1), bonus)
@@ -147,6 +153,10 @@ def gae(
 
         delta_t = r_t + gamma * V_{t+1} - V_t
         A_t     = delta_t + gamma * lam * A_{t+1}
+
+    A mask with gaps (a multi-turn trajectory: the tool's and the environment's tokens are 0 between the
+    policy's turns) runs the recurrence over the policy's tokens only: t + 1 is the next policy token, so
+    gamma and lam discount per policy token and a turn boundary costs nothing extra.
     """
     rewards = _zero_where_masked(rewards, mask)
     values = _zero_where_masked(values, mask)
@@ -154,11 +164,17 @@ def gae(
     next_adv = torch.zeros_like(rewards[:, 0])
     next_value = torch.zeros_like(values[:, 0])
     advantages = torch.zeros_like(rewards)
+    on = mask.bool()
+    gaps = bool((on[:, 1:] & ~on[:, :-1]).any()) if r > 1 else False   # a masked run inside a response
     for t in reversed(range(r)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = delta + gamma * lam * next_adv
-        advantages[:, t] = next_adv
-        next_value = values[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = adv
+        if gaps:   # tool / environment tokens: the recurrence steps over them (the next policy token's value)
+            next_adv = torch.where(on[:, t], adv, next_adv)
+            next_value = torch.where(on[:, t], values[:, t], next_value)
+        else:
+            next_adv, next_value = adv, values[:, t]
     returns = advantages + values
     return _zero_where_masked(advantages, mask), _zero_where_masked(returns, mask)
 

@@ -32,7 +32,9 @@ from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.models.precision import autocast, under_autocast
 from rlhfc.runtime.models.recompute import apply_recompute
 from rlhfc.runtime.rl.guards import NonFiniteError, check_finite
+from rlhfc.runtime.rollout.agent import ENV_REWARD, TURNS, AgentLoop, load_env
 from rlhfc.runtime.rollout.base import build_rollout
+from rlhfc.runtime.rollout.sandbox import ToolSandbox, ToolSpec
 from rlhfc.runtime.rollout.generation import (
     FinishedSample,
     PartialSample,
@@ -161,7 +163,8 @@ class ModelWorker(TracedWorker):
     @torch.no_grad()
     def generate(self, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
                  n: int = 1, unpad: bool = False, logprobs: bool = False, chat: bool = False,
-                 slots: int | None = None, refit_mb: int = 64) -> Rollout | None:
+                 slots: int | None = None, refit_mb: int = 64, tools: list[dict] | str = "",
+                 env: dict | str = "", max_turns: int = 1, turn_tokens: int = 0) -> Rollout | None:
         """Generate one rollout; ``unpad``: as wide as its longest response instead of ``max_new_tokens``;
         ``logprobs``: also keep the sampled tokens' log-probs (``Rollout.logprobs``, the ``reuse_logprobs``
         pass); ``chat``: each prompt as a user turn in the tokenizer's chat template; ``slots``: at most that
@@ -170,10 +173,22 @@ class ModelWorker(TracedWorker):
 
         On a group every rank decodes its contiguous share of the rows on the backend's generation module
         (each row's own random stream: the tokens one rank would sample), the samples are gathered, and rank 0
-        answers with the rollout one rank would build (the other ranks answer None)."""
+        answers with the rollout one rank would build (the other ranks answer None).
+
+        ``tools`` (specs of :class:`~rlhfc.runtime.rollout.sandbox.ToolSpec`), ``env`` (``{name, path, cls}``),
+        ``max_turns``, ``turn_tokens``: a multi-turn generate (:mod:`rlhfc.runtime.rollout.agent`): each row a
+        trajectory of up to ``max_turns`` policy turns of ``turn_tokens`` tokens at most, with the tools' results
+        and the environment's observations between them, all within ``max_new_tokens`` columns; the rollout's
+        ``response_mask`` marks the policy's tokens, each sample's field ``ENV_REWARD`` its environment's
+        summed reward."""
         model = self.backend.generation_model(self.rollout_engine)   # a collective where it gathers
         inputs = self._inputs(prompts, n, chat=chat)
         logprobs = logprobs or not self.rollout_engine.traits.trainer_numerics   # the behaviour policy's
+        if tools or env or max_turns > 1:
+            return self._generate_turns(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        top_p=top_p, unpad=unpad, logprobs=logprobs, slots=slots,
+                                        refit_mb=refit_mb, tools=tools or [], env=env or None, max_turns=max_turns,
+                                        turn_tokens=turn_tokens or max_new_tokens)
         world = self.backend.world
         samples = list(self._decode(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, logprobs=logprobs, share=self.backend.generation_share(len(inputs)),
@@ -184,6 +199,53 @@ class ModelWorker(TracedWorker):
         width_p = max(len(c["prompt_ids"]) for c in inputs)
         return self._rollout([s for part in parts for s in part], inputs, width_p,
                              None if unpad else max_new_tokens, logprobs)
+
+    def _generate_turns(self, model, inputs: list[dict], *, max_new_tokens: int, temperature: float, top_p: float,
+                        unpad: bool, logprobs: bool, slots: int | None, refit_mb: int, tools: list[dict],
+                        env: dict | None, max_turns: int, turn_tokens: int) -> Rollout | None:
+        """A multi-turn generate: every rank runs the trajectories of its share of the rows (its tools' calls
+        in sandboxes of its own), rank 0 builds the rollout from all of them."""
+        base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
+        lo, hi = self.backend.generation_share(len(inputs))
+        world = self.backend.world
+        loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
+                         env=load_env(env["path"], env["cls"]) if env else None, env_name=env["name"] if env else "")
+        kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
+                  logprob_temperature=temperature if logprobs else None,
+                  slots=-(-slots // world) if slots else None)
+
+        def decode(rows, *, budgets, resumed, row_keys):
+            stream = self.rollout_engine.stream(model, rows, max(budgets), refit_mb=refit_mb, budgets=budgets,
+                                                resumed=resumed, row_keys=row_keys, **kw)
+            return under_autocast(stream, self.device, self.precision)
+
+        trajs, tool_s = loop.run(decode, [c["prompt_ids"] for c in inputs[lo:hi]], width=max_new_tokens,
+                                 keys=[base + i for i in range(lo, hi)], tokenizer=self.tokenizer,
+                                 want_logprobs=logprobs,
+                                 records=[{"prompt": c["prompt"], **(c.get("fields") or {})} for c in inputs[lo:hi]])
+        parts = self.backend.gather((trajs, tool_s))
+        if parts is None:
+            return None
+        trajs = [t for part, _ in parts for t in part]
+        samples = AgentLoop.samples(trajs)
+        width_p = max(len(c["prompt_ids"]) for c in inputs)
+        roll = self._rollout(samples, inputs, width_p, None if unpad else max_new_tokens, logprobs)
+        policy = torch.zeros_like(roll.batch.response_mask)
+        for row, t in enumerate(trajs):
+            policy[row, :len(t.policy)] = torch.tensor(t.policy, dtype=policy.dtype)
+        roll.batch.response_mask = roll.batch.response_mask * policy   # the loss mask: the policy's tokens
+        roll.engine.update(AgentLoop.stats(trajs, max(s for _, s in parts), env=bool(env)))
+        roll.fields = [{**f, TURNS: t.turns_text(self.tokenizer), **({ENV_REWARD: t.reward} if env else {})}
+                       for f, t in zip(roll.fields, trajs)]
+        return roll
+
+    def _tool(self, spec: dict):
+        """The sandbox of tool ``spec`` (started at its first call, kept for the worker's life)."""
+        tools = self.__dict__.setdefault("_tools", {})
+        key = tuple(sorted(spec.items()))
+        if key not in tools:   # its calls' folders in the job's run folder (rollout option "tools") when it has one
+            tools[key] = ToolSandbox(ToolSpec(**spec), root=self.rollout_engine.options.get("tools"))
+        return tools[key]
 
     @dispatch("stream")
     @stage_call

@@ -1,0 +1,237 @@
+"""Multi-turn, tool-using rollouts: the loop that turns each prompt into a trajectory of turns.
+
+A **trajectory** is token-in/token-out: the token ids the policy sampled, turn after turn, with the tokens
+of each tool result appended between its turns — never re-tokenized from text, so the trainer's forward
+sees exactly the ids that were generated. A per-token **loss mask** marks the policy's own tokens (1) and
+the tools' (0); the rollout's ``response_mask`` is that mask, so the tool tokens get no log-prob loss, no
+KL, no entropy and no advantage, and GAE steps over them (:func:`rlhfc.runtime.rl.ppo.gae`). The whole
+trajectory fits the generate's ``max_new_tokens`` columns (as verl's ``response_length``): a turn decodes at
+most ``turn_tokens`` of what is left, a tool result is cut to what is left, and a trajectory with no room
+for another turn ends.
+
+**The tool-call convention** (plain text, any tokenizer; chat-template tool calls are not read yet): a
+policy turn ends at EOS or at its turn budget. A turn whose text, leading spaces stripped, is a declared
+tool's name alone or followed by a space calls that tool, the rest of the text (stripped) being its
+argument: ``calc 12 plus 30`` calls ``calc("12 plus 30")``. The result text is appended as its tokens
+exactly as the tool returned it (the tool adds any separators it wants), then the policy's next turn
+starts. Any other turn is the answer and ends the trajectory; so does the ``max_turns``-th turn. A tool
+that fails gives an error observation (``error: ...``, :mod:`rlhfc.runtime.rollout.sandbox`), counted in
+the step's metrics.
+
+Every row keeps one random-stream key for the whole trajectory (its token positions continue across
+turns), so a trajectory's tokens depend on its prompt and key only, not on which other rows were still
+running — the same as single-turn decoding. Rows waiting for their tools leave the decode batch; the next
+turn re-prefills each row's prompt and trajectory so far (the KV cache is not kept across a tool call).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .decoding import FinishedSample, PartialSample
+
+
+@dataclass
+class Trajectory:
+    """One row's trajectory so far."""
+
+    prompt_ids: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)      # policy and tool tokens, in order
+    policy: list[bool] = field(default_factory=list)     # per token: sampled by the policy
+    logprobs: list[float] = field(default_factory=list)  # per token: its sampling log-prob (0 for tool tokens)
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    tool_tokens: int = 0
+    eos: bool = False
+    done: bool = False
+    reward: float = 0.0     # the environment's rewards, summed over the turns
+    rewards: list[float] = field(default_factory=list)   # ... per turn
+    steps: int = 0          # decoding steps over all turns
+    computed: float = 0.0   # tokens the engine computed for it
+    segments: list[tuple[str, int]] = field(default_factory=list)   # (who: "policy", a tool's name or "env", tokens)
+
+    def add(self, ids: Sequence[int], *, policy: bool, logprobs: Sequence[float] = (), who: str = "") -> None:
+        self.tokens += list(ids)
+        self.policy += [policy] * len(ids)
+        self.logprobs += list(logprobs) if policy and logprobs else [0.0] * len(ids)
+        if ids:
+            self.segments.append(("policy" if policy else who, len(ids)))
+
+    def turns_text(self, tokenizer) -> list[list[str]]:
+        """``[[who, text], ...]``: the trajectory as the policy's turns and what tools and the environment
+        appended (``samples.jsonl`` shows it so)."""
+        out, at = [], 0
+        for who, n in self.segments:
+            out.append([who, tokenizer.decode(self.tokens[at:at + n])])
+            at += n
+        return out
+
+
+def parse_call(text: str, tools: Iterable[str]) -> tuple[str, str] | None:
+    """``(tool, argument)`` when ``text`` calls one of ``tools`` by the plain-text convention, else None."""
+    stripped = text.lstrip()
+    for name in sorted(tools, key=len, reverse=True):   # the longest name first: "calc2" before "calc"
+        if stripped == name or stripped.startswith(name + " "):
+            return name, stripped[len(name):].strip()
+    return None
+
+
+#: the sample field holding a trajectory's summed environment reward (not an identifier: no data field clashes)
+ENV_REWARD = "@env_reward"
+#: the sample field holding a trajectory's turns as ``[[who, text], ...]`` (``Trajectory.turns_text``)
+TURNS = "@turns"
+
+
+def load_env(path: str, cls: str) -> Callable[[], Any]:
+    """The environment class ``cls`` of the ``.py`` file ``path`` (the program's own code, loaded by path as its
+    reward rules are)."""
+    name = f"_rlhfc_env_{zlib.crc32(os.path.abspath(path).encode()):08x}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:
+            sys.path.append(folder)   # its own helper modules (last: it never shadows an installed module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:   # noqa: BLE001 - the program's own code
+            raise EnvError(f"loading environment module {path} raised {type(exc).__name__}: {exc}") from None
+        sys.modules[name] = module
+    found = getattr(module, cls, None)
+    if not isinstance(found, type):
+        raise EnvError(f"environment module {path} has no class '{cls}'")
+    return found
+
+
+class EnvError(RuntimeError):
+    """An environment's ``reset`` or ``step`` raised (the program's own code: the run stops naming it)."""
+
+
+@dataclass(frozen=True)
+class AgentLoop:
+    """How a generate runs its turns: the tools it may call (name -> an object with ``call(args: list[str])
+    -> list`` of results having ``output`` and ``kind``), the number of policy turns, each turn's budget, and
+    the environment (``env``: a class, one instance per trajectory, ``env_name`` naming it in errors)."""
+
+    tools: Mapping[str, Any]
+    max_turns: int
+    turn_tokens: int
+    env: Callable[[], Any] | None = None
+    env_name: str = ""
+
+    def _env_call(self, env, method: str, arg, prompt: str):
+        try:
+            return getattr(env, method)(arg)
+        except Exception as exc:   # noqa: BLE001 - the program's own code: named, with the sample's prompt
+            raise EnvError(f"environment '{self.env_name}' raised in {method}() for prompt {prompt!r}: "
+                           f"{type(exc).__name__}: {exc}") from None
+
+    def run(self, decode: Callable[..., Iterable[FinishedSample | PartialSample]], prompts: Sequence[Sequence[int]],
+            *, width: int, keys: Sequence[int], tokenizer, want_logprobs: bool,
+            records: Sequence[Mapping[str, Any]] = ()) -> tuple[list[Trajectory], float]:
+        """Run every prompt's trajectory. ``decode(rows, budgets=, resumed=, row_keys=)`` is the engine's
+        stream over token rows (each row's prompt then its trajectory so far; ``resumed``: how many of its
+        last tokens are that trajectory); ``width``: the response columns a trajectory may fill; ``records``:
+        each row's data record (``{"prompt": text, **fields}``), what an environment's ``reset`` gets.
+        Returns the trajectories and the seconds spent waiting for tools."""
+        trajs = [Trajectory(tuple(p)) for p in prompts]
+        seconds = 0.0
+        envs = []
+        if self.env is not None:
+            for t, record in zip(trajs, records):
+                env = self.env()
+                envs.append(env)
+                obs = self._env_call(env, "reset", dict(record), record.get("prompt", ""))
+                self._observe(t, "" if obs is None else str(obs), tokenizer, width, "env")
+        for turn in range(self.max_turns):
+            live = [i for i, t in enumerate(trajs) if not t.done]
+            if not live:
+                break
+            budgets = [min(self.turn_tokens, width - len(trajs[i].tokens)) for i in live]
+            rows = [list(trajs[i].prompt_ids) + trajs[i].tokens for i in live]
+            calls: dict[str, list[tuple[int, str]]] = {}
+            for item in decode(rows, budgets=budgets, resumed=[len(trajs[i].tokens) for i in live],
+                               row_keys=[keys[i] for i in live]):
+                if isinstance(item, PartialSample):   # no stop_after here: every row finishes its turn
+                    raise RuntimeError("a multi-turn generate's engine stopped a turn early")
+                i = live[item.index]
+                t = trajs[i]
+                new = list(item.response_ids)
+                lps = list(item.logprobs[len(item.logprobs) - len(new):]) if want_logprobs else []
+                t.add(new, policy=True, logprobs=lps)
+                t.turns += 1
+                t.steps += item.step + 1
+                t.computed += item.computed
+                t.eos = item.eos
+                text = tokenizer.decode(new)
+                call = parse_call(text, self.tools) if self.tools else None
+                room = width - len(t.tokens) > 0
+                if call is None and envs:   # the turn is the environment's action
+                    out = self._env_call(envs[i], "step", text, records[i].get("prompt", ""))
+                    obs, reward, done = out if isinstance(out, tuple) and len(out) == 3 else (None, None, None)
+                    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+                        raise EnvError(f"environment '{self.env_name}': step() must return (observation, reward, "
+                                       f"done) with a number for reward, got {out!r}")
+                    t.reward += float(reward)
+                    t.rewards.append(float(reward))
+                    if done or turn + 1 == self.max_turns or not room:
+                        t.done = True
+                    else:
+                        self._observe(t, "" if obs is None else str(obs), tokenizer, width, "env")
+                    continue
+                if call is None or turn + 1 == self.max_turns or not room:
+                    t.done = True
+                    continue
+                calls.setdefault(call[0], []).append((i, call[1]))
+            t0 = time.perf_counter()
+            for name, todo in calls.items():
+                results = self.tools[name].call([args for _, args in todo])
+                for (i, _), result in zip(todo, results):
+                    t = trajs[i]
+                    t.calls += 1
+                    t.errors += result.kind == "error"
+                    t.timeouts += result.kind == "timeout"
+                    self._observe(t, result.output, tokenizer, width, name)
+            seconds += time.perf_counter() - t0
+        return trajs, seconds
+
+    @staticmethod
+    def _observe(t: Trajectory, text: str, tokenizer, width: int, who: str) -> None:
+        """Append a tool's or the environment's text as tokens the policy did not sample (cut to the room left;
+        a trajectory with no room for the policy's next turn ends)."""
+        ids = tokenizer.encode(text)[: width - len(t.tokens)] if text else []
+        t.add(ids, policy=False, who=who)
+        t.tool_tokens += len(ids)
+        if ids:
+            t.eos = False
+        if len(t.tokens) >= width:
+            t.done = True
+
+    @staticmethod
+    def stats(trajs: Sequence[Trajectory], tool_s: float = 0.0, env: bool = False) -> dict[str, float]:
+        """The step's metrics of a rollout's trajectories: policy turns per trajectory, tool calls, calls that
+        failed or timed out, tokens appended by tools and the environment, the seconds the decoding waited for
+        tools, and (``env``) the environment's mean reward per trajectory."""
+        n = max(len(trajs), 1)
+        return {"turns_mean": sum(t.turns for t in trajs) / n,
+                **({"env_reward_mean": sum(t.reward for t in trajs) / n} if env else {}),
+                "tool_calls": float(sum(t.calls for t in trajs)),
+                "tool_errors": float(sum(t.errors for t in trajs)),
+                "tool_timeouts": float(sum(t.timeouts for t in trajs)),
+                "tool_tokens": float(sum(t.tool_tokens for t in trajs)),
+                "tool_s": float(tool_s)}
+
+    @staticmethod
+    def samples(trajs: Sequence[Trajectory]) -> list[FinishedSample]:
+        """The trajectories as finished samples (row ``i`` = trajectory ``i``), for collating a rollout."""
+        return [FinishedSample(i, t.prompt_ids, tuple(t.tokens), t.eos, max(t.steps - 1, 0), tuple(t.logprobs),
+                               t.computed) for i, t in enumerate(trajs)]

@@ -1,0 +1,122 @@
+"""Multi-turn, tool-using rollouts inside jobs (issue #38).
+
+- A job whose generate calls a sandboxed tool (tests/e2e/agent_tool.rlhf, PPO with a critic): the same
+  trajectories (token ids) and metrics at -O0 and -O2 (within -O2's stated 1e-4), a resumed run
+  equal to the uninterrupted one, the calls' working folders inside the run folder.
+- The worked example (examples/agent_tiny.rlhf with GRPO, examples/agent_tiny_ppo.rlhf with PPO) learns to use
+  its environment, seeds 0-2: the reward and the look-up rate (policy turns per trajectory) of the last 5 steps
+  above the first 5 by more than 3 standard errors; each trajectory's reward is what the environment's rules
+  give for its tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+
+import pytest
+
+from rlhfc.runtime.job import run_job
+
+from .conftest import HERE, close, compile_job, job_step, metrics, recording, untimed
+
+pytestmark = [pytest.mark.e2e]
+
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TOOL = os.path.join(HERE, "agent_tool.rlhf")
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory):
+    """agent_tool.rlhf at -O0 and -O2 (4 steps each), their sampled token ids per step."""
+    out = {}
+    for level in ("O0", "O2"):
+        base = tmp_path_factory.mktemp(f"agent_{level}")
+        job = compile_job(TOOL, str(base / "job"), level=level)
+        samples: list = []
+        rows = run_job(job, recording(job_step(job), samples), out=str(base / "run"), progress=False)
+        out[level] = (job, str(base / "run"), rows, samples)
+    return out
+
+
+def test_a_tool_using_job_trains_the_same_at_O0_and_O2(tool_runs):
+    _, run0, rows0, samples0 = tool_runs["O0"]
+    _, run2, rows2, samples2 = tool_runs["O2"]
+    assert samples0 == samples2                              # the same trajectories, token id for token id
+    assert close(untimed(rows0), untimed(rows2)), (rows0, rows2)   # -O2's unpad/reuse_logprobs: within 1e-4
+    assert sum(r["tool_calls"] for r in rows0) > 0 and all(r["tool_errors"] == 0 for r in rows0)
+    assert all(r["tool_tokens"] == 2 * r["tool_calls"] or r["tool_tokens"] < 2 * r["tool_calls"] for r in rows0)
+    assert all(r["turns_mean"] >= 1 for r in rows0)
+    with open(os.path.join(run0, "samples.jsonl")) as fh:   # samples show who said what
+        logged = [__import__("json").loads(line) for line in fh]
+    assert logged and all("".join(text for _, text in r["turns"]) == r["response"] for r in logged)
+    assert all(who in ("policy", "a") for r in logged for who, _ in r["turns"])
+    assert any(who == "a" for r in logged for who, _ in r["turns"])
+    for run in (run0, run2):   # each call's folder lived under the run folder, and was removed after it
+        tools = os.path.join(run, "tools")
+        assert os.path.isdir(tools)
+        assert not any(name.startswith("call") for _, dirs, _ in os.walk(tools) for name in dirs)
+
+
+def test_a_resumed_tool_using_run_equals_the_uninterrupted_one(tool_runs, tmp_path):
+    job, run0, rows0, _ = tool_runs["O0"]
+    out = str(tmp_path / "resumed")
+    run_job(job, out=out, steps=2, progress=False)
+    run_job(job, out=out, resume=True, progress=False)
+    assert untimed(metrics(out)) == untimed(rows0)
+
+
+def _copy_example(program: str, seed: int, folder) -> str:
+    """The example with ``seed``, beside copies of its environment and data (a program's modules and data are
+    looked up in its own folder)."""
+    os.makedirs(folder, exist_ok=True)
+    for name in ("agent_lookup.py", "agent_tiny.jsonl"):
+        shutil.copy(os.path.join(ROOT, "examples", name), folder)
+    text = open(os.path.join(ROOT, "examples", program)).read()
+    assert "seed = 0;" in text
+    path = os.path.join(folder, program)
+    with open(path, "w") as fh:
+        fh.write(text.replace("seed = 0;", f"seed = {seed};"))
+    return path
+
+
+def _gain(rows, key):
+    first, last = [r[key] for r in rows[:5]], [r[key] for r in rows[-5:]]
+    se = (statistics.variance(first) / 5 + statistics.variance(last) / 5) ** 0.5
+    return statistics.mean(last) - statistics.mean(first), se, first, last
+
+
+def _env_reward(trajectory: str, answer: str) -> float:
+    """What examples/agent_lookup.py gives a trajectory's text: "?", the value, an answer."""
+    if not trajectory.startswith("?") or len(trajectory) < 3:
+        return 0.0
+    given = trajectory[2:]
+    return 1.0 if given == answer else 0.05 if len(given) == 1 and given.isdigit() else 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("program", ["agent_tiny.rlhf", "agent_tiny_ppo.rlhf"], ids=["grpo", "ppo"])
+def test_the_worked_example_learns_to_look_up(program, seed, tmp_path):
+    path = _copy_example(program, seed, tmp_path / "program")
+    job = compile_job(path, str(tmp_path / "job"), level="O2")
+    seen: list = []
+    step = job_step(job)
+
+    def recorded(job_, w):
+        values = step(job_, w)
+        roll = job_.resolve({"traj": values["traj"]})["traj"]
+        seen.append(roll)
+        return values
+
+    rows = run_job(job, recorded, out=str(tmp_path / "run"), progress=False)
+    for key in ("reward_mean", "turns_mean"):
+        gain, se, first, last = _gain(rows, key)
+        assert gain > 3 * se, f"{key}: first 5 {first}, last 5 {last}: gain {gain:.3f} not above 3 SE ({se:.3f})"
+    assert statistics.mean(r["turns_mean"] for r in rows[-5:]) > 1.8   # it looks up nearly always
+    final = seen[-1]
+    for row, (text, fields) in enumerate(zip(final.responses, final.fields)):
+        assert fields["@env_reward"] == pytest.approx(_env_reward(text, fields["answer"])), (text, fields)
+        ids = final.batch.response_token_lists()[row]
+        mask = final.batch.response_mask[row, :len(ids)].tolist()
+        assert mask == ([1, 0, 1] if text.startswith("?") and len(ids) == 3 else [1] * len(ids))
