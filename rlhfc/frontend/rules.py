@@ -53,13 +53,9 @@ def rule_problem(ref: str, base_dir: str, allowed: list[str], fields: tuple[str,
         what = f"{os.path.relpath(source)}" if source else ""
         if source is None:
             return _not_found(mod, base_dir)
-    try:
-        with open(source, "rb") as fh:
-            tree = ast.parse(fh.read(), filename=source)
-    except (OSError, SyntaxError, ValueError) as exc:
-        line = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
-        return (f"cannot read rule module '{mod}' ({what}{line}): {type(exc).__name__}",
-                "fix the module so that Python can parse it")
+    tree = _parse(source, f"rule module '{mod}'", what)
+    if isinstance(tree, tuple):
+        return tree
     if mod == BUILTIN_REWARDS:
         names = _builtin_rules(tree)
         if fn not in names:
@@ -223,13 +219,9 @@ def tool_problem(ref: str, base_dir: str, allowed: list[str], kind: str = "tool"
             return (f"tool module '{mod}' not found: no {mod.replace('.', '/')}.py in the program's folder",
                     f"looked for {shown}; put the module beside the program, or allow an installed module with "
                     f"reward_modules = [{json.dumps(mod)}] in the run block")
-    try:
-        with open(source, "rb") as fh:
-            tree = ast.parse(fh.read(), filename=source)
-    except (OSError, SyntaxError, ValueError) as exc:
-        line = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
-        return (f"cannot read tool module '{mod}' ({os.path.relpath(source)}{line}): {type(exc).__name__}",
-                "fix the module so that Python can parse it")
+    tree = _parse(source, f"tool module '{mod}'", os.path.relpath(source))
+    if isinstance(tree, tuple):
+        return tree
     binding, defs = None, []
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -278,6 +270,17 @@ def _env_problem(binding, mod: str, cls: str, defs: list[str]) -> tuple[str, str
             return (f"method '{name}' of environment '{mod}:{cls}' must take ({params}), but it is {name}({shown})",
                     f"define it as def {name}(self, {params})")
     return None
+
+
+def _parse(source: str, what: str, shown: str) -> ast.Module | tuple[str, str]:
+    """The parsed module at ``source``, or the (message, hint) saying why it cannot be read."""
+    try:
+        with open(source, "rb") as fh:
+            return ast.parse(fh.read(), filename=source)
+    except (OSError, SyntaxError, ValueError) as exc:
+        line = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        return (f"cannot read {what} ({shown}{line}): {type(exc).__name__}",
+                "fix the module so that Python can parse it")
 
 
 def _binds(node: ast.stmt, name: str) -> bool:

@@ -143,41 +143,36 @@ class Job:
         return self.data[data].next_batch(batch)
 
     def tools(self, names: str) -> list[dict]:
-        """The specs of the plan's tools ``names`` ("calc,search") for a multi-turn generate: each tool's
-        module found as a rule's is (a ``.py`` file in the program's folder, or an installed module the
-        program's ``reward_modules`` lists), its file's absolute path handed to the worker's sandbox."""
-        from rlhfc.runtime.rewards import module_file
-
+        """The specs of the plan's tools ``names`` ("calc,search") for a multi-turn generate, each with its
+        file's absolute path for the worker's sandbox (:meth:`_tool_file`)."""
         specs = []
         for name in [n for n in names.split(",") if n]:
-            tool = self.plan.tools.get(name)
-            if tool is None or tool.kind != "tool":
-                raise JobError(f"the plan declares no tool '{name}'", "recompile the program: rlhfc compile ...")
-            mod, _, fn = tool.fn.partition(":")
-            path = module_file(mod, self.plan.program_dir, self.plan.run.reward_modules)
-            if path is None:
-                raise JobError(f"tool '{name}': module '{mod}' not found beside the program "
-                               f"({self.plan.program_dir}) nor installed among reward_modules",
-                               "keep the tool's .py file beside the program the job was compiled from")
+            tool, path, fn = self._tool_file(name, "tool")
             specs.append({"name": name, "path": path, "function": fn, "timeout": tool.timeout,
                           "memory_mb": tool.memory_mb, "max_output": tool.max_output})
         return specs
 
     def env(self, name: str) -> dict:
-        """The spec of the plan's environment ``name`` for a multi-turn generate (its class's module found as
-        a rule's is)."""
-        env = self.plan.tools.get(name)
-        if env is None or env.kind != "env":
-            raise JobError(f"the plan declares no environment '{name}'", "recompile the program: rlhfc compile ...")
+        """The spec of the plan's environment ``name`` for a multi-turn generate (:meth:`_tool_file`)."""
+        _, path, cls = self._tool_file(name, "env")
+        return {"name": name, "path": path, "cls": cls}
+
+    def _tool_file(self, name: str, kind: str):
+        """(the plan's tool or environment ``name``, its module's file, the function or class): the module found
+        as a rule's is (a ``.py`` file in the program's folder, or an installed module ``reward_modules`` lists)."""
         from rlhfc.runtime.rewards import module_file
 
-        mod, _, cls = env.fn.partition(":")
+        what = "environment" if kind == "env" else "tool"
+        tool = self.plan.tools.get(name)
+        if tool is None or tool.kind != kind:
+            raise JobError(f"the plan declares no {what} '{name}'", "recompile the program: rlhfc compile ...")
+        mod, _, fn = tool.fn.partition(":")
         path = module_file(mod, self.plan.program_dir, self.plan.run.reward_modules)
         if path is None:
-            raise JobError(f"environment '{name}': module '{mod}' not found beside the program "
+            raise JobError(f"{what} '{name}': module '{mod}' not found beside the program "
                            f"({self.plan.program_dir}) nor installed among reward_modules",
-                           "keep the environment's .py file beside the program the job was compiled from")
-        return {"name": name, "path": path, "cls": cls}
+                           f"keep the {what}'s .py file beside the program the job was compiled from")
+        return tool, path, fn
 
     def get(self, stage: str, ref):
         """Wait for one remote stage result, naming the stage if its worker fails."""
