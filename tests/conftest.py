@@ -12,12 +12,15 @@ the resume and claims runs, prediction through Ray) included: the README's test 
 that docs/claims.md names must have been collected and passed, each parametrization included: one skipped
 (a missing optional extra), deselected or missing fails the run, naming it (:func:`pytest_sessionfinish`).
 
-**Order.** ``--order reverse`` runs the collected tests last to first (modules, and the tests in each module;
-pytest's grouping of a module's parametrized fixtures is kept, so no fixture is set up twice): a test that leans
-on an earlier test's state (an engine another test stopped, a job another test trained) fails in one of the two
-orders, as it would for a user running a claim's test by its id alone or the claims' ids sorted. The default is
-file order. A whole-suite run reversed once failed from tests/e2e/test_cluster.py on: a runtime test's bare
-``ray.init()`` had turned Ray's token authentication on for the process (see :func:`pytest_configure`).
+**Order.** The default, ``--order shuffle``, runs the modules in a shuffled order and the tests of each module
+shuffled (pytest's grouping of a module's parametrized fixtures is kept, and a module's tests stay together, so
+no module fixture — a trained job several tests read — is set up twice). The seed is the checked-out commit's
+(``git rev-parse HEAD``), so CI's run of a commit is repeatable and each commit tries another order; the header
+prints it, and ``--order-seed N`` repeats an order. ``--order file`` and ``--order reverse`` give those orders. A
+test that leans on an earlier test's state (an engine another test stopped, a job another test trained) fails in
+some order, as it would for a user running a claim's test by its id alone or the claims' ids sorted. A
+whole-suite run reversed once failed from tests/e2e/test_cluster.py on: a runtime test's bare ``ray.init()`` had
+turned Ray's token authentication on for the process (see :func:`pytest_configure`).
 """
 
 from __future__ import annotations
@@ -57,16 +60,87 @@ def pytest_unconfigure(config):
 def pytest_addoption(parser):
     parser.addoption("--fuzz-n", type=int, default=DEFAULT_FUZZ_N, metavar="N",
                      help=f"mutated programs the fuzz tests check (default {DEFAULT_FUZZ_N}; e.g. 10000 locally)")
-    parser.addoption("--order", choices=("file", "reverse"), default="file",
-                     help="test order: file order (default), or last to first")
+    parser.addoption("--order", choices=("shuffle", "file", "reverse"), default="shuffle",
+                     help="test order: modules and their tests shuffled (default; seed: the commit's), file "
+                          "order, or last to first")
+    parser.addoption("--order-seed", type=int, default=None, metavar="N",
+                     help="the shuffle's seed (default: from the checked-out commit, printed in the header)")
     parser.addoption("--slow", action="store_true",
                      help="accepted for old command lines: the long end-to-end tests run by default now")
 
 
+def order_seed(config) -> int:
+    """The shuffle's seed: ``--order-seed``, else the checked-out commit's hash, else a random one."""
+    import random
+    import subprocess
+
+    if config.getoption("order_seed", default=None) is not None:
+        return config.getoption("order_seed")
+    if getattr(config, "_order_seed", None) is None:
+        try:
+            head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=str(config.rootpath), capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.strip()
+            config._order_seed = int(head[:8], 16)
+        except (OSError, ValueError, subprocess.SubprocessError):
+            config._order_seed = random.randrange(2 ** 32)
+    return config._order_seed
+
+
+def _block(item) -> tuple:
+    """The tests that must stay together inside a module: one class, one value of each parametrized fixture
+    wider than a test (their fixture would otherwise be set up again for each switch)."""
+    parts = item.nodeid.split("::")[1:-1]
+    callspec = getattr(item, "callspec", None)
+    wide = []
+    if callspec is not None:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        for name in sorted(callspec.params):
+            fixturedefs = defs.get(name) or ()
+            scope = getattr(fixturedefs[-1], "scope", "function") if fixturedefs else "function"
+            if scope in ("class", "module", "package"):
+                wide.append((name, callspec.indices.get(name)))
+    return tuple(parts), tuple(wide)
+
+
+def shuffled(items: list, seed: int) -> list:
+    """``items`` with the modules in a shuffled order and each module's tests shuffled within their blocks
+    (:func:`_block`); the same seed gives the same order."""
+    import random
+
+    rng = random.Random(seed)
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    names = list(modules)
+    rng.shuffle(names)
+    out = []
+    for name in names:
+        blocks: dict[tuple, list] = {}
+        for item in modules[name]:
+            blocks.setdefault(_block(item), []).append(item)
+        keys = list(blocks)
+        rng.shuffle(keys)
+        for key in keys:
+            rng.shuffle(blocks[key])
+            out.extend(blocks[key])
+    return out
+
+
+def pytest_report_header(config):
+    order = config.getoption("order", default="file")
+    if order == "shuffle":
+        seed = order_seed(config)
+        return f"test order: shuffled, seed {seed} (repeat with --order-seed {seed}; --order file for file order)"
+    return f"test order: {order}"
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Run the tests last to first under ``--order reverse``."""
-    if config.getoption("order", default="file") == "reverse":
+    """Shuffle the tests (the default) or run them last to first (``--order reverse``)."""
+    order = config.getoption("order", default="file")
+    if order == "reverse":
         items.reverse()
+    elif order == "shuffle":
+        items[:] = shuffled(items, order_seed(config))
 
 
 _OUTCOMES: dict[str, list[str]] = {}   # "tests/FILE.py::test_name" (no class, no parameters) -> outcomes
