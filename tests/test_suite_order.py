@@ -3,6 +3,7 @@ parametrized module fixture's tests kept in one block, repeatable from the seed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,9 +11,18 @@ import textwrap
 
 import pytest
 
-from conftest import shuffled
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _suite_conftest():
+    """tests/conftest.py by its path (``conftest`` by name may be another folder's)."""
+    spec = importlib.util.spec_from_file_location("_rlhfc_suite_conftest", os.path.join(ROOT, "tests", "conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+shuffled = _suite_conftest().shuffled
 
 
 class _Item:
