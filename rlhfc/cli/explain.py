@@ -51,6 +51,11 @@ def explain(
     compare: bool = typer.Option(False, "--compare", help="print rlhfc's plan beside the plans of DeepSpeed-Chat, "
                                  "OpenRLHF, verl and NeMo-Aligner (baseline:NAME), predicted step times and ratios"),
     rollout: Optional[str] = typer.Option(None, "--rollout", help=ROLLOUT_HELP),
+    turns: Optional[float] = typer.Option(None, "--turns", min=1.0, help="multi-turn generates: the mean policy "
+                                          "turns per trajectory to price (a run's turns_mean; default: max_turns, "
+                                          "an upper bound)"),
+    tool_s: Optional[float] = typer.Option(None, "--tool-s", min=0.0, help="multi-turn generates: seconds a tool's "
+                                           "own function takes per call, on top of the sandbox's (default 0)"),
 ):
     """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
     from rlhfc.cost import CostConfig, response_dist
@@ -68,7 +73,8 @@ def explain(
         if fmt not in ("text", "json"):
             raise CompileError([Diagnostic("error", f"--compare prints text or json, not {fmt}", None,
                                            "use --format text (the default) or --format json")])
-        return _compare(file, opt, passes, plugin, placement, steps, (profile, no_profile, lengths), out, fmt)
+        return _compare(file, opt, passes, plugin, placement, steps, (profile, no_profile, lengths, turns, tool_s),
+                        out, fmt)
     module, _ = load(file, plugin)
     # an explicit --profile prices the placement search too (as `compile --profile`); the machine's default
     # profile prices only what explain reports, so explain shows the plan `compile` emits
@@ -77,7 +83,8 @@ def explain(
     module = done.module
     prof = resolve_profile(profile, no_profile, module.cluster.device)
     report = build_report(module, records=done.records, level=done.level, passes=done.passes, steps=steps,
-                          source=file, config=CostConfig(profile=prof, response_lengths=lengths))
+                          source=file, config=CostConfig(profile=prof, response_lengths=lengths, turns=turns,
+                                                         tool_s=tool_s))
     text = render(report, fmt)
     _emit(text, out)
     diags = []
@@ -117,9 +124,9 @@ def _compare(file, opt, passes, plugin, placement, steps, pricing, out, fmt) -> 
         modules.append(((placement or "rlhfc") if name is None else name, title, done.module))
     from rlhfc.cost import CostConfig
 
-    profile, no_profile, lengths = pricing
+    profile, no_profile, lengths, turns, tool_s = pricing
     config = CostConfig(profile=resolve_profile(profile, no_profile, modules[0][2].cluster.device),
-                        response_lengths=lengths)
+                        response_lengths=lengths, turns=turns, tool_s=tool_s)
     rows = compare_rows(modules, steps=steps, config=config)
     text = render_compare_json(rows) if fmt == "json" else render_compare(rows)
     _emit(text, out)

@@ -101,6 +101,8 @@ def _fingerprint(value):
     (length laws and profile fits are shared objects)."""
     if isinstance(value, dict):
         return tuple((k, _fingerprint(v)) for k, v in sorted(value.items()))
+    if isinstance(value, (list, tuple)):   # a multi-turn generate's turns
+        return ("seq",) + tuple(_fingerprint(v) for v in value)
     if isinstance(value, np.ndarray):
         return (value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, (int, float, str, bool, type(None))):

@@ -68,6 +68,11 @@ DEFAULT_COMPUTE = {
 }
 DEFAULT_OTHER_COMPUTE = (1e-4, 1e-8)
 
+#: seconds one sandboxed tool call costs besides the tool's own work: the fork of its zygote, the exchange of
+#: arguments and result (:mod:`rlhfc.runtime.rollout.sandbox`; measured about 2.6 ms per call on the 2-core VM,
+#: calls of one batch forked one after another, so a turn's calls add)
+TOOL_CALL_S = 0.003
+
 
 @dataclass
 class CostConfig:
@@ -80,6 +85,12 @@ class CostConfig:
     measurements). ``batching``: ``static``/``continuous``/``auto`` (cpu static, GPU continuous).
     ``engine``: price every generate stage on this rollout engine (``torch``/``vllm``; None: the plan's,
     :func:`rlhfc.ir.plan.stage_engine`; vLLM's pricing: :mod:`rlhfc.cost.engine`).
+
+    Multi-turn generates (:meth:`CostModel.turn_work`): ``turns``, the mean policy turns per trajectory (None:
+    the generate's ``max_turns``, an upper bound; a run reports it as ``turns_mean``); ``tool_s``, the seconds a
+    tool's own function takes per call, on top of the sandbox's fork and exchange (:data:`TOOL_CALL_S`; None: 0);
+    ``obs_tokens``, the tokens a tool's or the environment's answer adds per turn (None: as many as a policy turn's
+    mean).
     """
 
     profile: Profile | None = None
@@ -87,6 +98,9 @@ class CostConfig:
     dispatch_s: float | None = None
     batching: str = "auto"
     engine: str | None = None
+    turns: float | None = None
+    tool_s: float | None = None
+    obs_tokens: float | None = None
 
 
 @dataclass
@@ -123,6 +137,45 @@ class StageCost:
         return self.weights_bytes + self.state_bytes + self.transient_bytes
 
 
+class _Grown:
+    """Prompt lengths plus ``add`` tokens: a multi-turn generate's rows at a later turn (prompt + trajectory)."""
+
+    def __init__(self, prompts: PromptLengths, add: float):
+        self.prompts, self.add = prompts, float(add)
+
+    def mean(self) -> float:
+        return self.prompts.mean() + self.add
+
+    def expected_max(self, n: int) -> float:
+        return self.prompts.expected_max(n) + self.add
+
+
+def _trajectory_dist(turn: LengthDist, live: list[float], obs: float, width: int) -> LengthDist:
+    """The length law of a multi-turn trajectory: ``j`` policy turns (the probability of exactly ``j``:
+    ``live[j-1] - live[j]``) of independent lengths ``turn``, with ``obs`` answer tokens after each but the last,
+    cut at ``width`` tokens."""
+    pmf = np.zeros(width + 1)
+    conv = np.array([1.0])
+    one = np.concatenate([[0.0], turn.array()])   # P(turn length = l), l = 0..T
+    gap = int(round(obs))
+    for j in range(1, len(live) + 1):
+        p = live[j - 1] - (live[j] if j < len(live) else 0.0)
+        conv = np.convolve(conv, one)
+        if p <= 0:
+            if j < len(live) and gap:
+                conv = np.concatenate([np.zeros(gap), conv])
+            continue
+        n = min(len(conv), width + 1)
+        pmf[:n] += p * conv[:n]
+        pmf[width] += p * conv[n:].sum()
+        if gap:
+            conv = np.concatenate([np.zeros(gap), conv])
+        if len(conv) > width + 1:   # every length past the width ends at it, whatever comes after
+            conv = np.concatenate([conv[:width], [conv[width:].sum()]])
+    pmf = pmf[1:] / max(pmf[1:].sum(), 1e-300)
+    return LengthDist(tuple(float(x) for x in pmf))
+
+
 #: cost-model classes by the prefix of a plan's strategy: a module registers its own (rlhfc.cost.baselines:
 #: ``baseline:``), and ``CostModel(module)`` is one of them when the module's strategy has the prefix
 STRATEGY_PRICERS: dict[str, type] = {}
@@ -154,7 +207,8 @@ class CostModel:
             DISPATCH_S["gpu" if self.gpu else "cpu"]
         shared, c = shared_cache(), self.config   # inside shared_prices(): one cache per configuration
         self._cache: dict = {} if shared is None else \
-            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, c.engine, self.kind), {})
+            shared.setdefault((id(c.profile), c.response_lengths, c.dispatch_s, c.batching, c.engine, self.kind,
+                               c.turns, c.tool_s, c.obs_tokens), {})
 
     # -- what a stage computes -------------------------------------------------------------------
     def rollout_source(self, stage: Stage) -> Stage | None:
@@ -222,13 +276,21 @@ class CostModel:
         key = ("gen", gen.name, micro, continuous)
         if key in self._cache:
             return self._cache[key]
-        B = gen.outputs[0].type.batch or 1
-        delta = overcommit_delta(gen)
+        if plan.multi_turn(gen):
+            work = self.turn_work(gen, micro, continuous)
+        else:
+            B = gen.outputs[0].type.batch or 1
+            work = self._decode_work(self.response_lengths(gen), self.prompt_lengths(gen), B, overcommit_delta(gen),
+                                     micro, continuous)
+        self._cache[key] = work
+        return work
+
+    def _decode_work(self, dist: LengthDist, prompts, B: int, delta: int, micro: int, continuous: bool) -> dict:
+        """One decode call's work (:meth:`generation_work`): ``B`` + ``delta`` prompts of lengths ``prompts``
+        whose responses follow ``dist``, in ``micro`` waves."""
         n = B + delta
         micro = max(1, int(micro))
         wave = max(1, -(-n // micro))
-        dist = self.response_lengths(gen)
-        prompts = self.prompt_lengths(gen)
         T = dist.T
         t = np.arange(T, dtype=np.float64)
         steps_w = dist.kth_running(B, n) if (delta and micro == 1) else dist.p_running(wave)
@@ -252,14 +314,60 @@ class CostModel:
         row_steps = float(np.sum(steps_w * active))
         useful = float(wave * (prompts.mean() + dist.mean()))
         computed = float(wave * prompt + row_steps)
-        work = {"dist": dist, "rows": float(wave), "batch": B, "delta": delta, "waves": micro, "prompt": float(prompt), "T": T,
-                "t": t, "steps_w": steps_w, "active": active, "kv_tokens": kv_tokens,
+        return {"dist": dist, "rows": float(wave), "batch": B, "delta": delta, "waves": micro, "prompt": float(prompt),
+                "T": T, "t": t, "steps_w": steps_w, "active": active, "kv_tokens": kv_tokens,
                 "decode_rows": row_steps / max(float(steps_w.sum()), 1e-12),
                 "useful_tokens": useful, "computed_tokens": computed,
                 "expected_steps": float(steps_w.sum()), "mean_response": dist.mean(),
                 "order": order, "prompt_mean": prompts.mean(), "prompt_max": prompts.expected_max(n)}
-        self._cache[key] = work
-        return work
+
+    def turn_work(self, gen: Stage, micro: int = 1, continuous: bool | None = None) -> dict:
+        """The work of a multi-turn generate (tools or an environment between the policy's turns,
+        :mod:`rlhfc.runtime.rollout.agent`), as the runtime runs it: each turn is one decode call over the
+        trajectories still going, every row re-prefilled with its prompt and its trajectory so far (the turn's
+        prompt grows by a policy turn and an answer per turn), then the turn's tool calls.
+
+        ``turns`` (:class:`CostConfig`) trajectories' mean turns ``E``: every trajectory takes the first
+        ``floor(E)`` turns and a fraction ``E - floor(E)`` one more (default ``max_turns``: every trajectory
+        takes every turn, an upper bound). A policy turn's length follows the response-length law cut at
+        ``turn_tokens``; an answer adds ``obs_tokens``. Each trajectory that goes on after a turn made one call
+        (of a tool: :data:`TOOL_CALL_S` + ``tool_s`` each; an environment's step runs in the worker and costs
+        nothing here). The rollout's response is the whole trajectory (its length law: the turns' sum, cut at
+        ``max_new_tokens``). Returned: :meth:`generation_work`'s keys for the whole trajectory and ``turns``,
+        one decode work per turn, with ``tool_s`` (seconds of tool calls over all turns, on one process)."""
+        continuous = self.continuous if continuous is None else continuous
+        model = self.module.models[gen.target]
+        B = gen.outputs[0].type.batch or 1
+        width = int(gen.attrs.get("max_new_tokens", 32))
+        K = max(1, int(gen.attrs.get("max_turns", 1)))
+        budget = min(int(gen.attrs.get("turn_tokens", 0) or width), width)
+        given = self.config.turns
+        E = float(min(max(given, 1.0), K)) if given is not None else float(K)
+        turn = response_dist(self.config.response_lengths, budget, vocab=model.vocab,
+                             pretrained=self.pretrained(gen.target))
+        obs = float(self.config.obs_tokens) if self.config.obs_tokens is not None else turn.mean()
+        tools = bool(gen.attrs.get("tools"))
+        per_call = TOOL_CALL_S + float(self.config.tool_s or 0.0)
+        prompts = self.prompt_lengths(gen)
+        live = [min(max(E - k, 0.0), 1.0) for k in range(K)]   # fraction of the trajectories taking turn k + 1
+        turns, calls = [], 0.0
+        for k, f in enumerate(live):
+            if f <= 0:
+                break
+            rows = max(1, int(round(B * f)))
+            grown = _Grown(prompts, min(k * (turn.mean() + obs), float(width)))
+            turns.append(self._decode_work(turn, grown, rows, 0, micro, continuous))
+            if k + 1 < K and live[k + 1] > 0:
+                calls += B * live[k + 1]
+        traj = _trajectory_dist(turn, live, obs, width)
+        whole = self._decode_work(traj, prompts, B, 0, micro, continuous)   # the rollout's shape, read downstream
+        whole.update(turns=turns, tool_s=calls * per_call if tools else 0.0, tool_calls=calls if tools else 0.0,
+                     env_steps=0.0 if tools else calls, expected_turns=E, max_turns=K, turn_tokens=budget,
+                     obs_tokens=obs, turns_source="given" if given is not None else "max_turns (upper bound)",
+                     kv_tokens=max(w["kv_tokens"] for w in turns),
+                     expected_steps=float(sum(w["expected_steps"] for w in turns)),
+                     computed_tokens=float(sum(w["computed_tokens"] for w in turns)))
+        return whole
 
     def sequence_work(self, stage: Stage, rows: float | None = None) -> dict:
         """Rows and sequence length of a forward/train stage on the rollout it reads."""
@@ -418,6 +526,16 @@ class CostModel:
                        "decode_rows": work["decode_rows"], "useful_tokens": work["useful_tokens"],
                        "computed_tokens": work["computed_tokens"]}
             finish = self._finish_offsets(first, work)
+            if "turns" in work:   # a multi-turn generate: its decode calls' flops; its rollout arrives whole
+                flops = sum(2 * arch["mm"] * w["rows"] * w["waves"] * (w["prompt"] + w["expected_steps"])
+                            for w in work["turns"])
+                summary.update({k: work[k] for k in ("max_turns", "expected_turns", "turns_source", "turn_tokens",
+                                                     "obs_tokens", "tool_calls", "env_steps")},
+                               tool_s=first.get("tools", 0.0), tools=bool(work["tool_calls"]),
+                               turn_rows=[w["rows"] * w["waves"] for w in work["turns"]],
+                               turn_s=[float(np.asarray(F.generate_time(np, inp.hw, inp.arch, w, inp.lay, inp.fit)
+                                                        ["total"]).reshape(-1)[0]) for w in work["turns"]])
+                finish = tuple(float(first["total"] - self.dispatch) for _ in range(int(work["batch"])))
             if self.own_weights(stage):   # its source; the refit of a trained model's new weights first
                 self._add_refit(stage, model, first, summary)
         else:

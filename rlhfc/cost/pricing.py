@@ -28,7 +28,10 @@ class PriceInputs:
 def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
     """Time parts and memory per device of a stage for every layout in ``inp.lay`` (arrays)."""
     f, hw, arch, work, lay = inp.family, inp.hw, inp.arch, inp.work, inp.lay
-    if f == "generate":
+    if f == "generate" and "turns" in work:   # multi-turn: a decode call per turn, then the turn's tool calls
+        res, transient = _turns(xp, inp)
+        state = 0.0 * lay["dp"]
+    elif f == "generate":
         res = F.generate_time(xp, hw, arch, work, lay, inp.fit)
         transient = F.generate_cache_bytes(xp, hw, arch, work, lay)
         state = 0.0 * lay["dp"]
@@ -52,6 +55,23 @@ def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
     out["state_bytes"] = state
     out["transient_bytes"] = transient + 0.0 * lay["dp"]
     return out
+
+
+def _turns(xp, inp: PriceInputs) -> tuple[dict, object]:
+    """A multi-turn generate (:meth:`rlhfc.cost.model.CostModel.turn_work`): its turns' decode calls one after
+    another, plus the tool calls between them (``tools``; a group's ranks each call their share's); its
+    transient memory the largest turn's."""
+    hw, arch, lay = inp.hw, inp.arch, inp.lay
+    parts = [F.generate_time(xp, hw, arch, w, lay, inp.fit) for w in inp.work["turns"]]
+    res = {k: sum(p[k] for p in parts) for k in parts[0]}
+    tools = inp.work["tool_s"] / lay["dp"]
+    res["total"] = res["total"] + tools
+    res["overhead"] = res["overhead"] + tools
+    res["tools"] = tools + 0.0 * res["total"]
+    transient = F.generate_cache_bytes(xp, hw, arch, inp.work["turns"][0], lay)
+    for w in inp.work["turns"][1:]:
+        transient = xp.maximum(transient, F.generate_cache_bytes(xp, hw, arch, w, lay))
+    return res, transient
 
 
 def _bound(parts: dict) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
 from rlhfc.cost.profile import model_key
 from rlhfc.ir import Module, print_module
+from rlhfc.ir import plan
 from rlhfc.ir.plan import AsyncRollout, async_rollout, overcommit_delta, unset, overlap_group, stream_chunk, workers
 from rlhfc.ir.schedule import build_schedule
 
@@ -73,6 +74,7 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
             notes.append(f"%{s.name} overcommits by {overcommit_delta(s)} prompts: each step trains on the first "
                          f"{s.outputs[0].type.batch} to finish (this changes which samples are trained on)")
     notes += async_notes(module, cm, sim, steps)
+    notes += agent_notes(module, sim)
     groups: dict = {}
     for s in module.graph.stages:
         g = overlap_group(s)
@@ -122,6 +124,31 @@ def async_notes(module: Module, cm: CostModel, sim, steps: int) -> list[str]:
     out.append(f"asynchronous rollout: predicted steady-state step {sim.step_time_s:.3g} s against "
                f"{base:.3g} s synchronous (x{base / sim.step_time_s:.2f})" if sim.step_time_s > 0 else
                "asynchronous rollout: no step time predicted")
+    return out
+
+
+def agent_notes(module: Module, sim) -> list[str]:
+    """The loop of each multi-turn generate as priced (:meth:`rlhfc.cost.model.CostModel.turn_work`): its turns'
+    decode calls and the tool calls between them."""
+    out = []
+    for s in module.graph.stages:
+        cost = sim.costs.get(s.name)
+        if not plan.multi_turn(s) or cost is None or "turn_s" not in cost.work:
+            continue
+        w = cost.work
+        between = (f"tool(s) {', '.join(str(s.attrs['tools']).split(','))}" if s.attrs.get("tools") else
+                   f"environment {s.attrs.get('env')}")
+        turns = ", ".join(f"turn {k + 1} {fmt_seconds(t)} ({r:.0f} rows)"
+                          for k, (t, r) in enumerate(zip(w["turn_s"], w["turn_rows"])))
+        basis = ("max_turns, an upper bound: `--turns` with a run's turns_mean prices the mean"
+                 if w["turns_source"] != "given" else "--turns")
+        calls = (f"{w['tool_calls']:.0f} tool calls, {fmt_seconds(w['tool_s'])} on this mesh (sandbox fork and "
+                 "exchange; `--tool-s` adds the tool's own seconds per call)" if w["tools"] else
+                 f"{w['env_steps']:.0f} environment steps (in the worker, not priced)")
+        out.append(f"%{s.name} is a multi-turn loop: up to {w['max_turns']} policy turns of at most "
+                   f"{w['turn_tokens']} token{'s' if w['turn_tokens'] != 1 else ''}, {between} between them; priced at {w['expected_turns']:g} turns per "
+                   f"trajectory ({basis}), each turn one decode call re-prefilling prompt + trajectory so far "
+                   f"(+{w['obs_tokens']:.3g} answer tokens a turn): {turns}; {calls}")
     return out
 
 
