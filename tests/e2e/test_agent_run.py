@@ -3,6 +3,8 @@
 - A job whose generate calls a sandboxed tool (tests/e2e/agent_tool.rlhf, PPO with a critic): the same
   trajectories (token ids) and metrics at -O0 and -O2 (within -O2's stated 1e-4), a resumed run
   equal to the uninterrupted one, the calls' working folders inside the run folder.
+- A tool that keeps killing its sandbox from the third step on stops the job with a located error naming the
+  tool, the checkpoint before it kept; resumed once the tool behaves, the run equals the uninterrupted one.
 - The worked example (examples/agent_tiny.rlhf with GRPO, examples/agent_tiny_ppo.rlhf with PPO) learns to use
   its environment, seeds 0-2: the reward and the look-up rate (policy turns per trajectory) of the last 5 steps
   above the first 5 by more than 3 standard errors; each trajectory's reward is what the environment's rules
@@ -17,7 +19,7 @@ import statistics
 
 import pytest
 
-from rlhfc.runtime.job import run_job
+from rlhfc.runtime.job import JobError, run_job
 
 from .conftest import HERE, close, compile_job, job_step, metrics, recording, untimed
 
@@ -67,6 +69,49 @@ def test_a_resumed_tool_using_run_equals_the_uninterrupted_one(tool_runs, tmp_pa
     # within 1e-4 (not yet bit for bit: two fresh runs of this job once differed in step 0's policy loss at 1e-8,
     # cause not found — the session note lists it)
     assert close(untimed(metrics(out)), untimed(rows0)), (metrics(out), rows0)
+
+
+KILLER = """import ctypes, os
+
+def bee(text):
+    if os.path.exists({trigger!r}):   # from the step the test chooses on: kill the sandbox's server, every call
+        ctypes.CDLL(None).kill(os.getppid(), 9)
+    return "bc"
+"""
+
+
+def test_a_tool_that_keeps_killing_its_sandbox_stops_the_run_and_keeps_the_checkpoint(tool_runs, tmp_path):
+    """ctypes goes below the sandbox's audit hooks: the tool kills the process that forks its calls. The sandbox
+    restarts it twice, then the job stops at that step's generate, naming the tool; step 2's checkpoint stays
+    latest, and the run resumed from it (the tool fixed) trains as the uninterrupted run."""
+    _, _, rows0, _ = tool_runs["O0"]
+    folder = tmp_path / "program"
+    folder.mkdir()
+    trigger = tmp_path / "kill-from-now-on"
+    (folder / "agent_tools.py").write_text(KILLER.format(trigger=str(trigger)))
+    shutil.copy(TOOL, folder / "agent_tool.rlhf")
+    job = compile_job(str(folder / "agent_tool.rlhf"), str(tmp_path / "job"), level="O0")
+    step, calls = job_step(job), []
+
+    def armed(job_, w):
+        calls.append(len(calls))
+        if len(calls) == 3:   # steps 0 and 1 trained and checkpointed (checkpoint_every = 2)
+            trigger.write_text("")
+        return step(job_, w)
+
+    out = tmp_path / "run"
+    with pytest.raises(JobError) as err:
+        run_job(job, armed, out=str(out), progress=False)
+    message, hint = err.value.message, err.value.hint
+    assert message.startswith("stage %traj (generate on model 'actor') failed: ToolSandboxError: tool 'a' keeps "
+                              "killing its sandbox: the sandbox process died 3 times during one call"), message
+    assert f"last good checkpoint: {out / 'checkpoints' / 'step_2'}" in hint and "--resume" in hint, hint
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert [r["step"] for r in metrics(str(out))] == [0, 1]
+    assert (out / "errors.log").is_file()
+    trigger.unlink()   # the tool fixed: the run goes on from step 2 as if nothing had happened
+    run_job(job, out=str(out), resume=True, progress=False)
+    assert close(untimed(metrics(str(out))), untimed(rows0)), (metrics(str(out)), rows0)
 
 
 def _copy_example(program: str, seed: int, folder) -> str:
