@@ -15,6 +15,7 @@ from rlhfc.passes import PIPELINES, PassManager, parse_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "agent_tiny.rlhf")
+EXAMPLE_PPO = os.path.join(ROOT, "examples", "agent_tiny_ppo.rlhf")
 TOOL = os.path.join(ROOT, "tests", "e2e", "agent_tool.rlhf")
 
 
@@ -72,6 +73,34 @@ def test_env_reward_of_a_rollout_without_an_environment_is_a_located_error():
     with pytest.raises(CompileError) as exc:
         compile_source(text, TOOL)
     assert "env_reward reads an environment's rewards, but %traj acts in no environment" in str(exc.value)
+
+
+def test_env_turn_rewards_of_a_rollout_without_an_environment_is_a_located_error():
+    text = open(TOOL).read().replace('scores   = rule("rlhfc.runtime.rewards:vowel_count", traj)',
+                                     "scores   = env_turn_rewards(traj)")
+    with pytest.raises(CompileError) as exc:
+        compile_source(text, TOOL)
+    assert "env_turn_rewards reads an environment's rewards, but %traj acts in no environment" in str(exc.value)
+
+
+def test_per_turn_rewards_feed_kl_penalty_and_gae_and_report_their_sum_as_the_reward():
+    """``env_turn_rewards(traj)`` is a TokenFloat: kl_penalty and gae take it; the job's reward metric is its
+    per-row sum (no sequence score in the program)."""
+    from rlhfc.codegen.plan import metric_roles
+
+    text = open(EXAMPLE_PPO).read().replace(
+        "  scores   = env_reward(traj)\n"
+        "  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.0)",
+        "  rewards  = env_turn_rewards(traj)\n"
+        "  tok      = kl_penalty(rewards, logp, ref_logp, coef = 0.01)\n"
+        "  adv, ret = gae(tok, values, gamma = 1.0, lam = 0.95)")
+    assert "env_turn_rewards" in text
+    module, _ = compile_source(text, EXAMPLE_PPO)
+    ir = print_module(module)
+    assert "%rewards = compute.env_turn_rewards(%traj) {} : TokenFloat[144]" in ir
+    assert "%tok = compute.kl_penalty(%rewards, %logp, %ref_logp) {coef = 0.01" in ir
+    roles = metric_roles(module)
+    assert roles.reward == "rewards" and roles.kl == ("logp", "ref_logp")
 
 
 def test_an_environment_class_without_step_is_a_located_error(tmp_path):

@@ -103,8 +103,9 @@ def metric_roles(module: Module) -> contract.MetricRoles:
                 roles["kl"] = [s.inputs[1].name, s.inputs[2].name]
         if s.op == "compute.ppo_clip" and len(s.inputs) == 4 and "kl" not in roles:
             roles["kl"] = [s.inputs[1].name, s.inputs[3].name]
-    if "reward" not in roles:
-        seq = next((v for s in g.stages for v in s.outputs if v.type.kind == "SeqFloat"), None)
+    if "reward" not in roles:   # a sequence score, else an environment's per-turn rewards (summed per row)
+        seq = next((v for s in g.stages for v in s.outputs if v.type.kind == "SeqFloat"), None) or \
+            next((s.outputs[0] for s in g.stages if s.op == "compute.env_turn_rewards"), None)
         if seq is not None:
             roles["reward"] = seq.name
     for s in g.stages:

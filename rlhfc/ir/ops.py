@@ -256,9 +256,10 @@ register_op(OpSpec(
 
 register_op(OpSpec(
     "compute.kl_penalty",
-    (Operand("scores", ("SeqFloat",)), Operand("logp", _TF), Operand("ref_logp", _TF)),
+    (Operand("scores", ("SeqFloat", "TokenFloat"), doc="sequence scores, or per-token rewards (env_turn_rewards)"),
+     Operand("logp", _TF), Operand("ref_logp", _TF)),
     (Attr("coef", "float", 0.05, min=0.0, doc="KL coefficient"), _KL),
-    _TF, doc="per-token rewards: -coef*KL on every token, plus the score on the last"))
+    _TF, doc="per-token rewards: -coef*KL on every token, plus the score on the last (or each token's reward)"))
 
 register_op(OpSpec(
     "compute.gae",
@@ -304,6 +305,11 @@ register_op(OpSpec(
 register_op(OpSpec(
     "compute.env_reward", (Operand("rollout", ("Rollout",)),), (),
     ("SeqFloat",), doc="each trajectory's summed reward from its environment (a generate with env = ...)"))
+
+register_op(OpSpec(
+    "compute.env_turn_rewards", (Operand("rollout", ("Rollout",)),), (),
+    _TF, doc="per-token rewards of a generate with env = ...: each environment step's reward on the last token of "
+             "the policy turn it answered (for gae or kl_penalty)"))
 
 register_op(OpSpec(
     "compute.overlong",
@@ -376,4 +382,5 @@ METHOD_OPS = {"generate": "generate", "logprobs": "forward.logprobs", "values": 
 BUILTIN_OPS = {"rule": "compute.rule", "kl_penalty": "compute.kl_penalty", "gae": "compute.gae",
                "group_advantages": "compute.group_advantages", "ppo_clip": "compute.ppo_clip",
                "remax": "compute.remax", "overlong": "compute.overlong", "env_reward": "compute.env_reward",
+               "env_turn_rewards": "compute.env_turn_rewards",
                "value_loss": "compute.value_loss"}

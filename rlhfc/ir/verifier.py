@@ -338,14 +338,15 @@ def _check_tools(module: Module, sink: DiagnosticSink) -> None:
 
 
 def _check_env_rewards(module: Module, sink: DiagnosticSink) -> None:
-    """``env_reward(roll)`` reads the rewards of an environment: its rollout comes from a generate with one."""
+    """``env_reward(roll)`` and ``env_turn_rewards(roll)`` read the rewards of an environment: their rollout comes
+    from a generate with one."""
     g = module.graph
     for s in g.stages:
-        if s.op != "compute.env_reward" or not s.inputs:
+        if s.op not in ("compute.env_reward", "compute.env_turn_rewards") or not s.inputs:
             continue
         gen = g.producer(s.inputs[0])
         if gen.op != "generate" or not gen.attrs.get("env"):
-            sink.error(f"%{s.name}: env_reward reads an environment's rewards, but %{gen.name} acts in no "
+            sink.error(f"%{s.name}: {s.op.split('.', 1)[1]} reads an environment's rewards, but %{gen.name} acts in no "
                        "environment", where(s), "generate with one: actor.generate(prompts, env = game, max_turns = 4)")
 
 

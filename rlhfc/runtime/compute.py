@@ -15,7 +15,7 @@ from rlhfc.contract.engines import rollout_traits
 from rlhfc.runtime.data.values import PolicyLossInput, Rollout, TokenValues, ValueLossInput, select_rows
 from rlhfc.runtime.rl import algorithms, ppo
 from rlhfc.runtime.rl.guards import check_finite
-from rlhfc.runtime.rollout.agent import ENV_REWARD
+from rlhfc.runtime.rollout.agent import ENV_REWARD, ENV_TURN_REWARDS
 
 from .rewards import resolve_rule, rule_scores
 
@@ -55,9 +55,17 @@ def gae(rewards, values: TokenValues, logp: TokenValues | None = None, ref_logp:
     return TokenValues(adv, mask), TokenValues(ret, mask)
 
 
-def kl_penalty(scores: torch.Tensor, logp: TokenValues, ref_logp: TokenValues, *, coef: float,
+def kl_penalty(scores, logp: TokenValues, ref_logp: TokenValues, *, coef: float,
                estimator: str) -> TokenValues:
-    """Per-token rewards: ``-coef * KL`` on each token plus the score on the last."""
+    """Per-token rewards: ``-coef * KL`` on each token plus the score on the last (``scores`` [B]), or plus each
+    token's own reward (``scores`` per-token rewards: :func:`env_turn_rewards`)."""
+    if isinstance(scores, TokenValues):
+        check_finite(scores.values, "a per-token reward", mask=scores.mask)
+        kl = ppo.kl_penalty(logp.values, ref_logp.values, estimator)
+        penalty = torch.where(logp.mask.bool(), -coef * kl, torch.zeros_like(kl))
+        out = scores.values.to(penalty.dtype) + penalty
+        return TokenValues(check_finite(out, "a KL-penalised reward (the KL of logp and ref_logp)", mask=logp.mask),
+                           logp.mask)
     check_finite(scores, "a score")
     out = ppo.kl_penalized_rewards(scores, logp.values, ref_logp.values, logp.mask, coef, estimator)
     return TokenValues(check_finite(out, "a KL-penalised reward (the KL of logp and ref_logp)", mask=logp.mask),
@@ -165,6 +173,20 @@ def ppo_clip(rollout: Rollout, logp: TokenValues, advantages: TokenValues, ref_l
 def value_loss(rollout: Rollout, values: TokenValues, returns: TokenValues, *, clip: float) -> ValueLossInput:
     """Bundle what the critic's train step needs."""
     return ValueLossInput(rollout, values.values, returns.values, clip)
+
+
+def env_turn_rewards(rollout: Rollout) -> TokenValues:
+    """Per-token rewards [B, R] of a multi-turn generate with ``env = ...``: each environment step's reward on the
+    last token of the policy turn it answered, 0 elsewhere (their sum over a row is :func:`env_reward`'s)."""
+    if not rollout.fields or any(ENV_TURN_REWARDS not in f for f in rollout.fields):
+        raise ValueError("env_turn_rewards needs a rollout whose generate acts in an environment (env = ...)")
+    mask = rollout.mask
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for row, f in enumerate(rollout.fields):
+        for col, reward in f[ENV_TURN_REWARDS]:
+            out[row, min(int(col), mask.shape[1] - 1)] += float(reward)
+    check_finite(out, "an environment's reward", prompts=rollout.prompts)
+    return TokenValues(out.to(mask.device), mask)
 
 
 def env_reward(rollout: Rollout) -> torch.Tensor:

@@ -5,6 +5,8 @@
   equal to the uninterrupted one, the calls' working folders inside the run folder.
 - A tool that keeps killing its sandbox from the third step on stops the job with a located error naming the
   tool, the checkpoint before it kept; resumed once the tool behaves, the run equals the uninterrupted one.
+- Per-turn rewards (``env_turn_rewards`` through ``kl_penalty`` into ``gae``) from an environment that rewards only
+  its last step train bit for bit as the summed ``env_reward`` does.
 - The worked example (examples/agent_tiny.rlhf with GRPO, examples/agent_tiny_ppo.rlhf with PPO) learns to use
   its environment, seeds 0-2: the reward and the look-up rate (policy turns per trajectory) of the last 5 steps
   above the first 5 by more than 3 standard errors; each trajectory's reward is what the environment's rules
@@ -140,6 +142,35 @@ def _env_reward(trajectory: str, answer: str) -> float:
         return 0.0
     given = trajectory[2:]
     return 1.0 if given == answer else 0.05 if len(given) == 1 and given.isdigit() else 0.0
+
+
+def test_per_turn_rewards_of_a_last_step_reward_train_as_the_summed_reward(tmp_path):
+    """examples/agent_tiny_ppo.rlhf (its environment rewards the answer, never the look-up) for 3 steps, with
+    ``env_reward`` into gae and with ``env_turn_rewards`` -> ``kl_penalty`` -> ``gae``: the same token ids and the
+    same metrics, bit for bit (the reward lands on the same token either way)."""
+    summed = _copy_example("agent_tiny_ppo.rlhf", 0, tmp_path / "summed")
+    text = open(summed).read()
+    old = ("  scores   = env_reward(traj)\n"
+           "  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.0)")
+    assert old in text
+    per_turn = _copy_example("agent_tiny_ppo.rlhf", 0, tmp_path / "per_turn")
+    with open(per_turn, "w") as fh:
+        fh.write(text.replace(old, "  rewards  = env_turn_rewards(traj)\n"
+                                   "  tok      = kl_penalty(rewards, logp, ref_logp, coef = 0.0)\n"
+                                   "  adv, ret = gae(tok, values, gamma = 1.0, lam = 0.95)"))
+    runs = {}
+    for name, path in (("summed", summed), ("per_turn", per_turn)):
+        job = compile_job(path, str(tmp_path / name / "job"), level="O2")
+        samples: list = []
+        rows = run_job(job, recording(job_step(job), samples), out=str(tmp_path / name / "run"), steps=3,
+                       progress=False)
+        runs[name] = (untimed(rows), samples)
+    assert runs["per_turn"][1] == runs["summed"][1]
+    assert runs["per_turn"][0] == runs["summed"][0]
+    assert runs["summed"][0][-1]["reward_mean"] == runs["per_turn"][0][-1]["reward_mean"]
+    with open(tmp_path / "per_turn" / "run" / "samples.jsonl") as fh:
+        logged = [__import__("json").loads(line) for line in fh]
+    assert all(sum(r for _, r in row["env_turn_rewards"]) == pytest.approx(row["env_reward"]) for row in logged)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

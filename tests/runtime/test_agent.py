@@ -163,3 +163,55 @@ def test_gae_and_the_kl_reward_run_over_the_policys_tokens_only():
     scores = torch.tensor([2.0, 3.0])
     tok = ppo.kl_penalized_rewards(scores, torch.zeros(2, 7), torch.zeros(2, 7), mask, 0.1)
     assert tok[0, 5] == 2.0 and tok[1, 3] == 3.0 and tok.sum() == 5.0   # the last policy token, not len - 1
+
+
+class _Steps:
+    """An environment rewarding each step: 0.25 for "?" (and answering "7"), 1.0 for any other answer."""
+
+    def reset(self, record):
+        return ""
+
+    def step(self, action):
+        if action == "?":
+            return "7", 0.25, False
+        return "", 1.0, True
+
+
+def test_per_turn_rewards_land_on_the_last_token_of_the_turn_they_answer():
+    """``env_turn_rewards``: each step's reward at the response column of its turn's last policy token; the row
+    sums equal ``env_reward``; kl_penalty adds -coef·KL on the policy's tokens only; with gamma < 1 the
+    look-up turn's own reward reaches its advantage undiscounted."""
+    from rlhfc.runtime import compute
+    from rlhfc.runtime.data.values import TokenValues
+    from rlhfc.runtime.rollout.agent import ENV_REWARD, ENV_TURN_REWARDS
+
+    tok = CharTokenizer(64)
+    loop = AgentLoop({}, max_turns=3, turn_tokens=4, env=_Steps, env_name="steps")
+    decode = _scripted({0: ["?", "x"], 1: ["ab"]}, tok)
+    trajs, _ = loop.run(decode, [[1], [1]], width=12, keys=[0, 1], tokenizer=tok, want_logprobs=False,
+                        records=[{"prompt": "p"}, {"prompt": "q"}])
+    a, b = trajs
+    # a: "?" EOS (cols 0-1), "7" from the environment (col 2), "x" EOS (cols 3-4)
+    assert a.tokens == tok.encode("?") + [tok.eos_id] + tok.encode("7") + tok.encode("x") + [tok.eos_id]
+    assert a.turn_rewards == [(1, 0.25), (4, 1.0)] and a.reward == 1.25
+    assert b.turn_rewards == [(2, 1.0)]       # "ab" EOS: one turn, its reward on the EOS
+
+    class _Roll:
+        prompts = ["p", "q"]
+        mask = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+        fields = [{ENV_REWARD: t.reward, ENV_TURN_REWARDS: [list(x) for x in t.turn_rewards]} for t in trajs]
+
+    per = compute.env_turn_rewards(_Roll)
+    assert per.values.tolist() == [[0, 0.25, 0, 0, 1.0, 0], [0, 0, 1.0, 0, 0, 0]]
+    assert per.values.sum(-1).tolist() == compute.env_reward(_Roll).tolist() == [1.25, 1.0]
+    logp = TokenValues(torch.full((2, 6), -1.0), _Roll.mask)
+    ref = TokenValues(torch.full((2, 6), -1.5), _Roll.mask)
+    tokens = compute.kl_penalty(per, logp, ref, coef=0.1, estimator="k1")
+    assert torch.allclose(tokens.values, per.values - 0.1 * 0.5 * _Roll.mask)
+    zero = torch.zeros(2, 6)
+    adv, _ = ppo.gae(per.values, zero, _Roll.mask, gamma=0.5, lam=1.0)
+    # row 0 over its policy tokens (cols 0, 1, 3, 4), backwards: A4 = 1; A3 = 0.5·A4 = 0.5; A1 = 0.25 (its own
+    # turn's reward) + 0.5·A3 = 0.5; A0 = 0.5·A1 = 0.25
+    assert adv[0].tolist() == [0.25, 0.5, 0.0, 0.5, 1.0, 0.0]
+    with pytest.raises(ValueError, match="env_turn_rewards needs a rollout whose generate acts in an environment"):
+        compute.env_turn_rewards(type("R", (), {"fields": [{}], "mask": _Roll.mask, "prompts": ["p"]}))

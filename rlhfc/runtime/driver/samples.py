@@ -29,8 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfc.runtime.data.values import Rollout
-from rlhfc.runtime.rollout.agent import ENV_REWARD, TURNS
+from rlhfc.runtime.data.values import Rollout, TokenValues
+from rlhfc.runtime.rollout.agent import ENV_REWARD, ENV_TURN_REWARDS, TURNS
 
 from .metrics import trim_jsonl
 
@@ -56,6 +56,9 @@ def sample_rows(step: int, roll: Rollout, values: dict[str, Any], reward: str | 
     picked = sorted({i * size // min(n, size) for i in range(min(n, size))})
     seq = {name: v for name, v in values.items()
            if torch.is_tensor(v) and v.ndim == 1 and v.shape[0] == size and v.is_floating_point()}
+    per_token = values.get(reward) if reward else None
+    if isinstance(per_token, TokenValues) and per_token.values.shape[0] == size:   # env_turn_rewards: the row's sum
+        seq[reward] = (per_token.values * per_token.mask.to(per_token.values.dtype)).sum(-1)
     lengths = roll.batch.response_lengths.tolist()
     rows = []
     for i in picked:
@@ -71,6 +74,9 @@ def sample_rows(step: int, roll: Rollout, values: dict[str, Any], reward: str | 
         if ENV_REWARD in extra:
             row["env_reward"] = _number(extra[ENV_REWARD])
             row.get("fields", {}).pop(ENV_REWARD, None)
+        if ENV_TURN_REWARDS in extra:   # [[response column, reward], ...]: each environment step's
+            row["env_turn_rewards"] = [[int(c), _number(r)] for c, r in extra[ENV_TURN_REWARDS]]
+            row.get("fields", {}).pop(ENV_TURN_REWARDS, None)
         rows.append(row)
     return rows
 

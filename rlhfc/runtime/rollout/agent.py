@@ -53,7 +53,8 @@ class Trajectory:
     eos: bool = False
     done: bool = False
     reward: float = 0.0     # the environment's rewards, summed over the turns
-    rewards: list[float] = field(default_factory=list)   # ... per turn
+    rewards: list[float] = field(default_factory=list)   # ... per environment step
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)   # (column of the turn's last token, reward)
     steps: int = 0          # decoding steps over all turns
     computed: float = 0.0   # tokens the engine computed for it
     segments: list[tuple[str, int]] = field(default_factory=list)   # (who: "policy", a tool's name or "env", tokens)
@@ -86,6 +87,9 @@ def parse_call(text: str, tools: Iterable[str]) -> tuple[str, str] | None:
 
 #: the sample field holding a trajectory's summed environment reward (not an identifier: no data field clashes)
 ENV_REWARD = "@env_reward"
+#: the sample field holding a trajectory's per-turn environment rewards as ``[[column, reward], ...]``: each step's
+#: reward at the column (of the response) of the last token of the policy turn it answered
+ENV_TURN_REWARDS = "@env_turn_rewards"
 #: the sample field holding a trajectory's turns as ``[[who, text], ...]`` (``Trajectory.turns_text``)
 TURNS = "@turns"
 
@@ -183,6 +187,7 @@ class AgentLoop:
                                        f"done) with a number for reward, got {out!r}")
                     t.reward += float(reward)
                     t.rewards.append(float(reward))
+                    t.turn_rewards.append((max(len(t.tokens) - 1, 0), float(reward)))
                     if done or turn + 1 == self.max_turns or not room:
                         t.done = True
                     else:

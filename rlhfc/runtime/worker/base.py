@@ -32,7 +32,7 @@ from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.models.precision import autocast, under_autocast
 from rlhfc.runtime.models.recompute import apply_recompute
 from rlhfc.runtime.rl.guards import NonFiniteError, check_finite
-from rlhfc.runtime.rollout.agent import ENV_REWARD, TURNS, AgentLoop, load_env
+from rlhfc.runtime.rollout.agent import ENV_REWARD, ENV_TURN_REWARDS, TURNS, AgentLoop, load_env
 from rlhfc.runtime.rollout.base import build_rollout
 from rlhfc.runtime.rollout.sandbox import ToolSandbox, ToolSpec
 from rlhfc.runtime.rollout.generation import (
@@ -235,7 +235,8 @@ class ModelWorker(TracedWorker):
             policy[row, :len(t.policy)] = torch.tensor(t.policy, dtype=policy.dtype)
         roll.batch.response_mask = roll.batch.response_mask * policy   # the loss mask: the policy's tokens
         roll.engine.update(AgentLoop.stats(trajs, max(s for _, s in parts), env=bool(env)))
-        roll.fields = [{**f, TURNS: t.turns_text(self.tokenizer), **({ENV_REWARD: t.reward} if env else {})}
+        roll.fields = [{**f, TURNS: t.turns_text(self.tokenizer),
+                        **({ENV_REWARD: t.reward, ENV_TURN_REWARDS: [list(x) for x in t.turn_rewards]} if env else {})}
                        for f, t in zip(roll.fields, trajs)]
         return roll
 
