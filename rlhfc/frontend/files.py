@@ -100,6 +100,45 @@ def chat_template_problem(folder: str | None, model: str) -> tuple[str, str] | N
     return f"the tokenizer of model '{model}' has no chat template", hint
 
 
+def chat_template_text(folder: str | None) -> str:
+    """The chat template the tokenizer in ``folder`` stores ("" when none, or several named ones joined)."""
+    if not folder:
+        return ""
+    try:
+        path = os.path.join(folder, "chat_template.jinja")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                return fh.read()
+        for name in ("chat_template.json", "tokenizer_config.json"):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path) and os.path.getsize(path) <= MAX_CHECKED_BYTES:
+                with open(path, encoding="utf-8") as fh:
+                    found = json.load(fh).get("chat_template")
+                if isinstance(found, list):   # named templates: [{"name": ..., "template": ...}]
+                    found = "\n".join(str(t.get("template", "")) for t in found if isinstance(t, dict))
+                if found:
+                    return str(found)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return ""
+
+
+#: the tool-call format rlhfc reads from a chat template: Hermes' (Qwen 2.5/3, Hermes, and most recent open
+#: models): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the assistant's turn
+TOOL_CALL_TAG = "<tool_call>"
+
+
+def tool_template_problem(folder: str | None, model: str) -> tuple[str, str] | None:
+    """Why the chat template of model ``model`` cannot carry tool calls for ``generate(..., tools = [...],
+    chat = true)``: rlhfc reads the Hermes format (:data:`TOOL_CALL_TAG`), which the template must render."""
+    if TOOL_CALL_TAG in chat_template_text(folder):
+        return None
+    return (f"the chat template of model '{model}' has no tool-call format rlhfc reads (it never writes "
+            f"{TOOL_CALL_TAG}...</tool_call>)",
+            "a chat = true generate with tools needs a template with Hermes-style tool calls (Qwen 2.5/3, Hermes); "
+            "drop chat to use the plain-text convention (docs/language.md, tool and env)")
+
+
 def _tokenizer_size(folder: str) -> int | None:
     """The largest token id + 1 of the folder's tokenizer.json (or vocab.json + added_tokens.json), or None."""
     try:

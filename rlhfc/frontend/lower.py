@@ -37,7 +37,7 @@ from rlhfc.ir.verify_fields import (attr_hint, check_attr_values, check_params, 
 from . import ast
 from .literals import KIND_NAMES, coerce, show, value_of
 from .lower_decls import Declarations, Scope
-from .files import chat_template_problem
+from .files import chat_template_problem, tool_template_problem
 from .rules import extract_problem, rollout_fields, rule_problem
 
 _PIPELINE_PARAMS = {"batch": 8}
@@ -266,6 +266,8 @@ class _Pipeline:
         self.check_model(call, spec, target, inputs)
         if spec.op == "generate" and attrs.get("chat"):
             problem = chat_template_problem(self.module.models[target].source, target)
+            if problem is None and attrs.get("tools"):
+                problem = tool_template_problem(self.module.models[target].source, target)
             if problem is not None:
                 self.sink.error(problem[0], locs.get("chat", call.loc), problem[1])
                 raise _Failed

@@ -61,7 +61,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], keep_special: bool = False) -> str: ...
 
 
 class CharTokenizer:
@@ -98,7 +98,7 @@ class CharTokenizer:
         raise ValueError("the built-in character tokenizer has no chat template (generate(..., chat = true) needs "
                          "a model from a local HF folder whose tokenizer has one)")
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], keep_special: bool = False) -> str:
         n = len(self.chars)
         out = []
         for i in ids:
@@ -138,8 +138,35 @@ class HFTokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], keep_special: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=not keep_special)
+
+    def chat_ids(self, messages: list[dict], *, tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """``messages`` rendered by the chat template (with ``tools``' schemas where the template shows them)."""
+        out = self.hf.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True)
+        ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
+    def chat_suffix(self, message: dict) -> list[int]:
+        """The tokens the chat template writes for ``message`` (a tool's result, ``role = "tool"``, or a user
+        turn) after an assistant turn that ended with EOS, up to the opening of the next assistant turn: the
+        template's rendering of the conversation with and without it, cut at the assistant turn's EOS."""
+        if message.get("role") == "tool":
+            call = {"type": "function", "function": {"name": message.get("name", "tool"), "arguments": {}}}
+            before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        else:
+            before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        prefix = self.chat_ids(before, add_generation_prompt=False)
+        full = self.chat_ids(before + [message], add_generation_prompt=True)
+        ends = [i for i, t in enumerate(prefix) if t == self.eos_id]
+        if ends:   # the template may write a newline after the turn's EOS: the policy's turn ends at the EOS
+            prefix = prefix[:ends[-1] + 1]
+        if full[:len(prefix)] != prefix:
+            raise ValueError("the chat template renders an assistant turn differently when a message follows it: "
+                             "it cannot append a tool's result to a trajectory token for token")
+        return full[len(prefix):]
 
     def encode_chat(self, text: str) -> list[int]:
         """``text`` as a user turn in the tokenizer's chat template, ending with the assistant's turn opening

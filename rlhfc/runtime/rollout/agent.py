@@ -9,7 +9,12 @@ trajectory fits the generate's ``max_new_tokens`` columns (as verl's ``response_
 most ``turn_tokens`` of what is left, a tool result is cut to what is left, and a trajectory with no room
 for another turn ends.
 
-**The tool-call convention** (plain text, any tokenizer; chat-template tool calls are not read yet): a
+**Two tool-call formats** (:class:`PlainText`, :class:`ChatTemplate`). With a chat template (a generate with
+``chat = true`` on an HF model whose template writes Hermes-style calls: Qwen 2.5/3, Hermes) the prompt is the
+template's user turn with the tools' schemas, a call is ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+in the policy's turn, and a result is appended as the tokens the template writes for a ``tool`` message (an
+environment's observation: a ``user`` message) through the opening of the next assistant turn — computed from
+the template, never by re-tokenizing the conversation. Otherwise, **the plain-text convention** (any tokenizer): a
 policy turn ends at EOS or at its turn budget. A turn whose text, leading spaces stripped, is a declared
 tool's name alone or followed by a space calls that tool, the rest of the text (stripped) being its
 argument: ``calc 12 plus 30`` calls ``calc("12 plus 30")``. The result text is appended as its tokens
@@ -26,8 +31,11 @@ turn re-prefills each row's prompt and trajectory so far (the KV cache is not ke
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import json
 import os
+import re
 import sys
 import time
 import zlib
@@ -85,6 +93,85 @@ def parse_call(text: str, tools: Iterable[str]) -> tuple[str, str] | None:
     return None
 
 
+class PlainText:
+    """The plain-text tool-call convention (module docstring): a call is the tool's name and its argument, a result
+    or an observation is appended as its text's tokens; prompts are encoded as the generate encodes them."""
+
+    def prompt(self, prompt_ids: Sequence[int], text: str, observation: str, tokenizer) -> tuple[list[int], list[int]]:
+        """(the trajectory's prompt ids, the tokens of the environment's first observation before the first turn)."""
+        return list(prompt_ids), (tokenizer.encode(observation) if observation else [])
+
+    def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> tuple[str, str] | None:
+        return parse_call(tokenizer.decode(ids), tools)
+
+    def observe(self, text: str, tokenizer, who: str) -> list[int]:
+        return tokenizer.encode(text) if text else []
+
+
+#: a Hermes-style tool call in a policy turn
+_HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def _argument(arguments: Any) -> str:
+    """A one-argument tool's text from a call's ``arguments``: the text itself, the one value of a one-key object
+    (its text, or its JSON), else the object's JSON."""
+    if isinstance(arguments, str):
+        return arguments
+    if isinstance(arguments, dict) and len(arguments) == 1:
+        (value,) = arguments.values()
+        return value if isinstance(value, str) else json.dumps(value)
+    return json.dumps(arguments)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """Tool calls in the chat template's own format (Hermes: module docstring). ``schemas``: the tools as the
+    template's ``tools`` argument takes them (:func:`tool_schema`)."""
+
+    schemas: tuple = ()
+
+    def prompt(self, prompt_ids: Sequence[int], text: str, observation: str, tokenizer) -> tuple[list[int], list[int]]:
+        content = f"{text}\n\n{observation}" if observation else text   # the first observation joins the user turn
+        return tokenizer.chat_ids([{"role": "user", "content": content}], tools=list(self.schemas)), []
+
+    def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> tuple[str, str] | None:
+        found = _HERMES_CALL.search(tokenizer.decode(ids, keep_special=True))
+        if found is None:
+            return None
+        try:
+            call = json.loads(found.group(1))
+        except ValueError:
+            return None
+        name = call.get("name") if isinstance(call, dict) else None
+        if name not in set(tools):
+            return None
+        return name, _argument(call.get("arguments", call.get("parameters", "")))
+
+    def observe(self, text: str, tokenizer, who: str) -> list[int]:
+        message = {"role": "user", "content": text} if who == "env" else {"role": "tool", "name": who, "content": text}
+        return tokenizer.chat_suffix(message)
+
+
+def tool_schema(name: str, path: str, function: str) -> dict:
+    """The JSON schema a chat template shows for tool ``name`` (``function`` in the file ``path``, read, not
+    imported): its docstring's first paragraph as the description, its one parameter a string."""
+    param, doc = "text", ""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function:
+                args = node.args.posonlyargs + node.args.args
+                param = args[0].arg if args else param
+                doc = (ast.get_docstring(node) or "").split("\n\n", 1)[0].strip()
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return {"type": "function", "function": {"name": name, "description": doc or f"the tool {name}",
+                                             "parameters": {"type": "object",
+                                                            "properties": {param: {"type": "string"}},
+                                                            "required": [param]}}}
+
+
 #: the sample field holding a trajectory's summed environment reward (not an identifier: no data field clashes)
 ENV_REWARD = "@env_reward"
 #: the sample field holding a trajectory's per-turn environment rewards as ``[[column, reward], ...]``: each step's
@@ -131,6 +218,7 @@ class AgentLoop:
     turn_tokens: int
     env: Callable[[], Any] | None = None
     env_name: str = ""
+    format: Any = PlainText()
 
     def _env_call(self, env, method: str, arg, prompt: str):
         try:
@@ -147,15 +235,20 @@ class AgentLoop:
         last tokens are that trajectory); ``width``: the response columns a trajectory may fill; ``records``:
         each row's data record (``{"prompt": text, **fields}``), what an environment's ``reset`` gets.
         Returns the trajectories and the seconds spent waiting for tools."""
-        trajs = [Trajectory(tuple(p)) for p in prompts]
         seconds = 0.0
-        envs = []
-        if self.env is not None:
-            for t, record in zip(trajs, records):
+        envs, firsts = [], []
+        for i in range(len(prompts)):
+            record = records[i] if i < len(records) else {}
+            obs = ""
+            if self.env is not None:
                 env = self.env()
                 envs.append(env)
-                obs = self._env_call(env, "reset", dict(record), record.get("prompt", ""))
-                self._observe(t, "" if obs is None else str(obs), tokenizer, width, "env")
+                got = self._env_call(env, "reset", dict(record), record.get("prompt", ""))
+                obs = "" if got is None else str(got)
+            firsts.append(self.format.prompt(prompts[i], record.get("prompt", ""), obs, tokenizer))
+        trajs = [Trajectory(tuple(ids)) for ids, _ in firsts]
+        for t, (_, first) in zip(trajs, firsts):
+            self._observe(t, first, width, "env")
         for turn in range(self.max_turns):
             live = [i for i, t in enumerate(trajs) if not t.done]
             if not live:
@@ -177,7 +270,7 @@ class AgentLoop:
                 t.computed += item.computed
                 t.eos = item.eos
                 text = tokenizer.decode(new)
-                call = parse_call(text, self.tools) if self.tools else None
+                call = self.format.parse(new, tokenizer, self.tools) if self.tools else None
                 room = width - len(t.tokens) > 0
                 if call is None and envs:   # the turn is the environment's action
                     out = self._env_call(envs[i], "step", text, records[i].get("prompt", ""))
@@ -191,7 +284,8 @@ class AgentLoop:
                     if done or turn + 1 == self.max_turns or not room:
                         t.done = True
                     else:
-                        self._observe(t, "" if obs is None else str(obs), tokenizer, width, "env")
+                        self._observe(t, self.format.observe("" if obs is None else str(obs), tokenizer, "env"),
+                                      width, "env")
                     continue
                 if call is None or turn + 1 == self.max_turns or not room:
                     t.done = True
@@ -205,15 +299,15 @@ class AgentLoop:
                     t.calls += 1
                     t.errors += result.kind == "error"
                     t.timeouts += result.kind == "timeout"
-                    self._observe(t, result.output, tokenizer, width, name)
+                    self._observe(t, self.format.observe(result.output, tokenizer, name), width, name)
             seconds += time.perf_counter() - t0
         return trajs, seconds
 
     @staticmethod
-    def _observe(t: Trajectory, text: str, tokenizer, width: int, who: str) -> None:
-        """Append a tool's or the environment's text as tokens the policy did not sample (cut to the room left;
+    def _observe(t: Trajectory, ids: Sequence[int], width: int, who: str) -> None:
+        """Append a tool's or the environment's tokens, which the policy did not sample (cut to the room left;
         a trajectory with no room for the policy's next turn ends)."""
-        ids = tokenizer.encode(text)[: width - len(t.tokens)] if text else []
+        ids = list(ids)[: width - len(t.tokens)]
         t.add(ids, policy=False, who=who)
         t.tool_tokens += len(ids)
         if ids:

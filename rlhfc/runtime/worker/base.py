@@ -32,7 +32,8 @@ from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.models.precision import autocast, under_autocast
 from rlhfc.runtime.models.recompute import apply_recompute
 from rlhfc.runtime.rl.guards import NonFiniteError, check_finite
-from rlhfc.runtime.rollout.agent import ENV_REWARD, ENV_TURN_REWARDS, TURNS, AgentLoop, load_env
+from rlhfc.runtime.rollout.agent import (ENV_REWARD, ENV_TURN_REWARDS, TURNS, AgentLoop, ChatTemplate, PlainText,
+                                         load_env, tool_schema)
 from rlhfc.runtime.rollout.base import build_rollout
 from rlhfc.runtime.rollout.sandbox import ToolSandbox, ToolSpec
 from rlhfc.runtime.rollout.generation import (
@@ -188,7 +189,7 @@ class ModelWorker(TracedWorker):
             return self._generate_turns(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
                                         top_p=top_p, unpad=unpad, logprobs=logprobs, slots=slots,
                                         refit_mb=refit_mb, tools=tools or [], env=env or None, max_turns=max_turns,
-                                        turn_tokens=turn_tokens or max_new_tokens)
+                                        turn_tokens=turn_tokens or max_new_tokens, chat=chat)
         world = self.backend.world
         samples = list(self._decode(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, logprobs=logprobs, share=self.backend.generation_share(len(inputs)),
@@ -202,14 +203,18 @@ class ModelWorker(TracedWorker):
 
     def _generate_turns(self, model, inputs: list[dict], *, max_new_tokens: int, temperature: float, top_p: float,
                         unpad: bool, logprobs: bool, slots: int | None, refit_mb: int, tools: list[dict],
-                        env: dict | None, max_turns: int, turn_tokens: int) -> Rollout | None:
+                        env: dict | None, max_turns: int, turn_tokens: int, chat: bool = False) -> Rollout | None:
         """A multi-turn generate: every rank runs the trajectories of its share of the rows (its tools' calls
-        in sandboxes of its own), rank 0 builds the rollout from all of them."""
+        in sandboxes of its own), rank 0 builds the rollout from all of them. ``chat``: tool calls and results in
+        the chat template's format (:class:`~rlhfc.runtime.rollout.agent.ChatTemplate`), else plain text."""
         base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
         lo, hi = self.backend.generation_share(len(inputs))
         world = self.backend.world
+        fmt = ChatTemplate(tuple(tool_schema(t["name"], t["path"], t["function"]) for t in tools)) if chat else \
+            PlainText()
         loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
-                         env=load_env(env["path"], env["cls"]) if env else None, env_name=env["name"] if env else "")
+                         env=load_env(env["path"], env["cls"]) if env else None, env_name=env["name"] if env else "",
+                         format=fmt)
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
                   logprob_temperature=temperature if logprobs else None,
                   slots=-(-slots // world) if slots else None)
@@ -228,7 +233,7 @@ class ModelWorker(TracedWorker):
             return None
         trajs = [t for part, _ in parts for t in part]
         samples = AgentLoop.samples(trajs)
-        width_p = max(len(c["prompt_ids"]) for c in inputs)
+        width_p = max(len(t.prompt_ids) for t in trajs)   # a chat template's prompt shows the tools' schemas
         roll = self._rollout(samples, inputs, width_p, None if unpad else max_new_tokens, logprobs)
         policy = torch.zeros_like(roll.batch.response_mask)
         for row, t in enumerate(trajs):
