@@ -211,3 +211,71 @@ def test_the_simulator_pipelines_steps_under_the_bound_and_explain_prints_the_ga
     gain = [n for n in notes if n.startswith("asynchronous rollout: predicted steady-state step")]
     assert gain and f"x{sync.step_time_s / ahead.step_time_s:.2f}" in gain[0], notes
     assert any("runs up to 1 step(s) ahead" in n and "changes what the job trains on" in n for n in notes)
+
+
+# -- A-3PO: the proximal policy interpolated instead of recomputed ----------------------------------------------
+
+
+def test_a3po_drops_the_proximal_forward_and_the_loss_interpolates(tmp_path):
+    """``async_rollout{proximal = loglinear}``: the policy's forward over the rollout becomes the sampling
+    log-probs, the annotation says so (printed, parsed, verified), the generated loss asks for it, and the
+    placement's take-back of log-prob reuse leaves it alone."""
+    from rlhfc.passes.reuse_logprobs import take_back
+
+    module = _module(passes="async_rollout{proximal=loglinear}")
+    roll, logp = module.graph.stage("roll"), module.graph.stage("logp")
+    assert logp.op == "compute.sample_logprobs" and plan.flag(roll, "logprobs")
+    assert roll.annotations["async_rollout"] == {"staleness": 1, "behaviour_cap": 5.0, "proximal": "loglinear"}
+    assert plan.async_rollout(module, roll) == plan.AsyncRollout(1, 5.0, "loglinear")
+    text = print_module(module)
+    assert 'proximal = "loglinear"' in text and print_module(verify(parse_ir(text)) or parse_ir(text)) == text
+    assert take_back(module.clone()).graph.stage("logp").op == "compute.sample_logprobs"
+    out = str(tmp_path / "job")
+    emit_job(module, out, source_path="ppo_tiny.rlhf", opt_level=None, passes=[])
+    assert "behaviour_cap=5.0, proximal='loglinear'" in open(os.path.join(out, "main.py")).read()
+    # recompute (the default) keeps decoupled PPO's forward and prints as before
+    kept = _module(passes="async_rollout")
+    assert kept.graph.stage("logp").op == "forward.logprobs" and "proximal" not in print_module(kept)
+    with pytest.raises(Exception, match="proximal must be one of recompute, loglinear, auto"):
+        parse_pipeline("async_rollout{proximal=guess}")
+    with pytest.raises(plan.PlanError, match="async_rollout must be"):
+        plan.AsyncRollout.parse({"staleness": 1, "proximal": "guess"})
+
+
+def test_a3po_auto_takes_the_interpolation_only_where_the_step_is_predicted_faster():
+    from rlhfc.cost import CostModel, simulate
+    from rlhfc.passes.async_rollout import AUTO_GAIN
+
+    base = _module(passes="async_rollout")
+    inter = _module(passes="async_rollout{proximal=loglinear}")
+    t_base = simulate(base, steps=3, cost_model=CostModel(base)).step_time_s
+    t_inter = simulate(inter, steps=3, cost_model=CostModel(inter)).step_time_s
+    chosen = _module(passes="async_rollout{proximal=auto}")
+    faster = t_inter < (1 - AUTO_GAIN) * t_base
+    assert (chosen.graph.stage("logp").op == "compute.sample_logprobs") == faster
+    assert t_inter < t_base   # a forward fewer is never predicted slower
+
+
+def test_a3po_weights_interpolate_between_behaviour_and_current():
+    """alpha = s / (s + 1) per sample; alpha 0 (a fresh sample) is PPO against the behaviour policy itself;
+    alpha 1 puts the proximal policy on the current one (ratio 1, no clipping)."""
+    from rlhfc.runtime.rl import ppo
+
+    assert ppo.proximal_alpha([3, 3, 4, 1], 4).flatten().tolist() == [0.5, 0.5, 0.0, 0.75]
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float32)
+    logp = (-torch.rand(2, 4)).requires_grad_()
+    behaviour, adv = -torch.rand(2, 4), torch.randn(2, 4)
+    fresh, m0 = ppo.policy_loss(logp, torch.zeros(2, 4), adv, mask, behaviour_logp=behaviour, behaviour_cap=5.0,
+                                proximal_alpha=torch.zeros(2, 1))
+    plain, _ = ppo.policy_loss(logp, behaviour, adv, mask, behaviour_logp=behaviour, behaviour_cap=5.0)
+    assert torch.equal(fresh, plain) and m0["behaviour_weight_mean"] == 1.0 and m0["proximal_alpha_mean"] == 0.0
+    onto, m1 = ppo.policy_loss(logp, torch.zeros(2, 4), adv, mask, behaviour_logp=behaviour, behaviour_cap=50.0,
+                               proximal_alpha=torch.ones(2, 1))
+    assert m1["clipfrac"] == 0.0 and m1["ratio"] == pytest.approx(1.0)
+    weight = torch.exp(logp.detach() - behaviour) * mask
+    assert float(onto) == pytest.approx(float((-adv * weight).sum() / mask.sum()), rel=1e-6)
+    onto.backward()
+    assert logp.grad is not None and logp.grad[mask.bool()].abs().max() > 0
+    with pytest.raises(ValueError, match="needs the behaviour log-probs"):
+        ppo.policy_loss(logp, behaviour, adv, mask, proximal_alpha=torch.ones(2, 1))

@@ -226,6 +226,8 @@ class PythonEmitter:
                 gen = self.m.graph.producer(s.inputs[0])
                 if (ahead := plan.async_rollout(self.m, gen)) is not None:   # decoupled PPO
                     attrs["behaviour_cap"] = ahead.behaviour_cap
+                    if ahead.proximal != "recompute":   # A-3PO: the proximal policy interpolated in the loss
+                        attrs["proximal"] = ahead.proximal
             fn = f"{_module_alias(rule.module)}.{rule.function}"
             call = ", ".join([repr(name), fn] + _args(s.inputs) + _kwargs(attrs))
             return f"{outs} = job.compute({call})"

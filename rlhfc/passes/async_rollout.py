@@ -15,6 +15,15 @@ are the *proximal* policy, the generating weights' own sampling log-probs the *b
 loss is decoupled PPO (:func:`rlhfc.runtime.rl.ppo.policy_loss`): the clipped ratio against the proximal
 policy, each token weighted by exp(proximal − behaviour) and dropped above ``behaviour_cap``.
 
+**A-3PO** (``proximal = loglinear``; arXiv 2512.06547, AReaL's ``prox_logp_method = loglinear``): the proximal
+forward is dropped (the policy's ``logprobs`` over the rollout become the sampling log-probs, as ``reuse_logprobs``
+makes them) and the train step interpolates the proximal log-probs from the behaviour ones and the current
+policy's, per sample: ``prox = behaviour + α (current − behaviour)`` with ``α = s / (s + 1)``, ``s`` the versions
+the sample's weights lag the step's (0 for a fresh sample: the proximal policy is then the behaviour policy
+itself). It saves a forward over the batch per step and changes the loss further (an approximation of decoupled
+PPO; the KL reward, if any, reads the behaviour log-probs). ``proximal = auto`` prices the step both ways
+(:func:`rlhfc.cost.simulate`) and takes ``loglinear`` when it is predicted at least :data:`AUTO_GAIN` faster.
+
 The program's ``run { staleness = K }`` is part of its meaning and runs at every level, this pass or not;
 the pass (in -O3, or named) gives K = ``staleness`` (default 1) to each generate of a trained model where the
 program states none, and records the cap. ``staleness = 0`` in the program keeps the job synchronous.
@@ -34,6 +43,9 @@ from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
 
+#: ``proximal = auto`` takes A-3PO's interpolation when the step is predicted this much faster without the forward
+AUTO_GAIN = 0.05
+
 
 @register_pass
 @dataclass(frozen=True)
@@ -45,12 +57,18 @@ class AsyncRollout(Pass):
                                                        "states no run { staleness })"})
     behaviour_cap: float = field(default=5.0, metadata={
         "doc": "tokens whose behaviour weight exp(proximal - behaviour) exceeds it are dropped from the loss"})
+    proximal: str = field(default="recompute", metadata={
+        "doc": "recompute: decoupled PPO's proximal forward; loglinear: A-3PO's interpolation, no forward; auto: "
+               "loglinear where the step is predicted at least 5 % faster"})
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
             raise ValueError("staleness must be >= 0 (0: synchronous)")
         if self.behaviour_cap <= 1:
             raise ValueError("behaviour_cap must be > 1 (the weight of a token whose policy did not change is 1)")
+        if self.proximal not in plan.PROXIMAL_METHODS + ("auto",):
+            raise ValueError(f"proximal must be one of {', '.join(plan.PROXIMAL_METHODS + ('auto',))}, "
+                             f"not {self.proximal!r}")
 
     def run(self, module: Module) -> Module:
         stated = module.run.staleness
@@ -66,4 +84,59 @@ class AsyncRollout(Pass):
         if changed and stated is None:
             plan.note_changes_training(module, "async_rollout")
         module.refresh_versions()
+        if changed and self.proximal != "recompute":
+            interpolated = interpolate_proximal(module.clone())
+            if self.proximal == "loglinear" or _faster(interpolated, module):
+                return interpolated
         return module
+
+
+def proximal_forwards(module: Module, gen) -> list:
+    """The forwards that give an asynchronous ``gen``'s loss its proximal policy: the generating model's
+    ``forward.logprobs`` over the rollout, at the generate's temperature, with no train of the model between."""
+    g = module.graph
+    out = []
+    for s in g.stages:
+        if s.op != "forward.logprobs" or len(s.inputs) != 1 or s.target != gen.target:
+            continue
+        try:
+            if g.producer(s.inputs[0]) is not gen:
+                continue
+        except KeyError:
+            continue
+        between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]
+        if float(s.attrs.get("temperature", 1.0)) == float(gen.attrs.get("temperature", 1.0)) > 0 \
+                and not any(x.op == "train" and x.target == s.target for x in between):
+            out.append(s)
+    return out
+
+
+def interpolate_proximal(module: Module) -> Module:
+    """``module`` with A-3PO on each asynchronous generate that has a proximal forward: the forward becomes the
+    sampling log-probs (``compute.sample_logprobs``) and the annotation says ``proximal = loglinear``."""
+    changed = False
+    for gen in module.graph.stages:
+        ahead = plan.async_rollout(module, gen) if gen.op == "generate" else None
+        forwards = proximal_forwards(module, gen) if ahead is not None else []
+        if not forwards:
+            continue
+        for s in forwards:
+            s.op, s.target = "compute.sample_logprobs", None
+            s.attrs = {"temperature": float(s.attrs.get("temperature", 1.0))}
+            s.annotations = {}
+        plan.set_flag(gen, "logprobs")
+        gen.annotations[plan.AsyncRollout.key] = plan.AsyncRollout(ahead.staleness, ahead.behaviour_cap,
+                                                                   "loglinear").print()
+        changed = True
+    if changed:
+        module.refresh_versions()
+    return module
+
+
+def _faster(interpolated: Module, recomputed: Module) -> bool:
+    """Whether the step without the proximal forward is predicted :data:`AUTO_GAIN` faster."""
+    from rlhfc.cost import CostModel, simulate
+
+    with_forward = simulate(recomputed, steps=3, cost_model=CostModel(recomputed)).step_time_s
+    without = simulate(interpolated, steps=3, cost_model=CostModel(interpolated)).step_time_s
+    return without < (1.0 - AUTO_GAIN) * with_forward

@@ -8,6 +8,8 @@
 * with generation on its own copy of the policy (``placement{strategy=separate}``), the trace shows the next
   step's generation running while this step trains, and the job trains exactly as the same program with
   generation on the trainer's worker (placement decides where work runs, not what a stale rollout holds);
+* A-3PO (``async_rollout{proximal = loglinear}``): no proximal forward; a step of fresh samples trains as decoupled
+  PPO does (within reuse_logprobs' rounding), later steps interpolate (alpha > 0) within the bound;
 * a GRPO and a PPO program learn at staleness 1 (last-5-step reward above the first 5 by more than 3 standard
   errors) and end within noise of the synchronous run after the same samples.
 """
@@ -95,6 +97,35 @@ def test_staleness_2_holds_per_sample_and_a_resume_with_rollouts_in_flight_is_ex
     assert seen2 == seen
     assert _files(str(tmp_path / "cut" / "checkpoints" / "step_4")) == \
         _files(str(tmp_path / "full" / "checkpoints" / "step_4"))
+
+
+def test_a3po_trains_without_the_proximal_forward_within_the_bound(tmp_path):
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    from .conftest import close
+
+    runs = {}
+    for proximal in ("recompute", "loglinear"):
+        module = PassManager(parse_pipeline(f"async_rollout{{proximal={proximal}}}")).run(
+            _with_staleness(TINY_PPO, 2))
+        job = compile_job(module, str(tmp_path / proximal / "job"), level="O0", source=TINY_PPO)
+        step, seen = _versions(job_step(job))
+        rows = run_job(job, step, out=str(tmp_path / proximal / "run"), steps=4, progress=False)
+        main = open(os.path.join(job, "main.py")).read()
+        runs[proximal] = (rows, seen, main)
+    rows, seen, main = runs["loglinear"]
+    assert "actor.logprobs.remote" not in main and "proximal='loglinear'" in main   # no proximal forward
+    assert "actor.logprobs.remote" in runs["recompute"][2]
+    lags = [t - v for t, born, _ in seen for v in born]
+    assert max(lags) == 2 and min(lags) >= 0
+    # step 0 trains on fresh samples (alpha 0): decoupled PPO against the behaviour policy, as the recomputed
+    # proximal forward gives within rounding
+    assert seen[0] == runs["recompute"][1][0]
+    first = {k: v for k, v in untimed(rows[:1])[0].items() if k != "proximal_alpha_mean"}
+    assert close(first, untimed(runs["recompute"][0][:1])[0]), (first, runs["recompute"][0][0])
+    assert rows[0]["proximal_alpha_mean"] == 0.0
+    assert all(r["proximal_alpha_mean"] > 0 for r in rows[1:]) and "proximal_alpha_mean" not in runs["recompute"][0][1]
+    assert all(0 < r["behaviour_weight_mean"] < 5 for r in rows)
 
 
 def _spans(trace: dict, name: str) -> list[tuple[float, float, int]]:

@@ -49,7 +49,7 @@ transports) and the single rules (:func:`stage_mesh`, :func:`worker_key`,
 from __future__ import annotations
 
 from .attrs import BASELINES, placement_problem
-from .attrs import (AUTO, LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS,
+from .attrs import (AUTO, LAYOUT_FACTORS, OPT_LEVELS, PLACEMENTS, PROXIMAL_METHODS, RECOMPUTE_POLICIES, STRATEGIES, TRANSPORTS,
                     rollouts, trainers, WORKER_FAMILIES, AsyncRollout, Layout, Mesh, Overcommit, Parallel, PlanError, Recompute,
                     Stream, Sync, describe, opt_level)
 from .check import verify_plan
@@ -70,7 +70,7 @@ __all__ = [
     "note_changes_training", "layout_signature", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
     "verify_rollout", "auto_engine", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
-    "AsyncRollout", "async_rollout", "can_run_ahead", "generates_ahead", "multi_turn", "refills", "staleness", "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
+    "AsyncRollout", "PROXIMAL_METHODS", "async_rollout", "can_run_ahead", "generates_ahead", "multi_turn", "refills", "staleness", "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",
     "set_recompute", "set_flag", "set_layout",

@@ -254,6 +254,10 @@ class Overcommit:
         return {"delta": self.delta, **{k: getattr(self, k) for k in self.KNOBS if getattr(self, k) is not None}}
 
 
+#: how decoupled PPO's proximal log-probs are had (:class:`AsyncRollout`)
+PROXIMAL_METHODS = ("recompute", "loglinear")
+
+
 @dataclass(frozen=True)
 class AsyncRollout:
     """``async_rollout = {staleness = K, behaviour_cap = C}`` on a generate stage of a trained model:
@@ -264,22 +268,29 @@ class AsyncRollout:
 
     staleness: int
     behaviour_cap: float = 5.0
+    #: how the loss gets the proximal policy: ``recompute`` (a forward with the weights at the start of the
+    #: step) or ``loglinear`` (A-3PO: interpolated from the behaviour and current log-probs, no forward)
+    proximal: str = "recompute"
     key: ClassVar[str] = "async_rollout"
 
     @classmethod
     def parse(cls, value) -> "AsyncRollout":
         k = value.get("staleness") if isinstance(value, dict) else None
         cap = value.get("behaviour_cap", 5.0) if isinstance(value, dict) else None
-        extra = sorted(set(value) - {"staleness", "behaviour_cap"}) if isinstance(value, dict) else []
+        prox = value.get("proximal", "recompute") if isinstance(value, dict) else None
+        extra = sorted(set(value) - {"staleness", "behaviour_cap", "proximal"}) if isinstance(value, dict) else []
         if not _is_int(k) or k < 0 or isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 1 \
-                or extra:
-            raise PlanError(f"async_rollout must be {{staleness = K, behaviour_cap = C}} with an integer K >= 0 and "
-                            f"a number C > 1, got {describe(value)}", "write async_rollout = {staleness = 1, "
-                            "behaviour_cap = 5.0}")
-        return cls(k, float(cap))
+                or extra or prox not in PROXIMAL_METHODS:
+            raise PlanError(f"async_rollout must be {{staleness = K, behaviour_cap = C, proximal = P}} with an integer "
+                            f"K >= 0, a number C > 1 and P one of {', '.join(PROXIMAL_METHODS)}, got "
+                            f"{describe(value)}", "write async_rollout = {staleness = 1, behaviour_cap = 5.0}")
+        return cls(k, float(cap), prox)
 
     def print(self) -> dict:
-        return {"staleness": self.staleness, "behaviour_cap": self.behaviour_cap}
+        out = {"staleness": self.staleness, "behaviour_cap": self.behaviour_cap}
+        if self.proximal != "recompute":
+            out["proximal"] = self.proximal
+        return out
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def async_rollout(module: Module, stage: Stage) -> AsyncRollout | None:
     if not k:
         return None
     got = _read(stage, AsyncRollout)
-    return AsyncRollout(k, got.behaviour_cap) if got else AsyncRollout(k)
+    return AsyncRollout(k, got.behaviour_cap, got.proximal) if got else AsyncRollout(k)
 
 
 def can_run_ahead(module: Module, gen: Stage) -> bool:

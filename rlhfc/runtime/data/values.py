@@ -117,6 +117,9 @@ class PolicyLossInput:
     #: ``behaviour_cap`` are dropped (:func:`rlhfc.runtime.rl.ppo.policy_loss`)
     behaviour_logp: torch.Tensor | None = None
     behaviour_cap: float | None = None
+    #: ``loglinear`` (A-3PO): the proximal log-probs are interpolated per sample in the train step from the
+    #: behaviour and current ones (``recompute``: ``old_logp`` is the proximal forward)
+    proximal: str = "recompute"
 
 
 @dataclass

@@ -44,7 +44,8 @@ def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, val
             m["policy_loss"] = stats.get("pg_loss", stats.get("loss", float("nan")))
             for k in ("entropy", "clipfrac", "approx_kl", "grad_norm", "lr", "dropped_groups", "kept_samples",
                       "sample_rounds", "sampled_groups", "rollout_logprob_diff_mean", "rollout_logprob_diff_max",
-                      "tis_weight_mean", "behaviour_weight_mean", "behaviour_weight_max", "behaviour_masked_frac"):
+                      "tis_weight_mean", "behaviour_weight_mean", "behaviour_weight_max", "behaviour_masked_frac",
+                      "proximal_alpha_mean"):
                 if k in stats:
                     m[f"policy_{k}" if k in ("grad_norm", "lr") else k] = stats[k]
         else:

@@ -182,6 +182,14 @@ def gae(
 # ----------------------------------------------------------------------------- losses
 
 
+def proximal_alpha(born, version: int) -> torch.Tensor:
+    """A-3PO's interpolation weight per sample, [B, 1]: ``s / (s + 1)`` with ``s = version − born`` the versions
+    its generating weights lag the step's (AReaL's ``(v_prox − v_behave) / (v_θ − v_behave)`` with the step's
+    weights the proximal version and the update it makes the next)."""
+    lag = torch.tensor([max(0, int(version) - int(b)) for b in born], dtype=torch.float32)
+    return (lag / (lag + 1.0)).unsqueeze(1)
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -198,6 +206,7 @@ def policy_loss(
     ratio_level: str = "token",
     behaviour_logp: torch.Tensor | None = None,
     behaviour_cap: float | None = None,
+    proximal_alpha: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate, token-mean over the mask (``loss_agg``: another average of every term,
     ``ratio_level = "sequence"``: GSPO's sequence ratio; :mod:`rlhfc.runtime.rl.algorithms`).
@@ -209,6 +218,10 @@ def policy_loss(
     ``exp(old_logp - behaviour_logp)``; a token whose weight exceeds ``behaviour_cap`` is dropped from the
     surrogate (weight 0; the average still counts it, as AReaL's). Metrics ``behaviour_weight_mean`` /
     ``_max`` (over the tokens kept) and ``behaviour_masked_frac``.
+
+    **A-3PO** (``proximal_alpha`` [B, 1] or [B, R], with ``behaviour_logp``): no proximal forward; the proximal
+    log-probs are interpolated, ``old = behaviour + alpha * (logp - behaviour)`` with ``logp`` detached
+    (:func:`proximal_alpha`), and ``old_logp`` is not read.
 
     ``logp`` [B, R] (with grad), ``old_logp`` / ``advantages`` [B, R] (no grad).
     ratio = exp(logp - old_logp); per token
@@ -223,6 +236,12 @@ def policy_loss(
     when given.
     """
     high = clip if clip_high is None else clip_high
+    if proximal_alpha is not None:
+        if behaviour_logp is None:
+            raise ValueError("an interpolated proximal policy (A-3PO) needs the behaviour log-probs")
+        alpha = proximal_alpha.to(logp.dtype)
+        old_logp = behaviour_logp + alpha * (logp.detach() - behaviour_logp)
+        metrics_alpha = float(alpha.mean())
     log_ratio = _zero_where_masked(logp - old_logp, mask)
     ratio = torch.exp(log_ratio if ratio_level == "token" else sequence_log_ratio(logp, old_logp, mask))
     unclipped = -advantages * ratio
@@ -238,6 +257,8 @@ def policy_loss(
             metrics["behaviour_weight_mean"] = float(weight[kept].mean()) if n_kept else 0.0
             metrics["behaviour_weight_max"] = float(weight[kept].max()) if n_kept else 0.0
             metrics["behaviour_masked_frac"] = 1.0 - n_kept / max(1, int(mask.bool().sum()))
+            if proximal_alpha is not None:
+                metrics["proximal_alpha_mean"] = metrics_alpha
         surrogate = surrogate * weight
     pg_loss = aggregate(surrogate, mask, loss_agg)
     loss = pg_loss

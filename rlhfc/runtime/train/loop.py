@@ -176,7 +176,7 @@ def actor_loss_fn(
     The minibatch dict holds the ``RolloutBatch`` fields (``RolloutBatch.as_dict()``)
     plus ``old_logp`` and ``advantages`` [B, R], and ``ref_logp`` [B, R] when
     ``kl_coef`` is set (GRPO), and ``behaviour_logp`` [B, R] under asynchronous rollout (decoupled PPO,
-    capped at ``behaviour_cap``).
+    capped at ``behaviour_cap``), with ``proximal_alpha`` [B, 1] under A-3PO's interpolated proximal policy.
     """
 
     def loss_fn(model: torch.nn.Module, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -198,6 +198,7 @@ def actor_loss_fn(
             ratio_level=ratio_level,
             behaviour_logp=mb.get("behaviour_logp"),
             behaviour_cap=behaviour_cap,
+            proximal_alpha=mb.get("proximal_alpha"),
         )
 
     return loss_fn

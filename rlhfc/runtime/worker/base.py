@@ -32,6 +32,7 @@ from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.models.precision import autocast, under_autocast
 from rlhfc.runtime.models.recompute import apply_recompute
 from rlhfc.runtime.rl.guards import NonFiniteError, check_finite
+from rlhfc.runtime.rl.ppo import proximal_alpha
 from rlhfc.runtime.rollout.agent import (ENV_REWARD, ENV_TURN_REWARDS, TURNS, AgentLoop, ChatTemplate, PlainText,
                                          load_env, tool_schema)
 from rlhfc.runtime.rollout.base import build_rollout
@@ -447,6 +448,8 @@ class ModelWorker(TracedWorker):
                 batch["ref_logp"] = loss.ref_logp.to(self.device)
             if loss.behaviour_logp is not None:   # decoupled PPO (asynchronous rollout)
                 batch["behaviour_logp"] = loss.behaviour_logp.to(self.device)
+            if loss.proximal == "loglinear":   # A-3PO: each sample's weight toward the current policy
+                batch["proximal_alpha"] = proximal_alpha(loss.rollout.born, self.version).to(self.device)
             fn = loop.actor_loss_fn(clip=loss.clip, clip_high=loss.clip_high, temperature=loss.temperature,
                                    entropy_coef=loss.entropy_coef,
                                    kl_coef=loss.kl_coef if loss.ref_logp is not None else 0.0,
