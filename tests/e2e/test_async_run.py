@@ -76,16 +76,25 @@ def _files(ckpt: str) -> dict[str, bytes]:
     return out
 
 
-def test_staleness_2_holds_per_sample_and_a_resume_with_rollouts_in_flight_is_exact(tmp_path):
-    job = compile_job(_with_staleness(TINY_PPO, 2), str(tmp_path / "job"), level="O0", source=TINY_PPO)
+@pytest.fixture(scope="module")
+def staleness_2(tmp_path_factory):
+    """The tiny PPO program at staleness 2, 4 steps at -O0 (decoupled PPO, its proximal forward recomputed):
+    (job folder, run folder, metric rows, per-step sample versions and token ids)."""
+    base = tmp_path_factory.mktemp("staleness_2")
+    job = compile_job(_with_staleness(TINY_PPO, 2), str(base / "job"), level="O0", source=TINY_PPO)
     step, seen = _versions(job_step(job))
-    full = run_job(job, step, out=str(tmp_path / "full"), steps=4, progress=False)
+    full = run_job(job, step, out=str(base / "full"), steps=4, progress=False)
+    return job, base / "full", full, seen
+
+
+def test_staleness_2_holds_per_sample_and_a_resume_with_rollouts_in_flight_is_exact(staleness_2, tmp_path):
+    job, full_dir, full, seen = staleness_2
     lags = [t - v for t, born, _ in seen for v in born]
     assert max(lags) == 2 and min(lags) >= 0, seen   # within the bound, and it runs ahead by all of it
     assert [r["staleness_max"] for r in full] == [0, 1, 2, 2]
     assert all(r["behaviour_masked_frac"] >= 0 and r["behaviour_weight_mean"] > 0 for r in full)
     # checkpoint_every = 2: step_2 holds the two generations launched ahead of step 2
-    with open(os.path.join(tmp_path, "full", "checkpoints", "step_2", "job.json")) as fh:
+    with open(os.path.join(full_dir, "checkpoints", "step_2", "job.json")) as fh:
         in_flight = json.load(fh)["in_flight"]["roll"]
     assert [item["step"] for item in in_flight] == [2, 3]
     assert [item["rollout"]["version"] for item in in_flight] == [0, 1]
@@ -96,35 +105,32 @@ def test_staleness_2_holds_per_sample_and_a_resume_with_rollouts_in_flight_is_ex
     assert untimed(metrics(str(tmp_path / "cut"))) == untimed(full)
     assert seen2 == seen
     assert _files(str(tmp_path / "cut" / "checkpoints" / "step_4")) == \
-        _files(str(tmp_path / "full" / "checkpoints" / "step_4"))
+        _files(str(full_dir / "checkpoints" / "step_4"))
 
 
-def test_a3po_trains_without_the_proximal_forward_within_the_bound(tmp_path):
+def test_a3po_trains_without_the_proximal_forward_within_the_bound(staleness_2, tmp_path):
+    """The same program with ``async_rollout{proximal = loglinear}`` against decoupled PPO's run (the fixture)."""
     from rlhfc.passes import PassManager, parse_pipeline
 
     from .conftest import close
 
-    runs = {}
-    for proximal in ("recompute", "loglinear"):
-        module = PassManager(parse_pipeline(f"async_rollout{{proximal={proximal}}}")).run(
-            _with_staleness(TINY_PPO, 2))
-        job = compile_job(module, str(tmp_path / proximal / "job"), level="O0", source=TINY_PPO)
-        step, seen = _versions(job_step(job))
-        rows = run_job(job, step, out=str(tmp_path / proximal / "run"), steps=4, progress=False)
-        main = open(os.path.join(job, "main.py")).read()
-        runs[proximal] = (rows, seen, main)
-    rows, seen, main = runs["loglinear"]
+    recompute_job, _, recompute_rows, recompute_seen = staleness_2
+    module = PassManager(parse_pipeline("async_rollout{proximal=loglinear}")).run(_with_staleness(TINY_PPO, 2))
+    job = compile_job(module, str(tmp_path / "job"), level="O0", source=TINY_PPO)
+    step, seen = _versions(job_step(job))
+    rows = run_job(job, step, out=str(tmp_path / "run"), steps=4, progress=False)
+    main = open(os.path.join(job, "main.py")).read()
     assert "actor.logprobs.remote" not in main and "proximal='loglinear'" in main   # no proximal forward
-    assert "actor.logprobs.remote" in runs["recompute"][2]
+    assert "actor.logprobs.remote" in open(os.path.join(recompute_job, "main.py")).read()
     lags = [t - v for t, born, _ in seen for v in born]
     assert max(lags) == 2 and min(lags) >= 0
     # step 0 trains on fresh samples (alpha 0): decoupled PPO against the behaviour policy, as the recomputed
     # proximal forward gives within rounding
-    assert seen[0] == runs["recompute"][1][0]
+    assert seen[0] == recompute_seen[0]
     first = {k: v for k, v in untimed(rows[:1])[0].items() if k != "proximal_alpha_mean"}
-    assert close(first, untimed(runs["recompute"][0][:1])[0]), (first, runs["recompute"][0][0])
+    assert close(first, untimed(recompute_rows[:1])[0]), (first, recompute_rows[0])
     assert rows[0]["proximal_alpha_mean"] == 0.0
-    assert all(r["proximal_alpha_mean"] > 0 for r in rows[1:]) and "proximal_alpha_mean" not in runs["recompute"][0][1]
+    assert all(r["proximal_alpha_mean"] > 0 for r in rows[1:]) and "proximal_alpha_mean" not in recompute_rows[1]
     assert all(0 < r["behaviour_weight_mean"] < 5 for r in rows)
 
 
