@@ -63,6 +63,12 @@ def llama(_llama_module):
     vllm.backend.optimizer = None
     vllm.sample_gen.set_state(sample_state)
     vllm.version = 0
+    from vllm.distributed import parallel_state
+
+    if vllm.rollout_engine.engine is not None and not parallel_state.model_parallel_is_initialized():
+        # another engine of this process was stopped (the gpt2 stop test): vLLM's process groups are global to
+        # the process, so the stop tore this engine's down too; a worker owns one engine, a job never meets this
+        vllm.rollout_engine.engine = None
     vllm.rollout_engine.prepare(vllm.model)   # started, or refitted to the initial weights (a new version)
     return vllm, torch_
 
@@ -122,13 +128,27 @@ def test_after_a_training_step_the_refitted_engine_gives_the_trainers_logprobs(l
     assert float((after.logprobs - before).abs()[mask].max()) > 1e-2   # so the refit really changed them
 
 
-def test_multi_turn_trajectories_on_vllm_agree_with_the_torch_engines(llama, tmp_path):
+def test_multi_turn_trajectories_on_vllm_agree_with_the_torch_engines(request, tmp_path):
     """A multi-turn generate with a tool (rlhfc.runtime.rollout.agent) on vLLM: greedy trajectories equal the
     torch loop's (>= 95 % of rows), the tool's tokens masked alike, the policy tokens' sampling log-probs the
-    trainer's within 1e-3. The tool is named after the commonest greedy first token, so rows call it."""
+    trainer's within 1e-3. The tool is named after the commonest greedy first token, so rows call it.
+
+    Run in a fresh process, as a job's worker runs its engine: in a whole-suite run in one shuffled order this
+    comparison, in the test process, once found a whole prompt's rows ("xyz i") apart, which neither the
+    module's tests in that order nor the vLLM modules before it reproduce alone (cause not found: some state an
+    earlier test leaves in the process)."""
+    import subprocess
+    import sys
+
+    if not os.environ.get("RLHFC_VLLM_ISOLATED"):
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                              "--order", "file", f"{__file__}::{request.node.name}"], capture_output=True, text=True,
+                             env=dict(os.environ, RLHFC_VLLM_ISOLATED="1"), timeout=900, cwd=str(tmp_path))
+        assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+        return
     from collections import Counter
 
-    vllm, torch_ = llama
+    vllm, torch_ = request.getfixturevalue("llama")
     first = torch_.generate(PROMPTS, max_new_tokens=1, temperature=0.0, top_p=1.0)
     name = Counter(t for t in first.responses if t.strip()).most_common(1)[0][0]
     (tmp_path / "tools.py").write_text("def tool(text):\n    return 'xy'\n")
@@ -136,10 +156,11 @@ def test_multi_turn_trajectories_on_vllm_agree_with_the_torch_engines(llama, tmp
             "memory_mb": 256, "max_output": 16}
     kw = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, tools=[spec], max_turns=3, turn_tokens=1)
     a, b = vllm.generate(PROMPTS, **kw), torch_.generate(PROMPTS, **kw)
-    assert a.engine["tool_calls"] > 0 and a.engine["tool_errors"] == 0
+    assert a.engine["tool_calls"] > 0 and a.engine["tool_errors"] == 0 and b.engine["tool_errors"] == 0
     rows_a, rows_b = a.batch.response_token_lists(), b.batch.response_token_lists()
     same = [i for i, (x, y) in enumerate(zip(rows_a, rows_b)) if x == y]
-    assert len(same) >= 0.95 * len(PROMPTS)
+    assert len(same) >= 0.95 * len(PROMPTS), [(PROMPTS[i], rows_a[i], rows_b[i]) for i in range(len(PROMPTS))
+                                                if i not in same]
     assert all(torch.equal(a.batch.response_mask[i], b.batch.response_mask[i]) for i in same)
     mask = a.mask.bool()
     assert float((a.logprobs - vllm.logprobs(a).values).abs()[mask].max()) < 1e-3
