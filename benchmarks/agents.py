@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="rlhfc-agents-")
     try:
         for r in range(args.rounds):
-            for name, path in PROGRAMS.items():
+            for i, (name, path) in enumerate(PROGRAMS.items()):
                 for level in levels:
-                    got = run_one(path, level, os.path.join(work, f"{r}_{len(results)}_{level}"),
+                    got = run_one(path, level, os.path.join(work, f"{r}_{i}_{level}"),
                                   steps=args.steps, warmup=args.warmup)
                     results.setdefault(name, {}).setdefault(level, []).append(got)
                     print(f"round {r} {name} -{level}: {got['samples_per_s']:.1f} samples/s", file=sys.stderr)
