@@ -56,6 +56,9 @@ def explain(
                                           "an upper bound)"),
     tool_s: Optional[float] = typer.Option(None, "--tool-s", min=0.0, help="multi-turn generates: seconds a tool's "
                                            "own function takes per call, on top of the sandbox's (default 0)"),
+    measured: Optional[str] = typer.Option(None, "--turns-from", help="multi-turn generates: price the turns and the "
+                                           "tool seconds per call a run measured (RUN/metrics.jsonl: turns_mean, "
+                                           "tool_s / tool_calls); --turns and --tool-s override"),
 ):
     """Explain a compiled program: IR after each pass, placement, predicted timeline, bottleneck, memory."""
     from rlhfc.cost import CostConfig, response_dist
@@ -69,6 +72,10 @@ def explain(
     except (ValueError, IndexError) as exc:
         raise CompileError([Diagnostic("error", f"bad --response-lengths: {exc}", None,
                                        "e.g. --response-lengths max or lognormal:0.25:1.0")]) from None
+    if measured:
+        got_turns, got_tool_s = measured_turns(measured)
+        turns = turns if turns is not None else got_turns
+        tool_s = tool_s if tool_s is not None else got_tool_s
     if compare:
         if fmt not in ("text", "json"):
             raise CompileError([Diagnostic("error", f"--compare prints text or json, not {fmt}", None,
@@ -98,6 +105,28 @@ def explain(
         if strict:
             raise CompileError(diags)
         print_diagnostics(diags)
+
+
+def measured_turns(run: str) -> tuple[float | None, float | None]:
+    """(mean policy turns per trajectory, a tool call's own seconds beyond the sandbox's) a run measured: the
+    mean of its steps' ``turns_mean``, and its tools' waiting seconds over their calls less
+    :data:`~rlhfc.cost.model.TOOL_CALL_S` (None where it made no calls)."""
+    from rlhfc.cost.model import TOOL_CALL_S
+
+    from .outputs import OutputError, read_metrics
+
+    try:
+        rows = read_metrics(run)
+    except OutputError as exc:
+        raise CompileError([Diagnostic("error", f"--turns-from: {exc.message}", None, exc.hint)]) from None
+    turns = [float(r["turns_mean"]) for r in rows if isinstance(r.get("turns_mean"), (int, float))]
+    if not turns:
+        raise CompileError([Diagnostic("error", f"--turns-from: {run}/metrics.jsonl has no turns_mean", None,
+                                       "give the run folder of a multi-turn generate's job")])
+    calls = sum(float(r.get("tool_calls") or 0.0) for r in rows)
+    seconds = sum(float(r.get("tool_s") or 0.0) for r in rows)
+    per_call = max(0.0, seconds / calls - TOOL_CALL_S) if calls else None
+    return max(1.0, sum(turns) / len(turns)), per_call
 
 
 def _emit(text: str, out: str | None) -> None:

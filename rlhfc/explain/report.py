@@ -140,8 +140,8 @@ def agent_notes(module: Module, sim) -> list[str]:
                    f"environment {s.attrs.get('env')}")
         turns = ", ".join(f"turn {k + 1} {fmt_seconds(t)} ({r:.0f} rows)"
                           for k, (t, r) in enumerate(zip(w["turn_s"], w["turn_rows"])))
-        basis = ("max_turns, an upper bound: `--turns` with a run's turns_mean prices the mean"
-                 if w["turns_source"] != "given" else "--turns")
+        basis = ("max_turns, an upper bound: `--turns` or `--turns-from RUN` prices a mean"
+                 if w["turns_source"] != "given" else "--turns or a run's, --turns-from")
         calls = (f"{w['tool_calls']:.0f} tool calls, {fmt_seconds(w['tool_s'])} on this mesh (sandbox fork and "
                  "exchange; `--tool-s` adds the tool's own seconds per call)" if w["tools"] else
                  f"{w['env_steps']:.0f} environment steps (in the worker, not priced)")

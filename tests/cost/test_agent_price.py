@@ -119,7 +119,7 @@ def test_explain_shows_the_loop(capsys):
     assert code == 0, err
     note = next(line for line in out.splitlines() if "multi-turn loop" in line)
     assert "up to 4 policy turns of at most 1 token, tool(s) a between them" in note
-    assert "priced at 2.5 turns per trajectory (--turns)" in note
+    assert "priced at 2.5 turns per trajectory (--turns or a run's, --turns-from)" in note
     assert re.search(r"turn 1 [\d.]+ [mu]?s \(16 rows\), turn 2 [\d.]+ [mu]?s \(16 rows\), turn 3 [\d.]+ [mu]?s "
                      r"\(8 rows\); 24 tool calls", note)
     code = main(["explain", str(EXAMPLES / "agent_tiny.rlhf"), "--no-profile"])
@@ -133,3 +133,29 @@ def test_turns_below_one_is_refused(capsys):
     code = main(["explain", str(AGENT_TOOL), "--no-profile", "--turns", "0.5"])
     out, err = capsys.readouterr()
     assert code == 2 and "--turns" in err
+
+
+def test_turns_from_a_run_prices_what_it_measured(capsys, tmp_path):
+    import json
+
+    from rlhfc.cli.explain import measured_turns
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 0, "turns_mean": 2.0, "tool_calls": 16.0, "tool_s": 0.2},
+            {"step": 1, "turns_mean": 3.0, "tool_calls": 24.0, "tool_s": 0.2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "tur')
+    turns, per_call = measured_turns(str(run))
+    assert turns == 2.5 and per_call == pytest.approx(0.4 / 40 - TOOL_CALL_S)
+    code = main(["explain", str(AGENT_TOOL), "--no-profile", "--turns-from", str(run)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "priced at 2.5 turns per trajectory (--turns or a run's, --turns-from)" in out
+    assert "turn 3" in out and "(8 rows); 24 tool calls" in out
+    code = main(["explain", str(AGENT_TOOL), "--no-profile", "--turns-from", str(tmp_path / "none")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "--turns-from: run folder" in err and "does not exist" in err and "Traceback" not in err
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 1.0}) + "\n")
+    code = main(["explain", str(AGENT_TOOL), "--no-profile", "--turns-from", str(run)])
+    out, err = capsys.readouterr()
+    assert code == 2 and "has no turns_mean" in err
