@@ -111,14 +111,24 @@ def measured_turns(run: str) -> tuple[float | None, float | None]:
     """(mean policy turns per trajectory, a tool call's own seconds beyond the sandbox's) a run measured: the
     mean of its steps' ``turns_mean``, and its tools' waiting seconds over their calls less
     :data:`~rlhfc.cost.model.TOOL_CALL_S` (None where it made no calls)."""
+    import json
+
     from rlhfc.cost.model import TOOL_CALL_S
 
-    from .outputs import OutputError, read_metrics
-
-    try:
-        rows = read_metrics(run)
-    except OutputError as exc:
-        raise CompileError([Diagnostic("error", f"--turns-from: {exc.message}", None, exc.hint)]) from None
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.isfile(path):
+        why = "does not exist" if not os.path.isdir(run) else "has no metrics.jsonl"
+        raise CompileError([Diagnostic("error", f"--turns-from: run folder {run} {why}", None,
+                                       "give the --out folder of a run of this program (default runs/<program>)")])
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+            except ValueError:   # a line a crash cut short
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
     turns = [float(r["turns_mean"]) for r in rows if isinstance(r.get("turns_mean"), (int, float))]
     if not turns:
         raise CompileError([Diagnostic("error", f"--turns-from: {run}/metrics.jsonl has no turns_mean", None,
