@@ -116,20 +116,46 @@ def test_a_hermes_call_runs_the_tool_and_the_trajectory_is_the_templates_renderi
     # the policy's tokens: the call and the answer with their EOS; the template's tool turn is not the policy's
     suffix = tok.decode([t for t, p in zip(a.tokens, a.policy) if not p], keep_special=True)
     assert suffix == "\n<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert a.tool_tokens == len(tok.chat_suffix({"role": "tool", "name": "calc", "content": "42"}))
+    assert a.tool_tokens == len(tok.chat_suffix([{"role": "tool", "name": "calc", "content": "42"}]))
 
 
 @pytest.mark.parametrize("text, found", [
-    ('<tool_call>{"name": "calc", "arguments": {"expr": "1 plus 1"}}</tool_call>', ("calc", "1 plus 1")),
-    ('thinking... <tool_call> {"name": "calc", "arguments": "2 plus 2"} </tool_call>', ("calc", "2 plus 2")),
-    ('<tool_call>{"name": "calc", "arguments": {"a": 1, "b": 2}}</tool_call>', ("calc", '{"a": 1, "b": 2}')),
-    ('<tool_call>{"name": "other", "arguments": {}}</tool_call>', None),      # not a declared tool
-    ('<tool_call>{"name": "calc", "arguments": </tool_call>', None),           # not JSON: the turn is an answer
-    ("calc 1 plus 1", None),                                                    # plain text is not a call here
+    ('<tool_call>{"name": "calc", "arguments": {"expr": "1 plus 1"}}</tool_call>', [("calc", "1 plus 1")]),
+    ('thinking... <tool_call> {"name": "calc", "arguments": "2 plus 2"} </tool_call>', [("calc", "2 plus 2")]),
+    ('<tool_call>{"name": "calc", "arguments": {"a": 1, "b": 2}}</tool_call>', [("calc", '{"a": 1, "b": 2}')]),
+    ('<tool_call>{"name": "calc", "arguments": "1"}</tool_call><tool_call>{"name": "calc", "arguments": "2"}'
+     '</tool_call>', [("calc", "1"), ("calc", "2")]),                         # several calls, in order
+    ('<tool_call>{"name": "other", "arguments": {}}</tool_call>', []),        # not a declared tool
+    ('<tool_call>{"name": "calc", "arguments": </tool_call>', []),             # not JSON: the turn is an answer
+    ("calc 1 plus 1", []),                                                      # plain text is not a call here
 ])
 def test_what_counts_as_a_call(chat_tok, text, found):
     tok, _ = chat_tok
     assert ChatTemplate().parse(tok.encode(text), tok, ["calc"]) == found
+
+
+def test_several_calls_in_a_turn_run_and_their_results_follow_as_the_template_writes_them(chat_tok, tmp_path):
+    """Two calls in one turn: both run (one batch to the tool), and their results are appended as the template
+    renders two tool messages after the turn — the trajectory is still the template's rendering of the whole
+    conversation."""
+    tok, _ = chat_tok
+    path = tmp_path / "t.py"
+    path.write_text(TOOL)
+    schemas = (tool_schema("calc", str(path), "calc"),)
+    calc = _Calc()
+    loop = AgentLoop({"calc": calc}, max_turns=2, turn_tokens=160, format=ChatTemplate(schemas))
+    two = ('<tool_call>{"name": "calc", "arguments": {"expr": "1 plus 2"}}</tool_call>'
+           '<tool_call>{"name": "calc", "arguments": {"expr": "3 plus 4"}}</tool_call>')
+    decode = _scripted({0: [two, "3 and 7"]}, tok)
+    (t,), _ = loop.run(decode, [[9]], width=300, keys=[0], tokenizer=tok, want_logprobs=False,
+                       records=[{"prompt": "sums"}])
+    assert calc.args == ["1 plus 2", "3 plus 4"] and t.calls == 2 and t.turns == 2
+    conversation = [{"role": "user", "content": "sums"}, {"role": "assistant", "content": two},
+                    {"role": "tool", "name": "calc", "content": "3"}, {"role": "tool", "name": "calc", "content": "7"},
+                    {"role": "assistant", "content": "3 and 7"}]
+    rendered = tok.chat_ids(conversation, tools=list(schemas), add_generation_prompt=False)
+    assert list(t.prompt_ids) + t.tokens == rendered[:-1]
+    assert [who for who, _ in t.segments] == ["policy", "calc+calc", "policy"]
 
 
 def test_an_environments_observation_is_a_user_turn(chat_tok):

@@ -149,17 +149,19 @@ class HFTokenizer:
         ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
         return [int(i) for i in ids]
 
-    def chat_suffix(self, message: dict) -> list[int]:
-        """The tokens the chat template writes for ``message`` (a tool's result, ``role = "tool"``, or a user
-        turn) after an assistant turn that ended with EOS, up to the opening of the next assistant turn: the
-        template's rendering of the conversation with and without it, cut at the assistant turn's EOS."""
-        if message.get("role") == "tool":
-            call = {"type": "function", "function": {"name": message.get("name", "tool"), "arguments": {}}}
-            before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    def chat_suffix(self, messages: list[dict]) -> list[int]:
+        """The tokens the chat template writes for ``messages`` (tools' results, ``role = "tool"``, one per call
+        of the turn; or a user turn) after an assistant turn that ended with EOS, up to the opening of the next
+        assistant turn: the template's rendering of the conversation with and without them, cut at the
+        assistant turn's EOS."""
+        tools = [m for m in messages if m.get("role") == "tool"]
+        if tools:
+            calls = [{"type": "function", "function": {"name": m.get("name", "tool"), "arguments": {}}} for m in tools]
+            before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}]
         else:
             before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         prefix = self.chat_ids(before, add_generation_prompt=False)
-        full = self.chat_ids(before + [message], add_generation_prompt=True)
+        full = self.chat_ids(before + list(messages), add_generation_prompt=True)
         ends = [i for i, t in enumerate(prefix) if t == self.eos_id]
         if ends:   # the template may write a newline after the turn's EOS: the policy's turn ends at the EOS
             prefix = prefix[:ends[-1] + 1]

@@ -101,11 +101,17 @@ class PlainText:
         """(the trajectory's prompt ids, the tokens of the environment's first observation before the first turn)."""
         return list(prompt_ids), (tokenizer.encode(observation) if observation else [])
 
-    def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> tuple[str, str] | None:
-        return parse_call(tokenizer.decode(ids), tools)
+    def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> list[tuple[str, str]]:
+        """The turn's tool calls, ``[(tool, argument)]``: at most one in plain text."""
+        call = parse_call(tokenizer.decode(ids), tools)
+        return [call] if call else []
 
     def observe(self, text: str, tokenizer, who: str) -> list[int]:
         return tokenizer.encode(text) if text else []
+
+    def results(self, outputs: Sequence[tuple[str, str]], tokenizer) -> list[int]:
+        """The tokens of a turn's tool results ``[(tool, text)]``, in call order."""
+        return [i for name, text in outputs for i in self.observe(text, tokenizer, name)]
 
 
 #: a Hermes-style tool call in a policy turn
@@ -134,22 +140,29 @@ class ChatTemplate:
         content = f"{text}\n\n{observation}" if observation else text   # the first observation joins the user turn
         return tokenizer.chat_ids([{"role": "user", "content": content}], tools=list(self.schemas)), []
 
-    def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> tuple[str, str] | None:
-        found = _HERMES_CALL.search(tokenizer.decode(ids, keep_special=True))
-        if found is None:
-            return None
-        try:
-            call = json.loads(found.group(1))
-        except ValueError:
-            return None
-        name = call.get("name") if isinstance(call, dict) else None
-        if name not in set(tools):
-            return None
-        return name, _argument(call.get("arguments", call.get("parameters", "")))
+    def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> list[tuple[str, str]]:
+        """Every well-formed call of a declared tool in the turn, in order (one that is not JSON, or names no
+        declared tool, is left out; none: the turn is an answer)."""
+        names, out = set(tools), []
+        for found in _HERMES_CALL.finditer(tokenizer.decode(ids, keep_special=True)):
+            try:
+                call = json.loads(found.group(1))
+            except ValueError:
+                continue
+            name = call.get("name") if isinstance(call, dict) else None
+            if name in names:
+                out.append((name, _argument(call.get("arguments", call.get("parameters", "")))))
+        return out
 
     def observe(self, text: str, tokenizer, who: str) -> list[int]:
-        message = {"role": "user", "content": text} if who == "env" else {"role": "tool", "name": who, "content": text}
-        return tokenizer.chat_suffix(message)
+        if who == "env":
+            return tokenizer.chat_suffix([{"role": "user", "content": text}])
+        return self.results([(who, text)], tokenizer)
+
+    def results(self, outputs: Sequence[tuple[str, str]], tokenizer) -> list[int]:
+        """A turn's tool results as the template writes them: one ``tool`` message each, then the next assistant
+        turn's opening."""
+        return tokenizer.chat_suffix([{"role": "tool", "name": name, "content": text} for name, text in outputs])
 
 
 def tool_schema(name: str, path: str, function: str) -> dict:
@@ -255,7 +268,7 @@ class AgentLoop:
                 break
             budgets = [min(self.turn_tokens, width - len(trajs[i].tokens)) for i in live]
             rows = [list(trajs[i].prompt_ids) + trajs[i].tokens for i in live]
-            calls: dict[str, list[tuple[int, str]]] = {}
+            calls: dict[int, list[tuple[str, str]]] = {}   # trajectory -> its turn's calls, in order
             for item in decode(rows, budgets=budgets, resumed=[len(trajs[i].tokens) for i in live],
                                row_keys=[keys[i] for i in live]):
                 if isinstance(item, PartialSample):   # no stop_after here: every row finishes its turn
@@ -270,9 +283,9 @@ class AgentLoop:
                 t.computed += item.computed
                 t.eos = item.eos
                 text = tokenizer.decode(new)
-                call = self.format.parse(new, tokenizer, self.tools) if self.tools else None
+                found = self.format.parse(new, tokenizer, self.tools) if self.tools else []
                 room = width - len(t.tokens) > 0
-                if call is None and envs:   # the turn is the environment's action
+                if not found and envs:   # the turn is the environment's action
                     out = self._env_call(envs[i], "step", text, records[i].get("prompt", ""))
                     obs, reward, done = out if isinstance(out, tuple) and len(out) == 3 else (None, None, None)
                     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
@@ -287,19 +300,29 @@ class AgentLoop:
                         self._observe(t, self.format.observe("" if obs is None else str(obs), tokenizer, "env"),
                                       width, "env")
                     continue
-                if call is None or turn + 1 == self.max_turns or not room:
+                if not found or turn + 1 == self.max_turns or not room:
                     t.done = True
                     continue
-                calls.setdefault(call[0], []).append((i, call[1]))
+                calls[i] = found
             t0 = time.perf_counter()
-            for name, todo in calls.items():
-                results = self.tools[name].call([args for _, args in todo])
-                for (i, _), result in zip(todo, results):
-                    t = trajs[i]
+            by_tool: dict[str, list[tuple[int, int, str]]] = {}   # each tool's calls of the turn: one batch
+            for i, found in calls.items():
+                for k, (name, arg) in enumerate(found):
+                    by_tool.setdefault(name, []).append((i, k, arg))
+            got: dict[tuple[int, int], Any] = {}
+            for name, todo in by_tool.items():
+                for (i, k, _), result in zip(todo, self.tools[name].call([arg for _, _, arg in todo])):
+                    got[(i, k)] = result
+            for i, found in calls.items():
+                t = trajs[i]
+                outputs = []
+                for k, (name, _) in enumerate(found):
+                    result = got[(i, k)]
                     t.calls += 1
                     t.errors += result.kind == "error"
                     t.timeouts += result.kind == "timeout"
-                    self._observe(t, self.format.observe(result.output, tokenizer, name), width, name)
+                    outputs.append((name, result.output))
+                self._observe(t, self.format.results(outputs, tokenizer), width, "+".join(n for n, _ in found))
             seconds += time.perf_counter() - t0
         return trajs, seconds
 
