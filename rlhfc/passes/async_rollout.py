@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
+from .reuse_logprobs import to_sample_logprobs
 
 #: ``proximal = auto`` takes A-3PO's interpolation when the step is predicted this much faster without the forward
 AUTO_GAIN = 0.05
@@ -121,10 +122,7 @@ def interpolate_proximal(module: Module) -> Module:
         if not forwards:
             continue
         for s in forwards:
-            s.op, s.target = "compute.sample_logprobs", None
-            s.attrs = {"temperature": float(s.attrs.get("temperature", 1.0))}
-            s.annotations = {}
-        plan.set_flag(gen, "logprobs")
+            to_sample_logprobs(gen, s)
         gen.annotations[plan.AsyncRollout.key] = plan.AsyncRollout(ahead.staleness, ahead.behaviour_cap,
                                                                    "loglinear").print()
         changed = True

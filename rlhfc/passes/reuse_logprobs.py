@@ -66,14 +66,20 @@ class ReuseLogprobs(Pass):
             between = g.stages[g.stages.index(gen) + 1:g.stages.index(s)]
             if any(x.op == "train" and x.target == s.target for x in between):
                 continue
-            plan.set_flag(gen, "logprobs")
-            s.op, s.target = "compute.sample_logprobs", None
-            s.attrs = {"temperature": temperature}
-            s.annotations = {}
+            to_sample_logprobs(gen, s)
             changed = True
         if changed:
             module.refresh_versions()
         return module
+
+
+def to_sample_logprobs(gen, forward) -> None:
+    """Turn ``forward`` (the generating model's ``forward.logprobs`` over ``gen``'s rollout) into a driver-side
+    ``compute.sample_logprobs`` reading the log-probs ``gen`` keeps (marked ``logprobs = true``)."""
+    plan.set_flag(gen, "logprobs")
+    forward.op, forward.target = "compute.sample_logprobs", None
+    forward.attrs = {"temperature": float(forward.attrs.get("temperature", 1.0))}
+    forward.annotations = {}
 
 
 def reuses(module: Module) -> bool:

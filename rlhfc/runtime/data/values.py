@@ -93,6 +93,10 @@ class TokenValues:
         m = self.mask.to(self.values.dtype)
         return float((self.values * m).sum() / m.sum().clamp(min=1))
 
+    def row_sums(self) -> torch.Tensor:
+        """[B]: each row's sum over its masked-in tokens (per-token rewards: each trajectory's return)."""
+        return (self.values * self.mask.to(self.values.dtype)).sum(-1)
+
 
 @dataclass
 class PolicyLossInput:

@@ -27,7 +27,7 @@ def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, val
     roll: Rollout | None = values.get(roles.rollout) if roles.rollout else None
     scores = values.get(roles.reward) if roles.reward else None
     if isinstance(scores, TokenValues):   # per-token rewards (env_turn_rewards): each row's return
-        scores = (scores.values * scores.mask.to(scores.values.dtype)).sum(-1)
+        scores = scores.row_sums()
     if scores is not None:
         m["reward_mean"] = float(scores.float().mean())
         m["reward_std"] = float(scores.float().std()) if scores.numel() > 1 else 0.0

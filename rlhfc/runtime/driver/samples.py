@@ -58,7 +58,7 @@ def sample_rows(step: int, roll: Rollout, values: dict[str, Any], reward: str | 
            if torch.is_tensor(v) and v.ndim == 1 and v.shape[0] == size and v.is_floating_point()}
     per_token = values.get(reward) if reward else None
     if isinstance(per_token, TokenValues) and per_token.values.shape[0] == size:   # env_turn_rewards: the row's sum
-        seq[reward] = (per_token.values * per_token.mask.to(per_token.values.dtype)).sum(-1)
+        seq[reward] = per_token.row_sums()
     lengths = roll.batch.response_lengths.tolist()
     rows = []
     for i in picked:
