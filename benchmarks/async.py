@@ -6,12 +6,14 @@ policy, weights synced after every train step) and the other models and training
 generation of the next steps runs while this one trains). Reports per program and staleness: samples/s and
 response tokens/s over the measured steps (after warm-up; median over interleaved rounds, with the range), the
 ratio to staleness 0, the mean reward over the measured steps (the same prompts in the same order at every
-staleness) and the step's mean staleness.
+staleness) and the step's mean staleness. ``--proximal recompute,loglinear`` also runs each staleness > 0 with A-3PO's interpolation
+(``async_rollout{proximal = loglinear}``: no proximal forward) beside decoupled PPO's recomputed one.
 
 Programs: ``benchmarks/overlap.rlhf`` (four 2-layer width-64 GPT-2s, geometric response lengths up to 96
 tokens: long-tailed, overhead-bound) and the same pipeline with width 256 and 4 layers (compute-bound).
 
-    .venv/bin/python benchmarks/async.py [--rounds 2] [--steps 10] [--warmup 2] [--json out.json]
+    .venv/bin/python benchmarks/async.py [--rounds 2] [--steps 10] [--warmup 2] [--proximal recompute,loglinear]
+                                         [--json out.json]
 
 Target (docs/benchmarks.md): staleness 1 >= 1.5x staleness 0 where generation and training take comparable
 time, with the reward within noise. The cost model does not price asynchronous rollout yet (the simulator's
@@ -50,9 +52,9 @@ def programs() -> dict[str, str]:
     return {"gpt2-2x64": tiny, "gpt2-4x256": wide}
 
 
-def run_one(text: str, staleness: int, work: str, *, steps: int, warmup: int) -> dict:
+def run_one(text: str, staleness: int, work: str, *, steps: int, warmup: int, proximal: str = "recompute") -> dict:
     module, _ = compile_source(text, OVERLAP)
-    passes = SEPARATE + ([f"async_rollout{{staleness={staleness}}}"] if staleness else [])
+    passes = SEPARATE + ([f"async_rollout{{staleness={staleness},proximal={proximal}}}"] if staleness else [])
     module = PassManager(parse_pipeline(",".join(passes))).run(module)
     job_dir = os.path.join(work, f"job_{staleness}_{time.time_ns()}")
     emit_job(module, job_dir, source_path=OVERLAP, opt_level="custom", passes=passes)
@@ -86,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--staleness", default="0,1,2")
+    ap.add_argument("--proximal", default="recompute", help="for staleness > 0: recompute, loglinear, or both")
     ap.add_argument("--only", default="", help="run only the programs whose name contains this")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    levels = [int(k) for k in args.staleness.split(",")]
+    ks = [int(k) for k in args.staleness.split(",")]
+    levels = [(k, p) for k in ks for p in (args.proximal.split(",") if k else ["recompute"])]
     work = tempfile.mkdtemp(prefix="rlhfc-async-")
     results: dict = {}
     try:
@@ -97,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, text in programs().items():
                 if args.only and args.only not in name:
                     continue
-                for k in levels:
-                    got = run_one(text, k, work, steps=args.steps, warmup=args.warmup)
-                    results.setdefault(name, {}).setdefault(k, []).append(got)
-                    print(f"round {r} {name} staleness {k}: {got['samples_per_s']:.1f} samples/s, "
+                for k, prox in levels:
+                    got = run_one(text, k, work, steps=args.steps, warmup=args.warmup, proximal=prox)
+                    key = str(k) if prox == "recompute" else f"{k} {prox}"
+                    results.setdefault(name, {}).setdefault(key, []).append(got)
+                    print(f"round {r} {name} staleness {key}: {got['samples_per_s']:.1f} samples/s, "
                           f"{got['tokens_per_s']:.0f} tokens/s, reward {got['reward']:+.3f}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} steps after {args.warmup} warm-up, medians (range)")
     summary: dict = {}
     for name, by_k in results.items():
-        base = median(x["samples_per_s"] for x in by_k[levels[0]])
+        first = next(iter(by_k))
+        base = median(x["samples_per_s"] for x in by_k[first])
         for k, runs in by_k.items():
             sps = [x["samples_per_s"] for x in runs]
             tps = [x["tokens_per_s"] for x in runs]
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                    "response_len_mean": median(x["response_len_mean"] for x in runs)}
             summary.setdefault(name, {})[k] = row
             print(f"{name:12s} staleness {k}: {row['samples_per_s']:6.1f} samples/s ({min(sps):.1f}-{max(sps):.1f}), "
-                  f"{row['tokens_per_s']:7.0f} tokens/s, x{row['ratio']:.2f} vs staleness {levels[0]}, reward "
+                  f"{row['tokens_per_s']:7.0f} tokens/s, x{row['ratio']:.2f} vs staleness {first}, reward "
                   f"{row['reward']:+.3f}, response {row['response_len_mean']:.1f} tokens, staleness "
                   f"{row['staleness_mean']:.2f}")
     if args.json:

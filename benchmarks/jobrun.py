@@ -19,7 +19,8 @@ def run_compiled(module, level: str, source_path: str, work: str, *, warmup: int
     from rlhfc.runtime.job import Job
 
     job_dir = os.path.join(work, f"job_{level}")
-    emit_job(module, job_dir, source_path=source_path, opt_level=level, passes=PIPELINES[level])
+    base = level.split("-")[0]   # "O3-sync": -O3 without async_rollout (benchmarks/overlap.py)
+    emit_job(module, job_dir, source_path=source_path, opt_level=base, passes=PIPELINES[base])
     spec = importlib.util.spec_from_file_location(f"bench_{level}_{time.time_ns()}", os.path.join(job_dir, "main.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -61,10 +61,18 @@ def _cpu(job: Job) -> float:
     return t.user + t.system + sum(_proc_cpu(w["pid"]) for w in job.worker_info.values())
 
 
-def run_level(level: str, steps: int, warmup: int, work: str) -> dict:
-    module, _, _ = load_file(PROGRAM)
-    module = PassManager(pipeline_for(level)).run(module)
-    run = run_compiled(module, level, PROGRAM, work, warmup=warmup, steps=steps, probe=_cpu)
+def passes_for(level: str) -> list:
+    """The passes of an -O level, or of ``O3-sync``: -O3 without ``async_rollout`` (its generate overcommitted
+    instead of run ahead, what -O3 compiles for a program stating ``staleness = 0``)."""
+    if level == "O3-sync":
+        return [p for p in pipeline_for("O3") if p.name != "async_rollout"]
+    return pipeline_for(level)
+
+
+def run_level(level: str, steps: int, warmup: int, work: str, program: str = PROGRAM) -> dict:
+    module, _, _ = load_file(program)
+    module = PassManager(passes_for(level)).run(module)
+    run = run_compiled(module, level, program, work, warmup=warmup, steps=steps, probe=_cpu)
     measured, wall = run["rows"], run["wall"]
     cpu = run["probe"][1] - run["probe"][0]
     samples = sum(r["samples"] for r in measured)
@@ -76,7 +84,8 @@ def run_level(level: str, steps: int, warmup: int, work: str) -> dict:
             "utilisation": cpu / (wall * (os.cpu_count() or 1)), "wait_s": waits,
             "reward_last": measured[-1]["reward_mean"], "response_len_mean":
             sum(r["response_len_mean"] for r in measured) / len(measured),
-            "carried": sum(r.get("carried", 0) for r in measured), "module": module}
+            "carried": sum(r.get("carried", 0) for r in measured), "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in measured) / len(measured),
+            "module": module}
 
 
 def critical_path(module, stage_s: dict[str, float]) -> float:
@@ -110,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (every level, then TRL), interleaved in time")
     ap.add_argument("--levels", default="O0,O1,O2,O3")
     ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--program", default=PROGRAM, help="another program (TRL's peer is sized for overlap.rlhf: "
+                                                      "use --no-trl)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -125,7 +136,7 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             scaling.append(core_scaling())
             for lv in levels:
-                runs[lv].append(run_level(lv, args.steps, args.warmup, os.path.join(work, f"r{rnd}")))
+                runs[lv].append(run_level(lv, args.steps, args.warmup, os.path.join(work, f"r{rnd}"), args.program))
             if not args.no_trl:
                 from trl_peer import run_trl_ppo
 
@@ -140,17 +151,17 @@ def main(argv=None) -> int:
 
     med = {lv: median([sps(r) for r in rs]) for lv, rs in runs.items()}
     base = med.get("O0") or next(iter(med.values()))
-    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; program: benchmarks/overlap.rlhf; "
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; program: {os.path.relpath(args.program, ROOT)}; "
           f"{args.rounds} rounds x {args.steps - args.warmup} measured steps after {args.warmup} warm-up")
     print(f"two busy cores deliver {median(scaling):.2f}x one core's throughput here "
           f"(per round: {', '.join(f'{x:.2f}' for x in scaling)}): the ceiling of any overlap")
-    print(f"{'level':<6} {'samples/s':>10} {'(min-max)':>13} {'vs O0':>7} {'step s':>8} {'core util':>10} "
-          f"{'resp len':>9} {'carried':>8}")
+    print(f"{'level':<7} {'samples/s':>10} {'(min-max)':>13} {'vs O0':>7} {'step s':>8} {'core util':>10} "
+          f"{'resp len':>9} {'carried':>8} {'stale':>6}")
     for lv, rs in runs.items():
         mid = sorted(rs, key=sps)[len(rs) // 2]
-        print(f"{lv:<6} {med[lv]:>10.1f} {min(map(sps, rs)):>6.1f}-{max(map(sps, rs)):<6.1f} "
+        print(f"{lv:<7} {med[lv]:>10.1f} {min(map(sps, rs)):>6.1f}-{max(map(sps, rs)):<6.1f} "
               f"{med[lv] / base:>6.2f}x {mid['step_s']:>8.3f} {mid['utilisation']:>9.0%} "
-              f"{mid['response_len_mean']:>9.1f} {mid['carried']:>8}")
+              f"{mid['response_len_mean']:>9.1f} {mid['carried']:>8} {mid['staleness_mean']:>6.2f}")
     if "O0" in runs and len(levels) > 1:
         for lv in levels[1:]:
             per = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(runs["O0"], runs[lv])]

@@ -87,7 +87,7 @@ def test_readme_quotes_the_figures_the_curve_tests_check():
 def test_explain_says_O3_changes_what_the_job_trains_on(capsys):
     program = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
     assert cli(["explain", program, "-O3", "--no-profile"]) == 0
-    assert "note: overcommit changes what the job trains on" in capsys.readouterr().out
+    assert "note: async_rollout changes what the job trains on" in capsys.readouterr().out
     assert cli(["explain", program, "-O2", "--no-profile"]) == 0
     assert "changes what the job trains on" not in capsys.readouterr().out
 

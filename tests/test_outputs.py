@@ -180,7 +180,8 @@ def test_sample_rows_spread_over_the_batch_with_reward_scores_and_fields(rollout
     assert [r["row"] for r in rows] == [0, 1]
     assert rows[0] == {"step": 7, "row": 0, "prompt": "hello there", "response": rollout.responses[0],
                        "reward": 0.5, "scores": {"scores": 0.5}, "response_tokens":
-                       int(rollout.batch.response_lengths[0]), "fields": {"id": 0}}
+                       int(rollout.batch.response_lengths[0]), "versions": [[0, int(rollout.batch.response_lengths[0])]],
+                       "fields": {"id": 0}}
     assert rows[1]["reward"] is None                      # NaN is written as null
     assert [r["row"] for r in sample_rows(0, rollout, values, None, 10)] == [0, 1, 2]
     assert sample_rows(0, rollout, values, "scores", 0) == []

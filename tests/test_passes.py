@@ -278,8 +278,9 @@ def test_pipelines_are_defined_for_every_level():
     for lower, higher in (("O1", "O2"), ("O2", "O3")):
         assert set(PIPELINES[lower]) <= set(PIPELINES[higher])
     passes = registered_passes()
-    for level, names in PIPELINES.items():
-        for name in names:
+    for level, items in PIPELINES.items():
+        assert [p.name for p in pipeline_for(level)] == [i.partition("{")[0] for i in items]   # options parse
+        for name in (i.partition("{")[0] for i in items):
             assert name in passes, f"{level} names unregistered pass {name}"
             if level != "O3":
                 assert passes[name].exact, f"{level} may only hold exact passes; {name} changes training"
@@ -288,7 +289,7 @@ def test_pipelines_are_defined_for_every_level():
 def test_pipeline_for_spellings():
     assert [p.name for p in pipeline_for("O1")] == PIPELINES["O1"]
     assert [p.name for p in pipeline_for("2")] == PIPELINES["O2"]
-    assert [p.name for p in pipeline_for("o3")] == PIPELINES["O3"]
+    assert [p.name for p in pipeline_for("o3")] == [i.partition("{")[0] for i in PIPELINES["O3"]]
     with pytest.raises(CompileError) as info:
         pipeline_for("O7")
     assert info.value.diagnostics[0].hint.startswith("levels: O0, O1, O2, O3")

@@ -109,6 +109,14 @@ class _Job:
         self.awaited.update(self._launched_names())
         return out
 
+    def ahead(self, stage: str, launch, /, *, data, batch, staleness):
+        """An asynchronous generate draws its prompts and launches its generation (the step awaits it)."""
+        load = next(s.name for s in self.m.graph.stages if s.op == "load" and s.target == data)
+        self.launches.append((load, "driver", "load", frozenset(self.awaited)))
+        self._bind(launch(object()), stage)
+        self.awaited.update(self._launched_names())
+        return object()
+
     def _launched_names(self) -> set[str]:
         return {x.stage if isinstance(x, _Future) else x for x, *_ in self.launches}
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
 from rlhfc.cost.profile import model_key
+from rlhfc.cost.simulator import STEADY_STEPS
 from rlhfc.ir import Module, print_module
 from rlhfc.ir import plan
 from rlhfc.ir.plan import AsyncRollout, async_rollout, overcommit_delta, unset, overlap_group, stream_chunk, workers
@@ -115,12 +116,17 @@ def async_notes(module: Module, cm: CostModel, sim, steps: int) -> list[str]:
     for s in sync.graph.stages:
         unset(s, AsyncRollout.key)
     sync.refresh_versions()
-    base = simulate(sync, steps=max(steps, 3), cost_model=CostModel(sync, cm.config)).step_time_s
+    n = max(steps, STEADY_STEPS)   # a pipeline of steps settles after its warm-up
+    base = simulate(sync, steps=n, cost_model=CostModel(sync, cm.config)).step_time_s
+    if n != steps:
+        sim = simulate(module, steps=n, cost_model=CostModel(module, cm.config))
     out = []
     for s, a in ahead:
         out.append(f"%{s.name} runs up to {a.staleness} step(s) ahead of training (asynchronous rollout; this changes "
                    f"what the job trains on: samples from weights up to {a.staleness} version(s) old, decoupled PPO "
-                   f"with behaviour_cap {a.behaviour_cap:g})")
+                   f"with behaviour_cap {a.behaviour_cap:g}"
+                   + (", its proximal policy interpolated (A-3PO), no proximal forward)" if a.proximal == "loglinear"
+                      else ")"))
     out.append(f"asynchronous rollout: predicted steady-state step {sim.step_time_s:.3g} s against "
                f"{base:.3g} s synchronous (x{base / sim.step_time_s:.2f})" if sim.step_time_s > 0 else
                "asynchronous rollout: no step time predicted")

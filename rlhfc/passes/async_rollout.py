@@ -21,8 +21,10 @@ makes them) and the train step interpolates the proximal log-probs from the beha
 policy's, per sample: ``prox = behaviour + α (current − behaviour)`` with ``α = s / (s + 1)``, ``s`` the versions
 the sample's weights lag the step's (0 for a fresh sample: the proximal policy is then the behaviour policy
 itself). It saves a forward over the batch per step and changes the loss further (an approximation of decoupled
-PPO; the KL reward, if any, reads the behaviour log-probs). ``proximal = auto`` prices the step both ways
-(:func:`rlhfc.cost.simulate`) and takes ``loglinear`` when it is predicted at least :data:`AUTO_GAIN` faster.
+PPO; the KL reward, if any, reads the behaviour log-probs). ``proximal = auto`` (the default) prices the step both
+ways (:func:`rlhfc.cost.simulate`) and takes ``loglinear`` when it is predicted at least :data:`AUTO_GAIN` faster;
+``recompute`` always keeps the forward. A program's stated ``run { staleness = K }`` without the pass (-O0 to -O2)
+is decoupled PPO with the forward.
 
 The program's ``run { staleness = K }`` is part of its meaning and runs at every level, this pass or not;
 the pass (in -O3, or named) gives K = ``staleness`` (default 1) to each generate of a trained model where the
@@ -58,9 +60,12 @@ class AsyncRollout(Pass):
                                                        "states no run { staleness })"})
     behaviour_cap: float = field(default=5.0, metadata={
         "doc": "tokens whose behaviour weight exp(proximal - behaviour) exceeds it are dropped from the loss"})
-    proximal: str = field(default="recompute", metadata={
-        "doc": "recompute: decoupled PPO's proximal forward; loglinear: A-3PO's interpolation, no forward; auto: "
-               "loglinear where the step is predicted at least 5 % faster"})
+    proximal: str = field(default="auto", metadata={
+        "doc": "recompute: decoupled PPO's proximal forward; loglinear: A-3PO's interpolation, no forward; auto "
+               "(the default): loglinear where the step is predicted at least 5 % faster"})
+    when: str = field(default="always", metadata={
+        "doc": "always: K wherever a generate can run ahead; faster (-O3): only where the step is predicted at "
+               "least 5 % faster than the synchronous plan the passes before made (streamed, overcommitted)"})
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -70,26 +75,53 @@ class AsyncRollout(Pass):
         if self.proximal not in plan.PROXIMAL_METHODS + ("auto",):
             raise ValueError(f"proximal must be one of {', '.join(plan.PROXIMAL_METHODS + ('auto',))}, "
                              f"not {self.proximal!r}")
+        if self.when not in ("always", "faster"):
+            raise ValueError(f"when must be always or faster, not {self.when!r}")
 
     def run(self, module: Module) -> Module:
         stated = module.run.staleness
         k = stated if stated is not None else self.staleness
+        choose = self.when == "faster" and stated is None
+        ahead = module.clone() if choose else module
         changed = False
-        for gen in module.graph.stages:
+        for gen in ahead.graph.stages:
             if gen.op != "generate":
                 continue
             plan.unset(gen, plan.AsyncRollout.key)
-            if k > 0 and plan.can_run_ahead(module, gen):
+            if k > 0 and plan.can_run_ahead(ahead, gen):
                 gen.annotations[plan.AsyncRollout.key] = plan.AsyncRollout(k, self.behaviour_cap).print()
+                take_back_sync_overlap(ahead, gen)
                 changed = True
+        if changed and not any(plan.overcommit(s) for s in ahead.graph.stages):
+            plan.unnote_changes_training(ahead, "overcommit")   # it took back every overcommitment
         if changed and stated is None:
-            plan.note_changes_training(module, "async_rollout")
-        module.refresh_versions()
+            plan.note_changes_training(ahead, "async_rollout")
+        ahead.refresh_versions()
         if changed and self.proximal != "recompute":
-            interpolated = interpolate_proximal(module.clone())
-            if self.proximal == "loglinear" or _faster(interpolated, module):
-                return interpolated
-        return module
+            interpolated = interpolate_proximal(ahead.clone())
+            if self.proximal == "loglinear" or _faster(interpolated, ahead):
+                if interpolated.run.staleness is not None:   # the program's own bound, a loss it did not ask for
+                    plan.note_changes_training(interpolated, "async_rollout")
+                ahead = interpolated
+        if choose and changed and not _faster(ahead, module):
+            return module   # -O3: the synchronous plan is predicted as fast
+        return ahead
+
+
+def take_back_sync_overlap(module: Module, gen) -> None:
+    """What the passes before did to ``gen`` for a synchronous step, taken back now that it runs ahead: its
+    stream (and its consumers' chunks), its overcommitment, and the reuse of its sampling log-probs in place of
+    the proximal forward (the forward comes back; A-3PO may drop it again)."""
+    for s in plan.stream_consumers(module.graph, gen):
+        plan.unset(s, "stream_from")
+    plan.unset(gen, plan.Stream.key, plan.Overcommit.key)
+    roll = gen.outputs[0].name
+    for s in module.graph.stages:
+        if s.op == "compute.sample_logprobs" and s.inputs and s.inputs[0].name == roll:
+            s.op, s.target = "forward.logprobs", gen.target
+            s.attrs = {"temperature": float(s.attrs.get("temperature", 1.0))}
+            s.annotations = {}
+            plan.unset(gen, "logprobs")
 
 
 def proximal_forwards(module: Module, gen) -> list:
@@ -131,10 +163,11 @@ def interpolate_proximal(module: Module) -> Module:
     return module
 
 
-def _faster(interpolated: Module, recomputed: Module) -> bool:
-    """Whether the step without the proximal forward is predicted :data:`AUTO_GAIN` faster."""
+def _faster(candidate: Module, base: Module) -> bool:
+    """Whether ``candidate``'s steady-state step is predicted :data:`AUTO_GAIN` faster than ``base``'s."""
     from rlhfc.cost import CostModel, simulate
+    from rlhfc.cost.simulator import STEADY_STEPS
 
-    with_forward = simulate(recomputed, steps=3, cost_model=CostModel(recomputed)).step_time_s
-    without = simulate(interpolated, steps=3, cost_model=CostModel(interpolated)).step_time_s
-    return without < (1.0 - AUTO_GAIN) * with_forward
+    before = simulate(base, steps=STEADY_STEPS, cost_model=CostModel(base)).step_time_s
+    after = simulate(candidate, steps=STEADY_STEPS, cost_model=CostModel(candidate)).step_time_s
+    return after < (1.0 - AUTO_GAIN) * before

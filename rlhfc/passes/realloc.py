@@ -15,7 +15,10 @@ runtime moves the weights in buckets, by ``transport``: ``object_store``
 (the sender and the receiver form a two-rank process group and the sender
 broadcasts each flat bucket: NCCL between GPUs, the default on GPU clusters;
 gloo on CPU, where it is tested). Frozen models need no sync: every copy is built
-from the same initial weights.
+from the same initial weights. ``transport = auto`` takes ``object_store`` for a model whose generate runs
+ahead of training (asynchronous rollout): its copy imports the weights between the generations it runs, and
+neither the trainer nor the driver waits for it, where a broadcast would hold the trainer until the copy
+finished the generation in flight and joined it.
 
 **Resharding for generation** (verl's 3D-HybridEngine idea). A model that trains as a
 worker group of several ranks (``fsdp`` shards, ``megatron`` tensor/pipeline pieces) and
@@ -44,7 +47,8 @@ from dataclasses import dataclass, field
 
 from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, Stage, Value, ValueType
-from rlhfc.ir.plan import TRANSPORTS, Mesh, Sync, set_refit_mb, stage_engine, stage_mesh, worker_ranks
+from rlhfc.ir.plan import (TRANSPORTS, Mesh, Sync, generates_ahead, set_refit_mb, stage_engine, stage_mesh,
+                           worker_ranks)
 
 from .base import Pass, register_pass
 
@@ -58,7 +62,8 @@ class Realloc(Pass):
     bucket_mb: int = field(default=64, metadata={"doc": "transfer bucket size in MiB"})
     refit_mb: int = field(default=64, metadata={"doc": "bucket size in MiB of the vLLM engine's refit (rollout = vllm)"})
     transport: str = field(default="auto", metadata={
-        "doc": "object_store, collective (NCCL/gloo broadcast), or auto: collective on GPU clusters"})
+        "doc": "object_store, collective (NCCL/gloo broadcast), or auto: collective on GPU clusters, except to a "
+               "generating copy that runs ahead (asynchronous rollout)"})
 
     def __post_init__(self) -> None:
         if self.bucket_mb < 1 or self.refit_mb < 1:
@@ -68,8 +73,12 @@ class Realloc(Pass):
 
     def run(self, module: Module) -> Module:
         g = module.graph
-        transport = self.transport if self.transport != "auto" else \
-            ("object_store" if module.cluster.device == "cpu" else "collective")
+        def transport(model: str) -> str:
+            if self.transport != "auto":
+                return self.transport
+            ahead = generates_ahead(module, model)   # a broadcast would wait for the generation in flight
+            return "object_store" if module.cluster.device == "cpu" or ahead else "collective"
+
         for s in [s for s in g.stages if s.op == "sync"]:   # idempotent: recompute from the placement
             g.remove(s)
         for train in [s for s in g.stages if s.op == "train"]:
@@ -91,7 +100,8 @@ class Realloc(Pass):
             for dest in others:
                 out = Value(g.fresh_name(f"{train.target}_sync"), ValueType("Metrics"))
                 sync = Stage("sync", train.target, [train.outputs[0]], [out],
-                             Sync(dest, self.bucket_mb, transport).attrs(), {Mesh.key: home.print()}, train.loc)
+                             Sync(dest, self.bucket_mb, transport(train.target)).attrs(), {Mesh.key: home.print()},
+                             train.loc)
                 g.insert(at, sync)
                 at += 1
         for s in g.stages:

@@ -4,10 +4,11 @@
   are merged back in batch order; the step samples -O0's token ids and its metrics agree within the
   rounding tolerance (batched kernels may round a row differently over fewer rows), with and without
   ``unpad``.
-- -O3 (``overcommit``) trains with carried samples, every step on exactly ``batch`` samples, and its
-  throughput counts those.
-- Resume at -O2 and at -O3: the resumed run's metrics *and checkpoint weights and optimizer state* are
-  the uninterrupted run's, bit for bit (at -O3 the carried samples are part of the checkpoint).
+- ``overcommit`` (-O3's, on a generate that does not run ahead) trains with carried samples, every step on
+  exactly ``batch`` samples, its throughput counts those, and samples.jsonl records the weights version of
+  every token of a carried sample.
+- Resume at -O2 and with overcommit: the resumed run's metrics *and checkpoint weights and optimizer state*
+  are the uninterrupted run's, bit for bit (the carried samples are part of the checkpoint).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from .conftest import TINY_PPO as PROGRAM              # batch 4, max_new_tokens
 
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")        # batch 8, long-tailed lengths up to 48 tokens
 MODELS = ("actor", "critic", "ref", "reward")
+#: -O3 without asynchronous rollout: what -O3 compiles for a program stating ``run { staleness = 0 }``
+OVERCOMMIT = [p for p in PIPELINES["O3"] if not p.startswith("async_rollout")]
 
 pytestmark = pytest.mark.e2e
 
@@ -118,14 +121,17 @@ def test_streaming_in_several_chunks_trains_like_O0_within_rounding(tmp_path, pr
             f"{k} {a[k]!r} vs {b.get(k)!r}" for k in a if not _close(a[k], b.get(k)))
 
 
-# ----------------------------------------------------------------------------- -O3: overcommit
+# ----------------------------------------------------------------------------- overcommit
 
 
-def test_O3_trains_with_carried_samples_on_exactly_batch_samples_a_step(tmp_path):
-    """The long-tailed program at -O3 for 6 steps: samples carried over, every step trains on exactly 8,
-    samples/s is those 8 over the step's time, and the policy and critic train (finite losses)."""
-    job = _job(tmp_path, TAIL, PIPELINES["O3"], "o3")
-    rows = run_job(job, out=str(tmp_path / "run"), steps=6, progress=False)
+def test_overcommit_trains_with_carried_samples_on_exactly_batch_samples_a_step(tmp_path):
+    """The long-tailed program with -O3's overcommit for 6 steps: samples carried over, every step trains on
+    exactly 8, samples/s is those 8 over the step's time, and the policy and critic train (finite losses).
+    samples.jsonl gives every sample's tokens their weights versions: runs covering the response, the last
+    run the step's generating weights, a carried sample's first run older."""
+    job = _job(tmp_path, TAIL, OVERCOMMIT, "oc")
+    out = str(tmp_path / "run")
+    rows = run_job(job, out=out, steps=6, progress=False)
     assert [r["samples"] for r in rows] == [8] * 6
     assert sum(r["carried"] for r in rows) > 0 and any(r["carry_next"] > 0 for r in rows)
     assert max(r["staleness_max"] for r in rows) >= 1
@@ -133,21 +139,25 @@ def test_O3_trains_with_carried_samples_on_exactly_batch_samples_a_step(tmp_path
         assert r["samples_per_s"] == pytest.approx(8 / r["step_time_s"])
         assert all(math.isfinite(r[k]) for k in ("reward_mean", "policy_loss", "value_loss", "kl"))
         assert r["overcommit_delta"] >= 0
+    samples = [json.loads(x) for x in open(os.path.join(out, "samples.jsonl"))]
+    assert samples and all(sum(n for _, n in s["versions"]) == s["response_tokens"] for s in samples)
+    assert all(s["versions"][-1][0] == s["step"] for s in samples)      # finished by the step's weights
+    assert all(v < w for s in samples for (v, _), (w, _) in zip(s["versions"], s["versions"][1:]))
 
 
-# ----------------------------------------------------------------------------- resume at -O2 and -O3
+# ----------------------------------------------------------------------------- resume at -O2 and with overcommit
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level,program", [("O2", PROGRAM), ("O3", TAIL)], ids=["O2", "O3"])
+@pytest.mark.parametrize("level,program", [("O2", PROGRAM), ("overcommit", TAIL)], ids=["O2", "overcommit"])
 def test_resume_gives_the_uninterrupted_runs_metrics_and_weights(tmp_path, level, program):
     """4 steps straight vs 2 steps + resume to 4: the same metric rows, and the step-4 checkpoints hold
     the same bits (weights, AdamW moments, RNG states) for every model."""
-    job = _job(tmp_path, program, PIPELINES[level], level)
+    job = _job(tmp_path, program, OVERCOMMIT if level == "overcommit" else PIPELINES[level], level)
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     run_job(job, out=full, steps=4, progress=False)
     run_job(job, out=part, steps=2, progress=False)
-    if level == "O3":      # the interruption falls while samples are carried over: they are checkpointed
+    if level == "overcommit":   # the interruption falls while samples are carried over: they are checkpointed
         meta = json.load(open(os.path.join(part, "checkpoints", "step_2", "job.json")))
         assert any(state["carry"] for state in meta["overcommit"].values())
     run_job(job, out=part, steps=4, resume=True, progress=False)

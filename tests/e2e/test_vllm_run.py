@@ -2,7 +2,7 @@
 (issue #15): at -O2 its generate streams finished samples in chunks to the reference forward, the engine
 is refitted every step in memory (``refit_s``), its log-probs stay
 within 1e-3 of the trainer's, the reward rises, and vLLM's files stay inside the run folder. And at -O3
-(``overcommit``) on vLLM: samples are carried over, a resumed run regenerates the uninterrupted run's steps
+(``overcommit``, the program stating ``staleness = 0``: synchronous) on vLLM: samples are carried over, a resumed run regenerates the uninterrupted run's steps
 exactly, and an engine killed mid-generation stops the run with an error naming the model's engine, the
 last checkpoint intact (slow: two engine starts). Skipped without vLLM."""
 
@@ -90,7 +90,7 @@ pipeline rpp(batch = 8) {
   adv    = group_advantages(roll, scores, method = reinforce_pp)
   actor.train(ppo_clip(roll, logp, adv, tis_cap = 2.0), lr = 1e-3, minibatches = 2)
 }
-run { steps = 3; seed = 0; checkpoint_every = 1 }
+run { steps = 3; seed = 0; checkpoint_every = 1; staleness = 0 }
 """
 
 

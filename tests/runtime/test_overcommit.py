@@ -40,3 +40,31 @@ def test_without_ties_nothing_changes(make_spec):
     roll, carry = _chunks(list(w.generate_chunks(PROMPTS, chunk=4, max_new_tokens=3, temperature=1.0,
                                                  top_p=1.0, take=12)))
     assert roll.size == 12 and carry == []
+
+
+def test_carried_samples_record_the_weights_version_of_every_token(make_spec):
+    """A sample carried into a call made after a train step keeps its partial tokens' version and gets the new
+    one for the rest (runs ``[[version, tokens], ...]``); the runs survive merging, row selection and a
+    checkpoint's state, and the oldest of them is the rollout's oldest version."""
+    import torch
+
+    from rlhfc.runtime.data.values import oldest_version, rollout_from_state, rollout_state, select_rows
+
+    w = ModelWorker("actor", make_spec("llama", vocab=96), {"kind": "random"}, seed=3)
+    roll, carry = _chunks(list(w.generate_chunks(PROMPTS, chunk=4, max_new_tokens=3, temperature=1.0,
+                                                 top_p=1.0, take=8)))
+    assert all(v == [[0, n]] for v, n in zip(roll.versions, roll.batch.response_lengths.tolist()))
+    assert [c["versions"] for c in carry] == [[[0, 2]]] * 4
+    w.version = 1   # as a train step leaves it
+    roll2, _ = _chunks(list(w.generate_chunks(PROMPTS[:4], chunk=4, max_new_tokens=3, temperature=1.0,
+                                              top_p=1.0, take=8, carry=carry)))
+    lengths = roll2.batch.response_lengths.tolist()
+    for prompt, runs, n, born in zip(roll2.prompts, roll2.versions, lengths, roll2.born):
+        assert sum(k for _, k in runs) == n
+        assert runs == ([[0, 2], [1, n - 2]] if prompt in PROMPTS[8:] else [[1, n]])
+        assert born == runs[0][0]
+    assert oldest_version(roll2) == 0
+    picked = select_rows(roll2, torch.tensor([7, 0]))
+    assert picked.versions == [roll2.versions[7], roll2.versions[0]]
+    meta, tensors = rollout_state(roll2, "r")
+    assert rollout_from_state(meta, tensors, "r").versions == roll2.versions

@@ -191,6 +191,15 @@ def note_changes_training(module: Module, note: str) -> None:
         module.annotations["changes_training"] = notes + [note]
 
 
+def unnote_changes_training(module: Module, note: str) -> None:
+    """Take back a pass's note (a later pass undid all it changed)."""
+    notes = [n for n in changes_training(module) if n != note]
+    if notes:
+        module.annotations["changes_training"] = notes
+    else:
+        module.annotations.pop("changes_training", None)
+
+
 def strategy(module: Module) -> str | None:
     s = module.annotations.get("strategy")
     return s if s in STRATEGIES else None

@@ -63,6 +63,9 @@ class Rollout:
     engine: dict = field(default_factory=dict)
     #: the engine that generated it (``run { rollout = ... }``): ``torch`` or ``vllm``
     rollout_engine: str = "torch"
+    #: per sample, the weights version of each response token as runs ``[[version, tokens], ...]`` (one run for a
+    #: sample generated in one call; a carried sample's partial tokens keep the versions that sampled them)
+    versions: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -140,11 +143,41 @@ class ValueLossInput:
 class CarryOver:
     """Unfinished samples at the end of an overcommitted generation, carried into the next step.
 
-    Each item is plain JSON: ``{"prompt", "prompt_ids", "partial", "born", "fields"}`` (checkpointable;
-    ``fields``: the prompt's data fields, absent in checkpoints of older jobs).
+    Each item is plain JSON: ``{"prompt", "prompt_ids", "partial", "born", "versions", "fields"}``
+    (checkpointable; ``versions``: the partial tokens' weights versions as runs, :func:`token_versions`;
+    ``fields``: the prompt's data fields; both absent in checkpoints of older jobs).
     """
 
     samples: list[dict]
+
+
+def token_versions(item: dict, total: int, version: int) -> list[list[int]]:
+    """The weights versions of the first ``total`` response tokens of generation input ``item`` (a prompt, or a
+    carried sample with ``partial`` tokens and their ``versions``), as runs ``[[version, tokens], ...]``: the
+    partial tokens' runs, then ``version`` (the generating weights now) for the tokens after them. A carried
+    sample without runs (an older checkpoint's) counts its partial tokens at its ``born`` version."""
+    partial = len(item.get("partial") or ())
+    runs = [list(r) for r in (item.get("versions") or ([[int(item["born"]), partial]] if partial else []))]
+    if total > partial:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += total - partial
+        else:
+            runs.append([int(version), total - partial])
+        return runs
+    out, left = [], total
+    for v, n in runs:   # fewer tokens than carried (a sample cut before its last token): the leading runs
+        if left <= 0:
+            break
+        out.append([v, min(n, left)])
+        left -= n
+    return out
+
+
+def oldest_version(rollout: Rollout) -> int:
+    """The oldest weights version that generated any token of ``rollout`` (its samples' ``born`` where it
+    records no per-token versions)."""
+    per_token = [v for runs in rollout.versions for v, n in runs if n > 0]
+    return min(per_token or rollout.born or [rollout.version])
 
 
 _BATCH_TENSORS = ("input_ids", "attention_mask", "response_mask", "response_lengths", "prompt_lengths", "eos")
@@ -160,7 +193,7 @@ def rollout_state(rollout: Rollout, prefix: str) -> tuple[dict, dict[str, torch.
             "model": rollout.model, "version": rollout.version, "tokenizer": rollout.tokenizer,
             "rows": rollout.rows, "born": rollout.born, "decode_steps": rollout.decode_steps,
             "unpad": rollout.unpad, "computed_tokens": rollout.computed_tokens, "fields": rollout.fields,
-            "engine": rollout.engine, "rollout_engine": rollout.rollout_engine}
+            "engine": rollout.engine, "rollout_engine": rollout.rollout_engine, "versions": rollout.versions}
     return meta, tensors
 
 
@@ -169,7 +202,7 @@ def rollout_from_state(meta: dict, tensors: dict[str, torch.Tensor], prefix: str
     return Rollout(batch, list(meta["prompts"]), list(meta["responses"]), meta["model"], int(meta["version"]),
                    meta["tokenizer"], list(meta["rows"]), list(meta["born"]), int(meta["decode_steps"]),
                    tensors.get(f"{prefix}.logprobs"), bool(meta["unpad"]), float(meta["computed_tokens"]),
-                   list(meta["fields"]), dict(meta["engine"]), meta["rollout_engine"])
+                   list(meta["fields"]), dict(meta["engine"]), meta["rollout_engine"], list(meta.get("versions", [])))
 
 
 def select_rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
@@ -178,6 +211,7 @@ def select_rows(rollout: Rollout, index: torch.Tensor) -> Rollout:
     pick = lambda xs: [xs[i] for i in rows] if xs else xs  # noqa: E731
     return replace(rollout, batch=rollout.batch.select(index), prompts=pick(rollout.prompts),
                    responses=pick(rollout.responses), rows=pick(rollout.rows), born=pick(rollout.born),
+                   versions=pick(rollout.versions) if len(rollout.versions) == rollout.size else rollout.versions,
                    fields=pick(rollout.fields) if len(rollout.fields) == rollout.size else rollout.fields,
                    logprobs=rollout.logprobs[index.to(rollout.logprobs.device)] if rollout.logprobs is not None
                    else None)
@@ -212,7 +246,7 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
     batch = RolloutBatch(prompt_len=p, **cat)
     flat = lambda attr: [x for c in chunks for x in getattr(c, attr)]  # noqa: E731
     prompts, responses, rows, born = flat("prompts"), flat("responses"), flat("rows"), flat("born")
-    fields = flat("fields")
+    fields, versions = flat("fields"), flat("versions")
     return Rollout(batch, [prompts[i] for i in order], [responses[i] for i in order], chunks[0].model,
                    max(c.version for c in chunks), chunks[0].tokenizer, [rows[i] for i in order],
                    [born[i] for i in order], max(c.decode_steps for c in chunks),
@@ -220,7 +254,8 @@ def merge_rollouts(chunks: list[Rollout], pad_id: int = 0) -> Rollout:
                    if all(c.logprobs is not None for c in chunks) else None, all(c.unpad for c in chunks),
                    sum(c.computed_tokens for c in chunks),
                    [fields[i] for i in order] if len(fields) == len(order) else [],
-                   {k: v for c in chunks for k, v in c.engine.items()}, chunks[0].rollout_engine)
+                   {k: v for c in chunks for k, v in c.engine.items()}, chunks[0].rollout_engine,
+                   [versions[i] for i in order] if len(versions) == len(order) else [])
 
 
 def merge_parts(parts: list, chunks: list[Rollout]):

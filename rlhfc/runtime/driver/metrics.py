@@ -69,7 +69,8 @@ def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, val
         m["samples"] = roll.size
         if roll.born:   # versions behind the weights that train on them (this step's under asynchronous rollout)
             stale = [(step if ahead else roll.version) - b for b in roll.born]
-            m["carried"] = sum(1 for x in stale if x > 0)
+            if not ahead:   # samples overcommit carried in (generated ahead is not carried: staleness says it)
+                m["carried"] = sum(1 for x in stale if x > 0)
             m["staleness_max"] = max(stale)
             m["staleness_mean"] = sum(stale) / len(stale)
         for stage, state in overcommit.items():

@@ -13,7 +13,9 @@ model's or rule's scores, a KL-penalised reward, ...), by value name. ``fields``
 sample's prompt, when the pipeline's data has any (:func:`sample_rows`'s ``fields`` argument; absent
 otherwise). A multi-turn generate's sample also has ``turns``, its trajectory as ``[[who, text], ...]``
 (``who``: ``policy``, a tool's name or ``env``: what the loss trains on and what it does not), and with an
-environment ``env_reward``.
+environment ``env_reward``. ``versions``: the weights versions that generated the response, as runs
+``[[version, tokens], ...]`` in response order (several for a sample ``overcommit`` carried over; a version is the
+number of train steps the weights had taken).
 
 On resume :meth:`SampleLog.trim` keeps the lines of the steps before the checkpoint (as ``metrics.jsonl``),
 and :meth:`SampleLog.open` writes them again as TensorBoard text into the fresh events file that replaces
@@ -65,6 +67,8 @@ def sample_rows(step: int, roll: Rollout, values: dict[str, Any], reward: str | 
         row = {"step": step, "row": i, "prompt": roll.prompts[i], "response": roll.responses[i],
                "reward": _number(seq[reward][i]) if reward in seq else None,
                "scores": {name: _number(v[i]) for name, v in seq.items()}, "response_tokens": int(lengths[i])}
+        if i < len(roll.versions):   # the weights versions that generated its tokens (several when carried)
+            row["versions"] = roll.versions[i]
         if fields is not None:
             row["fields"] = dict(fields[i])
         extra = roll.fields[i] if i < len(roll.fields) else {}

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from rlhfc.contract.rules import tokenizer_fingerprint
 from rlhfc.runtime.data.prompts import prompt_parts
 from rlhfc.runtime.data.tokenizer import load_tokenizer
-from rlhfc.runtime.data.values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput
+from rlhfc.runtime.data.values import CarryOver, PolicyLossInput, Rollout, TokenValues, ValueLossInput, token_versions
 from rlhfc.runtime.models.build import build_model, copy_weights
 from rlhfc.runtime.models.precision import autocast, under_autocast
 from rlhfc.runtime.models.recompute import apply_recompute
@@ -309,7 +309,7 @@ class ModelWorker(TracedWorker):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
             if isinstance(item, PartialSample):
-                yield {**c, "partial": list(response)}
+                yield {**c, "partial": list(response), "versions": token_versions(c, len(response), self.version)}
                 continue
             yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs,
                                  item.computed)
@@ -333,7 +333,10 @@ class ModelWorker(TracedWorker):
                 # more rows finished in the decoding step that brought the take-th: the step trains on
                 # exactly `take`, so these (the later rows) are carried, cut before their last token,
                 # which they sample again under the next step's weights
-                left.append({**inputs[item.index], "partial": list(item.response_ids[:-1])})
+                c = inputs[item.index]
+                cut = len(item.response_ids) - 1
+                left.append({**c, "partial": list(item.response_ids[:-1]),
+                             "versions": token_versions(c, cut, self.version)})
                 continue
             done += 1
             buf.append(item)
@@ -359,7 +362,8 @@ class ModelWorker(TracedWorker):
                        max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
                        computed_tokens=sum(s.computed for s in samples),
                        fields=[inputs[i].get("fields") or {} for i in rows], engine=self._take_engine_stats(),
-                       rollout_engine=self.rollout_engine.name)
+                       rollout_engine=self.rollout_engine.name,
+                       versions=[token_versions(inputs[s.index], len(s.response_ids), self.version) for s in samples])
 
     def _take_engine_stats(self) -> dict[str, float]:
         """The rollout engine's statistics since the last rollout (the first chunk of a stream carries them)."""
