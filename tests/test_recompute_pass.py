@@ -106,6 +106,44 @@ def test_untraceable_block_warns_with_its_location_and_keeps_the_coarse_policy()
     assert plan.recompute_decision(module.graph.stage("actor_train")) == plan.Recompute("full")
 
 
+def test_a_model_from_a_hugging_face_folder_is_traced_like_a_config_built_one(tmp_path):
+    """The actor loaded from a folder whose config.json builds the tracer's block (transformers' defaults,
+    written by save_pretrained) gets the same recompute decision as the config-built actor, with no warning; a
+    folder whose config sets another activation keeps the coarse policy, the warning naming the setting."""
+    import json
+    import warnings
+
+    from transformers import LlamaConfig
+
+    from rlhfc.passes.recompute import traceable
+
+    base = _module()
+    parse_pipeline("recompute")[0].run(base)
+    want = plan.recompute_decision(base.graph.stage("actor_train"))
+    assert want is not None and want.policy != "none"
+    actor = base.models["actor"]
+    config = LlamaConfig(vocab_size=actor.vocab, hidden_size=actor.hidden, intermediate_size=actor.ffn,
+                         num_hidden_layers=actor.layers, num_attention_heads=actor.heads,
+                         num_key_value_heads=actor.kv_heads, max_position_embeddings=actor.max_seq)
+    config.save_pretrained(str(tmp_path / "same"))
+    config.hidden_act = "gelu"
+    config.save_pretrained(str(tmp_path / "gelu"))
+    module = _module()
+    module.models["actor"].source = str(tmp_path / "same")
+    assert traceable(module.models["actor"]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_pipeline("recompute")[0].run(module)
+    assert plan.recompute_decision(module.graph.stage("actor_train")) == want
+    other = _module()
+    other.models["actor"].source = str(tmp_path / "gelu")
+    assert json.load(open(tmp_path / "gelu" / "config.json"))["hidden_act"] == "gelu"
+    plan.set_recompute(other.graph.stage("actor_train"), plan.Recompute("full"))
+    with pytest.warns(UserWarning, match="config.json sets hidden_act = 'gelu', a block the tracer does not build"):
+        parse_pipeline("recompute")[0].run(other)
+    assert plan.recompute_decision(other.graph.stage("actor_train")) == plan.Recompute("full")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_scaled_block_trace_equals_a_fresh_trace(arch, tmp_path, monkeypatch):
     """A block is traced once per model (at two primes no dimension shares) and scaled to each micro-batch

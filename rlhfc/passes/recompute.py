@@ -88,11 +88,52 @@ class RecomputePass(Pass):
 
 
 def traceable(model) -> str | None:
-    """Why ``model``'s block cannot be traced (None when it can)."""
-    if model.source:
-        return f"model '{model.name}' comes from a folder ({model.source}); its block is not traced"
+    """Why ``model``'s block cannot be traced (None when it can). A model from a Hugging Face folder is traced
+    as a config-built one of its shape when its ``config.json`` builds the block the tracer builds (the same
+    activation, biases, head width, attention variant and, with ``dropout = true``, no dropout): the runtime
+    loads it into the same block class, whose ops the trace then names."""
     if model.arch not in ("llama", "gpt2"):
         return f"no block tracer for arch '{model.arch}'"
+    if model.source:
+        differs = block_config_differs(model.arch, model.source, model.heads, model.hidden,
+                                       keeps_dropout=bool(getattr(model, "dropout", False)))
+        if differs is not None:
+            return (f"model '{model.name}' comes from a folder ({model.source}) whose config.json sets {differs}, "
+                    "a block the tracer does not build; its block is not traced")
+    return None
+
+
+#: the block-building settings of a config.json, and the value the block tracer builds with
+#: (:func:`rlhfc.passes.recompute_trace._hf_block`: the transformers config classes' defaults)
+BLOCK_SETTINGS = {
+    "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "gpt2": {"activation_function": "gelu_new", "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+             "reorder_and_upcast_attn": False, "add_cross_attention": False},
+}
+#: dropout settings: the runtime zeroes them unless the model keeps the folder's (``dropout = true``)
+DROPOUT_SETTINGS = {"llama": ("attention_dropout",), "gpt2": ("attn_pdrop", "resid_pdrop", "embd_pdrop")}
+
+
+def block_config_differs(arch: str, folder: str, heads: int, hidden: int, *, keeps_dropout: bool = False) -> str | None:
+    """The first setting of ``folder``'s config.json that builds another block than the tracer's (``"hidden_act =
+    'gelu'"``), or None when none does (a setting left out takes the transformers default, the tracer's)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return "nothing readable (config.json)"
+    for key, default in BLOCK_SETTINGS[arch].items():
+        if key in cfg and cfg[key] != default:
+            return f"{key} = {cfg[key]!r}"
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and heads and head_dim * heads != hidden:
+        return f"head_dim = {head_dim!r} (not hidden / heads)"
+    if keeps_dropout:
+        for key in DROPOUT_SETTINGS[arch]:
+            if cfg.get(key):
+                return f"{key} = {cfg[key]!r} with dropout = true"
     return None
 
 

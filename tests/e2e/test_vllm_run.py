@@ -164,7 +164,7 @@ def test_overcommit_on_vllm_resumes_exactly_and_a_killed_engine_keeps_the_last_c
 
 
 FSDP = OVERCOMMIT.replace("max_new_tokens = 40", "max_new_tokens = 16").replace(
-    "checkpoint_every = 1 }", "checkpoint_every = 1; trainer = fsdp; rollout = vllm }")
+    "staleness = 0 }", "staleness = 0; trainer = fsdp; rollout = vllm }")
 
 
 @pytest.mark.slow

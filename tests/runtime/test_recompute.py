@@ -101,6 +101,39 @@ def test_recompute_gradients_equal(name):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()), msg=label)
 
 
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_a_model_loaded_from_a_folder_keeps_what_the_config_built_trace_says(name, tmp_path):
+    """A model saved as a Hugging Face folder and loaded from it (``hf(...)``: the runtime's from_pretrained)
+    has the block the tracer builds from the shape alone: under each policy it keeps the bytes the config-built
+    trace predicts (what lets the recompute pass trace an ``hf(...)`` model from its config.json), and its
+    gradients are those without recomputation."""
+    from rlhfc.passes.recompute import block_config_differs
+
+    trace = _trace(name)
+    built = build_model(SPECS[name], seed=0)
+    built.hf.save_pretrained(str(tmp_path))
+    spec = {**SPECS[name], "source": str(tmp_path)}
+    assert block_config_differs(name, str(tmp_path), spec["heads"], spec["hidden"]) is None
+    model = build_model(spec, seed=0)
+    model.train()
+    block, args, kwargs = _block_call(model)
+    for label, ch in _choices(trace).items():
+        apply_recompute(model, {"policy": ch.policy, "save": list(ch.save)})
+        _, kept = kept_activation_bytes(block, *args, **kwargs)
+        assert kept == pytest.approx(ch.saved_bytes, rel=0.10, abs=64), label
+
+    def grads(decision):
+        m = build_model(spec, seed=0)
+        m.train()
+        apply_recompute(m, decision)
+        m(*_batch()).pow(2).mean().backward()
+        return [p.grad for p in m.parameters()]
+
+    want, ch = grads(None), _choices(trace)["budget0.5"]
+    for a, b in zip(grads({"policy": ch.policy, "save": list(ch.save)}), want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()))
+
+
 def test_recompute_inference_unchanged_and_reversible():
     """Forwards without a graph never checkpoint; applying ``none`` restores the plain block forward."""
     model = build_model(SPECS["llama"], seed=0)
