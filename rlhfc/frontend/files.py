@@ -8,6 +8,8 @@ import json
 import os
 from typing import Sequence
 
+from rlhfc.contract.rules import tool_call_format
+
 #: larger data files are not read at check time (the job checks them when it starts)
 MAX_CHECKED_BYTES = 64 * 2**20
 #: files that hold a Hugging Face tokenizer's vocabulary (one of them must be in a model folder)
@@ -123,20 +125,17 @@ def chat_template_text(folder: str | None) -> str:
     return ""
 
 
-#: the tool-call format rlhfc reads from a chat template: Hermes' (Qwen 2.5/3, Hermes, and most recent open
-#: models): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the assistant's turn
-TOOL_CALL_TAG = "<tool_call>"
-
-
 def tool_template_problem(folder: str | None, model: str) -> tuple[str, str] | None:
     """Why the chat template of model ``model`` cannot carry tool calls for ``generate(..., tools = [...],
-    chat = true)``: rlhfc reads the Hermes format (:data:`TOOL_CALL_TAG`), which the template must render."""
-    if TOOL_CALL_TAG in chat_template_text(folder):
+    chat = true)``: rlhfc reads the formats :func:`rlhfc.contract.rules.tool_call_format` names, which the
+    template must write."""
+    if tool_call_format(chat_template_text(folder)) is not None:
         return None
-    return (f"the chat template of model '{model}' has no tool-call format rlhfc reads (it never writes "
-            f"{TOOL_CALL_TAG}...</tool_call>)",
-            "a chat = true generate with tools needs a template with Hermes-style tool calls (Qwen 2.5/3, Hermes); "
-            "drop chat to use the plain-text convention (docs/language.md, tool and env)")
+    return (f"the chat template of model '{model}' has no tool-call format rlhfc reads (it writes neither "
+            "<tool_call>...</tool_call> nor {\"name\": ..., \"parameters\": ...} calls with ipython results)",
+            "a chat = true generate with tools needs a template with Hermes-style tool calls (Qwen 2.5/3, Hermes) "
+            "or Llama 3.1-3.3's JSON calls; drop chat to use the plain-text convention (docs/language.md, tool "
+            "and env)")
 
 
 def _tokenizer_size(folder: str) -> int | None:

@@ -241,5 +241,78 @@ pipeline grpo(batch = 1) {{
     with pytest.raises(CompileError) as err:
         load_file(program(plain))
     text = str(err.value)
-    assert "has no tool-call format rlhfc reads (it never writes <tool_call>...</tool_call>)" in text
+    assert "has no tool-call format rlhfc reads (it writes neither <tool_call>...</tool_call> nor" in text
     assert "p.rlhf:7:69: error" in text and "drop chat to use the plain-text convention" in text
+
+
+# -- Llama 3.1-3.3's JSON calls (TRL's copy of the llama3_1 template) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_tok(tmp_path_factory):
+    import importlib.resources
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhfc.runtime.data.tokenizer import load_tokenizer
+
+    template = importlib.resources.files("trl").joinpath("chat_templates/llama3_1.jinja").read_text()
+    special = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>",
+               "<|eom_id|>"]
+    vocab = {"<pad>": 0, "<unk>": 1, **{t: 2 + i for i, t in enumerate(special)}}
+    for c in string.printable:
+        vocab.setdefault(c, len(vocab))
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", bos_token="<|begin_of_text|>",
+                                  eos_token="<|eot_id|>", unk_token="<unk>", additional_special_tokens=special)
+    tok.chat_template = template
+    folder = tmp_path_factory.mktemp("llama31")
+    tok.save_pretrained(folder)
+    return load_tokenizer({"source": str(folder)}), str(folder)
+
+
+def test_a_llama_3_json_call_runs_the_tool_and_its_result_is_the_templates_ipython_turn(llama_tok, chat_tok,
+                                                                                       tmp_path):
+    """With Llama 3.1's template the tools are listed in the first user turn, the policy's turn
+    ``{"name": "calc", "parameters": {...}}`` calls the tool (a turn of other text is the answer; a call of an
+    undeclared tool or broken JSON is none), and the result follows as the template's ipython turn — the
+    trajectory is token for token the template's rendering of the conversation; the compiler's check accepts
+    the template."""
+    from rlhfc.contract.rules import tool_call_format
+    from rlhfc.frontend.files import chat_template_text, tool_template_problem
+
+    tok, folder = llama_tok
+    assert tool_call_format(tok.hf.chat_template) == "json" and tool_call_format(HERMES) == "hermes"
+    assert tool_template_problem(folder, "actor") is None and tool_call_format(chat_template_text(folder)) == "json"
+    path = tmp_path / "t.py"
+    path.write_text(TOOL)
+    schemas = (tool_schema("calc", str(path), "calc"),)
+    fmt = ChatTemplate.of(tok, schemas)   # as the worker picks it
+    assert fmt == ChatTemplate(schemas, "json") and ChatTemplate.of(chat_tok[0], schemas).style == "hermes"
+    assert fmt.parse(tok.encode('{"name": "calc", "parameters": {"expr": "1 plus 2"}}'), tok, ["calc"]) == \
+        [("calc", "1 plus 2")]
+    for text in ('{"name": "other", "parameters": {"expr": "1"}}', '{"name": "calc", "para', "the answer is 3"):
+        assert fmt.parse(tok.encode(text), tok, ["calc"]) == []
+    calc = _Calc()
+    loop = AgentLoop({"calc": calc}, max_turns=3, turn_tokens=120, format=fmt)
+    call = '{"name": "calc", "parameters": {"expr": "12 plus 30"}}'
+    decode = _scripted({0: [call, "it is 42"]}, tok)
+    (a,), _ = loop.run(decode, [[9]], width=400, keys=[0], tokenizer=tok, want_logprobs=False,
+                       records=[{"prompt": "what is 12 plus 30"}])
+    assert calc.args == ["12 plus 30"] and (a.turns, a.calls) == (2, 1)
+    prompt = tok.decode(a.prompt_ids, keep_special=True)
+    assert "Given the following functions" in prompt and '"name": "calc"' in prompt
+    assert prompt.endswith("what is 12 plus 30<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    conversation = [{"role": "user", "content": "what is 12 plus 30"},
+                    {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                        "name": "calc", "arguments": {"expr": "12 plus 30"}}}]},
+                    {"role": "tool", "name": "calc", "content": "42"}, {"role": "assistant", "content": "it is 42"}]
+    assert list(a.prompt_ids) + a.tokens == tok.chat_ids(conversation, tools=list(schemas),
+                                                         add_generation_prompt=False)
+    suffix = tok.decode([t for t, p in zip(a.tokens, a.policy) if not p], keep_special=True)
+    # (this template writes a string result as JSON, quoted: what the model saw in training)
+    assert suffix == '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|><|start_header_id|>assistant' \
+                     "<|end_header_id|>\n\n"

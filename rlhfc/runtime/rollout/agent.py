@@ -10,9 +10,11 @@ most ``turn_tokens`` of what is left, a tool result is cut to what is left, and 
 for another turn ends.
 
 **Two tool-call formats** (:class:`PlainText`, :class:`ChatTemplate`). With a chat template (a generate with
-``chat = true`` on an HF model whose template writes Hermes-style calls: Qwen 2.5/3, Hermes) the prompt is the
-template's user turn with the tools' schemas, a call is ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-in the policy's turn, and a result is appended as the tokens the template writes for a ``tool`` message (an
+``chat = true`` on an HF model whose template writes tool calls) the prompt is the template's user turn with
+the tools' schemas, a call is what the template writes for one — Hermes' (Qwen 2.5/3, Hermes)
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the policy's turn, several a turn, or Llama
+3.1-3.3's whole turn ``{"name": ..., "parameters": ...}``, one a turn (:func:`rlhfc.contract.rules.tool_call_format`
+tells which from the template) — and a result is appended as the tokens the template writes for a ``tool`` message (an
 environment's observation: a ``user`` message) through the opening of the next assistant turn — computed from
 the template, never by re-tokenizing the conversation. Otherwise, **the plain-text convention** (any tokenizer): a
 policy turn ends at EOS or at its turn budget. A turn whose text, leading spaces stripped, is a declared
@@ -41,6 +43,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from rlhfc.contract.rules import tool_call_format
 
 from .decoding import FinishedSample, PartialSample
 
@@ -135,6 +139,15 @@ class ChatTemplate:
     template's ``tools`` argument takes them (:func:`tool_schema`)."""
 
     schemas: tuple = ()
+    #: the template's call format (:func:`rlhfc.contract.rules.tool_call_format`): ``hermes`` or ``json``
+    style: str = "hermes"
+
+    @classmethod
+    def of(cls, tokenizer, schemas: tuple) -> "ChatTemplate":
+        """The format of ``tokenizer``'s chat template (Hermes where it names none: the compiler's check has
+        refused a template with no format it reads)."""
+        template = getattr(getattr(tokenizer, "hf", None), "chat_template", None)
+        return cls(tuple(schemas), tool_call_format(template if isinstance(template, str) else "") or "hermes")
 
     def prompt(self, prompt_ids: Sequence[int], text: str, observation: str, tokenizer) -> tuple[list[int], list[int]]:
         content = f"{text}\n\n{observation}" if observation else text   # the first observation joins the user turn
@@ -144,6 +157,17 @@ class ChatTemplate:
         """Every well-formed call of a declared tool in the turn, in order (one that is not JSON, or names no
         declared tool, is left out; none: the turn is an answer)."""
         names, out = set(tools), []
+        if self.style == "json":   # Llama 3.x: the turn is one JSON call (after <|python_tag|> if written)
+            text = tokenizer.decode(ids).strip()
+            text = text[len("<|python_tag|>"):].lstrip() if text.startswith("<|python_tag|>") else text
+            try:
+                call, _ = json.JSONDecoder().raw_decode(text)
+            except ValueError:
+                return out
+            name = call.get("name") if isinstance(call, dict) else None
+            if name in names:
+                out.append((name, _argument(call.get("parameters", call.get("arguments", "")))))
+            return out
         for found in _HERMES_CALL.finditer(tokenizer.decode(ids, keep_special=True)):
             try:
                 call = json.loads(found.group(1))

@@ -211,8 +211,8 @@ class ModelWorker(TracedWorker):
         base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
         lo, hi = self.backend.generation_share(len(inputs))
         world = self.backend.world
-        fmt = ChatTemplate(tuple(tool_schema(t["name"], t["path"], t["function"]) for t in tools)) if chat else \
-            PlainText()
+        fmt = ChatTemplate.of(self.tokenizer, tuple(tool_schema(t["name"], t["path"], t["function"]) for t in tools)) \
+            if chat else PlainText()
         loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
                          env=load_env(env["path"], env["cls"]) if env else None, env_name=env["name"] if env else "",
                          format=fmt)
