@@ -40,4 +40,4 @@ def run_compiled(module, level: str, source_path: str, work: str, *, warmup: int
         probe1 = probe(job) if probe else None
     finally:
         job.shutdown()
-    return {"rows": rows[warmup:], "wall": wall, "probe": (marks["probe0"], probe1)}
+    return {"rows": rows[warmup:], "wall": wall, "probe": (marks["probe0"], probe1), "first": rows[0] if rows else None}

@@ -66,33 +66,68 @@ pipeline ppo(batch = {batch}) {{
 run {{ steps = {steps}; seed = 0; checkpoint_every = 0 }}
 """
 
+#: ``--equal-work``: the models from the point's shared folder (TRL loads the same policy weights and tokenizer;
+#: the value and reward models are its trunk with a score head each side initialises), prompts from a file
+SHARED = PROGRAM.replace(
+    "model actor  = gpt2(layers = {layers}, hidden = {hidden}, heads = {heads}, vocab = {vocab}, max_seq = {max_seq}) "
+    "trainable\nmodel critic = like(actor) head = value trainable",
+    'model actor  = hf("{folder}") trainable\nmodel critic = hf("{folder}") head = value trainable').replace(
+    "model reward = gpt2(layers = {layers}, hidden = {hidden}, heads = {heads}, vocab = {vocab}, max_seq = {max_seq}) "
+    "head = score frozen", 'model reward = hf("{folder}") head = score frozen').replace(
+    "data prompts = synthetic(count = 4096, min_len = {pmin}, max_len = {pmax})", 'data prompts = jsonl("{prompts}")')
+assert SHARED.count("hf(") == 3 and "jsonl(" in SHARED
+
 
 def _max_seq(p: dict) -> int:
     return 1 + PROMPT_MAX + p["max_new_tokens"] + 8
 
 
-def run_rlhfc(point: dict, level: str, work: str, lr: float) -> dict:
+def shared_start(point: dict, work: str) -> dict:
+    """The equal-work start of a point: its folder (a seeded random GPT-2 policy and the character tokenizer,
+    saved with save_pretrained) and its prompts (a JSON-lines file, and the same texts for TRL)."""
+    from trl_peer import prompt_texts, save_shared_folder
+
+    os.makedirs(work, exist_ok=True)
+    folder = os.path.join(work, "shared_model")
+    if not os.path.isdir(folder):
+        save_shared_folder(folder, layers=point["layers"], hidden=point["hidden"], heads=point["heads"],
+                           vocab=point["vocab"], max_seq=_max_seq(point), seed=0)
+    texts = prompt_texts(n=point["batch"] * (point["steps"] + WARMUP), vocab=point["vocab"], min_len=PROMPT_MIN,
+                         max_len=PROMPT_MAX, seed=0)
+    prompts = os.path.join(work, "prompts.jsonl")
+    with open(prompts, "w") as fh:
+        fh.writelines(json.dumps({"prompt": t}) + "\n" for t in texts)
+    return {"folder": folder, "prompts": prompts, "texts": texts}
+
+
+def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None = None) -> dict:
     from jobrun import run_compiled
 
     from rlhfc.frontend import compile_source
     from rlhfc.passes import PassManager, pipeline_for
 
     path = os.path.join(work, f"point_{level}.rlhf")
-    text = PROGRAM.format(max_seq=_max_seq(point), pmin=PROMPT_MIN, pmax=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                          lr=lr, **{k: v for k, v in point.items() if k != "steps"})
+    template, extra = (SHARED, {"folder": shared["folder"], "prompts": shared["prompts"]}) if shared else (PROGRAM, {})
+    text = template.format(max_seq=_max_seq(point), pmin=PROMPT_MIN, pmax=PROMPT_MAX, steps=point["steps"] + WARMUP,
+                           lr=lr, **extra, **{k: v for k, v in point.items() if k != "steps"})
     module, _ = compile_source(text, path)
     module = PassManager(pipeline_for(level)).run(module)
     run = run_compiled(module, level, path, work, warmup=WARMUP)
-    measured, wall = run["rows"], run["wall"]
+    measured, wall, first = run["rows"], run["wall"], run.get("first")
     samples = sum(r["samples"] for r in measured)
     tokens = sum(r["samples"] * r["response_len_mean"] for r in measured)
     eff = {k: median(r[k] for r in measured) for k in ("pad_eff_generate", "pad_eff_forward")
            if all(k in r for r in measured)}
-    return {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "step_s": wall / len(measured),
-            "response_len_mean": tokens / max(samples, 1), **eff}
+    out = {"samples_per_s": samples / wall, "tokens_per_s": tokens / wall, "step_s": wall / len(measured),
+           "response_len_mean": tokens / max(samples, 1), **eff}
+    if first is not None and "response_len_std" in first:   # the first step's lengths: equal work starts equal
+        out["first_len"] = (first["response_len_mean"], first["response_len_std"] / first["samples"] ** 0.5)
+    return out
 
 
-def run_trl(point: dict, lr: float) -> dict:
+def run_trl(point: dict, lr: float, shared: dict | None = None) -> dict:
+    from statistics import mean, stdev
+
     from trl_peer import run_trl_ppo
 
     best = None
@@ -100,13 +135,17 @@ def run_trl(point: dict, lr: float) -> dict:
         r = run_trl_ppo(layers=point["layers"], hidden=point["hidden"], heads=point["heads"], vocab=point["vocab"],
                         max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],
                         prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                        minibatches=point["minibatches"], epochs=1, lr=lr, seed=0, threads=threads)
+                        minibatches=point["minibatches"], epochs=1, lr=lr, seed=0, threads=threads,
+                        folder=shared["folder"] if shared else None, texts=shared["texts"] if shared else None)
         sps = r.get("steady_samples_per_s") or r["samples_per_s"]
         # TRL's own mean_response_len stops at the first <pad> a row samples; the tokens it generated run to
         # <eos> or the cap (mean_generated_len): that is the work, and what rlhfc's response length counts
         generated = r.get("mean_generated_len") or float("nan")
         res = {"samples_per_s": sps, "tokens_per_s": sps * generated, "threads": threads,
                "response_len_mean": generated}
+        lens = r.get("first_step_generated_lens") or []
+        if len(lens) > 1:
+            res["first_len"] = (mean(lens), stdev(lens) / len(lens) ** 0.5)
         if best is None or sps > best["samples_per_s"]:
             best = res
     return best
@@ -123,6 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--points", default=",".join(POINTS))
     ap.add_argument("--levels", default="O0,O2,O3")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--own-init", action="store_true",
+                    help="each side builds its own random models and prompts (earlier sweeps); by default both load "
+                         "the same saved policy, tokenizer and prompts (equal work)")
     ap.add_argument("--lr", type=float, default=0.0,
                     help="learning rate of both sides; 0 (default) keeps both policies at their random start, so "
                          "both generate the same length distribution every step (every gradient and optimizer "
@@ -141,10 +183,11 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             scaling.append(core_scaling())
             for name in points:
+                shared = None if args.own_init else shared_start(POINTS[name], os.path.join(work, f"shared_{name}"))
                 for lv in levels:
                     results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}"),
-                                                       args.lr))
-                results[name]["TRL"].append(run_trl(POINTS[name], args.lr))
+                                                       args.lr, shared))
+                results[name]["TRL"].append(run_trl(POINTS[name], args.lr, shared))
                 print(f"round {rnd + 1}: {name} done", file=sys.stderr, flush=True)
                 if args.json:   # what is measured so far survives an interrupted sweep
                     with open(args.json + ".partial", "w") as fh:
@@ -175,6 +218,10 @@ def main(argv=None) -> int:
                     if all(k in r for r in results[name][lv])} for lv in levels}
         summary[name] = {"median_samples_per_s": med, "ratios_to_trl": ratios, "O2_over_O0": o2o0,
                          "trl_threads": [r["threads"] for r in results[name]["TRL"]], "padding_efficiency": eff}
+    print("first step's mean response length ± its standard error (round 1; equal work starts within ~1 SE):")
+    for name in points:
+        firsts = {lv: results[name][lv][0].get("first_len") for lv in levels + ["TRL"]}
+        print(f"  {name:<6} " + "  ".join(f"{lv}: {f[0]:.1f} ± {f[1]:.1f}" for lv, f in firsts.items() if f))
     print("padding efficiency (useful / computed tokens, medians; generation, forwards):")
     for name in points:
         eff = summary[name]["padding_efficiency"]

@@ -116,25 +116,60 @@ def build_tokenizer(vocab: int):
     return tok
 
 
-def build_prompts(tokenizer, *, n: int, vocab: int, min_len: int, max_len: int, seed: int):
-    """``n`` deterministic random lowercase prompts of ``min_len``..``max_len`` characters
-    (only letters inside the vocabulary), each preceded by ``<bos>``."""
-    from datasets import Dataset
-
+def prompt_texts(*, n: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[str]:
+    """``n`` deterministic random lowercase prompts of ``min_len``..``max_len`` characters (only letters inside
+    the vocabulary)."""
     letters = [c for c in _char_alphabet(vocab) if c in string.ascii_lowercase]
     rng = random.Random(seed)
-    texts = ["".join(rng.choice(letters) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(min_len, max_len))) for _ in range(n)]
+
+
+def build_prompts(tokenizer, *, n: int, vocab: int, min_len: int, max_len: int, seed: int,
+                  texts: list[str] | None = None):
+    """:func:`prompt_texts` (or ``texts``) as token ids, each preceded by ``<bos>``."""
+    from datasets import Dataset
+
+    texts = texts if texts is not None else prompt_texts(n=n, vocab=vocab, min_len=min_len, max_len=max_len,
+                                                         seed=seed)
     # <bos> + characters, as rlhfc encodes prompts.
     ids = [[tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert all(len(i) == len(t) + 1 for i, t in zip(ids, texts))
     return Dataset.from_dict({"input_ids": ids})
 
 
-def build_models(*, layers: int, hidden: int, heads: int, vocab: int, max_seq: int, tokenizer):
-    """Policy, reference, value and reward models: tiny random GPT-2s."""
+def save_shared_folder(folder: str, *, layers: int, hidden: int, heads: int, vocab: int, max_seq: int,
+                       seed: int = 0) -> str:
+    """The equal-work start both sides load: a random GPT-2 policy (seeded, transformers' initialisation) saved
+    with ``save_pretrained`` beside the character tokenizer. Returns ``folder``."""
+    import transformers
+
+    tokenizer = build_tokenizer(vocab)
+    transformers.set_seed(seed)
+    policy, *_ = build_models(layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_seq=max_seq,
+                              tokenizer=tokenizer)
+    policy.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def build_models(*, layers: int, hidden: int, heads: int, vocab: int, max_seq: int, tokenizer,
+                 folder: str | None = None):
+    """Policy, reference, value and reward models: tiny random GPT-2s, or (``folder``) the policy and the
+    reference loaded from a saved folder and the value and reward models its trunk with a new score head."""
     import copy
 
     from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    if folder is not None:
+        policy = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
+        ref = copy.deepcopy(policy)
+        value = GPT2ForSequenceClassification.from_pretrained(folder, num_labels=1, local_files_only=True)
+        reward = GPT2ForSequenceClassification.from_pretrained(folder, num_labels=1, local_files_only=True)
+        for m in (policy, ref, value, reward):
+            m.config.pad_token_id = tokenizer.pad_token_id
+        for m in (policy, ref):
+            m.generation_config.pad_token_id = tokenizer.pad_token_id
+        return policy, ref, value, reward
 
     def cfg(num_labels=None):
         c = GPT2Config(
@@ -181,6 +216,8 @@ def run_trl_ppo(
     kl_coef: float = 0.05,
     gradient_checkpointing: bool = False,
     quiet: bool = True,
+    folder: str | None = None,
+    texts: list[str] | None = None,
 ) -> dict:
     """Train TRL's PPO for ``steps`` updates of ``batch`` prompts; time the loop.
 
@@ -220,13 +257,19 @@ def run_trl_ppo(
     transformers.set_seed(seed)
     np.random.seed(seed)
 
-    tokenizer = build_tokenizer(vocab)
+    if folder is not None:   # equal work: the weights and tokenizer rlhfc loads too
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side="left")
+    else:
+        tokenizer = build_tokenizer(vocab)
     policy, ref, value, reward = build_models(
-        layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_seq=max_seq, tokenizer=tokenizer
+        layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_seq=max_seq, tokenizer=tokenizer, folder=folder
     )
     # Enough distinct prompts that the dataloader is never re-iterated within a run.
     dataset = build_prompts(
-        tokenizer, n=max(batch * steps, batch), vocab=vocab, min_len=prompt_min_len, max_len=prompt_max_len, seed=seed
+        tokenizer, n=max(batch * steps, batch), vocab=vocab, min_len=prompt_min_len, max_len=prompt_max_len, seed=seed,
+        texts=texts[:max(batch * steps, batch)] if texts is not None else None
     )
 
     class _Timer(TrainerCallback):
@@ -340,6 +383,7 @@ def run_trl_ppo(
         "steady_samples_per_s": batch * len(steady) / sum(steady) if steady else None,
         "mean_response_len": (sum(response_lens) / len(response_lens)) if response_lens else None,
         "mean_generated_len": (sum(generated_lens) / len(generated_lens)) if generated_lens else None,
+        "first_step_generated_lens": generated_lens[:batch],
         "eos_fraction": (sum(eos_flags) / len(eos_flags)) if eos_flags else None,
         "per_step_s": per_step,
         "eos_tokens_per_step": eos_counts,

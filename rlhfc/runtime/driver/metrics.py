@@ -61,6 +61,7 @@ def step_metrics(roles: MetricRoles, overcommit: dict[str, dict], step: int, val
     if roll is not None:
         lengths = roll.batch.response_lengths.float()
         m["response_len_mean"] = float(lengths.mean())
+        m["response_len_std"] = float(lengths.std()) if lengths.numel() > 1 else 0.0
         m["response_len_max"] = float(lengths.max())
         m["decode_steps"] = roll.decode_steps
         m.update(padding_efficiency(roll))
