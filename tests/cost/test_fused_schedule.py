@@ -81,7 +81,7 @@ def test_the_search_at_rlhfuses_model_sizes_finishes_in_seconds_and_reports_its_
     gain over the unfused pipelines and its gap to the bound reported."""
     actor = Pipeline("actor", 16, actor_b / 8, 2 * actor_b / 8)
     critic = Pipeline("critic", 16, critic_b / 8, 2 * critic_b / 8)
-    fused = search(8, actor, critic, hop=0.01 * actor_b / 8, iterations=2000, time_limit_s=20.0)
+    fused = search(8, actor, critic, hop=0.01 * actor_b / 8, iterations=1000, time_limit_s=20.0)
     _check(fused, hop=0.01 * actor_b / 8)
     assert fused.seconds < 20.0
     assert fused.unfused > fused.makespan >= fused.lower_bound
