@@ -31,7 +31,7 @@ import heapq
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: operation kinds
 FWD, BWD = "F", "B"
@@ -68,13 +68,16 @@ class Schedule:
     pipelines: tuple[Pipeline, ...]
     runs: list[list[tuple[float, float, Op]]]
     makespan: float
-    lower_bound: float
     critical_path: float
     busiest_device: float
     unfused: float = 0.0
     iterations: int = 0
     seconds: float = 0.0
-    log: list[str] = field(default_factory=list)
+
+    @property
+    def lower_bound(self) -> float:
+        """No schedule is shorter: the longer of the critical path and the busiest device's bound."""
+        return max(self.critical_path, self.busiest_device)
 
     @property
     def gap(self) -> float:
@@ -194,7 +197,7 @@ class _Problem:
         makespan, runs = self.decode(priority)
         cp, busiest = _bounds(self.devices, self.pipes, self.hop)
         return Schedule(self.devices, self.pipes, [[(s, e, self.ops[i]) for s, e, i in rs] for rs in runs],
-                        makespan, max(cp, busiest), cp, busiest)
+                        makespan, cp, busiest)
 
 
 def decode(devices: int, pipes: tuple[Pipeline, ...], priority: dict[Op, float], *, hop: float = 0.0) -> Schedule:
@@ -202,10 +205,6 @@ def decode(devices: int, pipes: tuple[Pipeline, ...], priority: dict[Op, float],
     caps; returns the schedule (event-driven: a device takes its best ready operation whenever it is free)."""
     problem = _Problem(devices, pipes, hop)
     return problem.schedule([priority[op] for op in problem.ops])
-
-
-def _key(op: Op) -> tuple:
-    return (op.model, op.micro, op.stage, op.kind)
 
 
 def _bounds(devices: int, pipes: tuple[Pipeline, ...], hop: float) -> tuple[float, float]:
@@ -227,17 +226,7 @@ def _bounds(devices: int, pipes: tuple[Pipeline, ...], hop: float) -> tuple[floa
 
 def one_f_one_b(devices: int, pipe: Pipeline, *, hop: float = 0.0) -> Schedule:
     """``pipe`` alone on the devices, backward first among ready operations (1F1B's order under its caps)."""
-    pipes = (pipe, Pipeline("none", 1, 0.0, 0.0))
-    prio = {op: _one_f_one_b_priority(op) if op.model == 0 else -1e9 for op in _ops(devices, pipes)}
-    sched = decode(devices, pipes, prio, hop=hop)
-    runs = [[r for r in rs if r[2].model == 0] for rs in sched.runs]
-    span = max((r[1] for rs in runs for r in rs), default=0.0)
-    return Schedule(devices, (pipe,), runs, span, *_one_bounds(devices, pipe, hop))
-
-
-def _one_bounds(devices: int, pipe: Pipeline, hop: float) -> tuple[float, float, float]:
-    cp, busiest = _bounds(devices, (pipe,), hop)
-    return max(cp, busiest), cp, busiest
+    return decode(devices, (pipe,), {op: _one_f_one_b_priority(op) for op in _ops(devices, (pipe,))}, hop=hop)
 
 
 def _one_f_one_b_priority(op: Op) -> float:
@@ -269,7 +258,7 @@ def search(devices: int, actor: Pipeline, critic: Pipeline, *, hop: float = 0.0,
               [_one_f_one_b_priority(op) - 0.5 * op.model for op in problem.ops]]
     decoded = [problem.decode(p) for p in starts]
     pick = min(range(len(starts)), key=lambda i: decoded[i][0])
-    bound = max(_bounds(devices, pipes, hop))
+    bound = max(_bounds(devices, pipes, hop))   # stop at it: nothing shorter exists
     best_span, best_prio = decoded[pick][0], list(starts[pick])
     chains = 4   # restarts from the best start, each with its own random moves
     per_chain = max(1, iterations // chains)

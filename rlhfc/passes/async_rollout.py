@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
-from .reuse_logprobs import to_sample_logprobs
+from .reuse_logprobs import to_forward_logprobs, to_sample_logprobs
 
 #: ``proximal = auto`` takes A-3PO's interpolation when the step is predicted this much faster without the forward
 AUTO_GAIN = 0.05
@@ -97,13 +97,21 @@ class AsyncRollout(Pass):
         if changed and stated is None:
             plan.note_changes_training(ahead, "async_rollout")
         ahead.refresh_versions()
+        steps: dict[int, float] = {}   # each candidate plan simulated once
+
+        def faster(candidate: Module, base: Module) -> bool:
+            for m in (candidate, base):
+                if id(m) not in steps:
+                    steps[id(m)] = _steady_step(m)
+            return steps[id(candidate)] < (1.0 - AUTO_GAIN) * steps[id(base)]
+
         if changed and self.proximal != "recompute":
             interpolated = interpolate_proximal(ahead.clone())
-            if self.proximal == "loglinear" or _faster(interpolated, ahead):
+            if self.proximal == "loglinear" or faster(interpolated, ahead):
                 if interpolated.run.staleness is not None:   # the program's own bound, a loss it did not ask for
                     plan.note_changes_training(interpolated, "async_rollout")
                 ahead = interpolated
-        if choose and changed and not _faster(ahead, module):
+        if choose and changed and not faster(ahead, module):
             return module   # -O3: the synchronous plan is predicted as fast
         return ahead
 
@@ -118,10 +126,7 @@ def take_back_sync_overlap(module: Module, gen) -> None:
     roll = gen.outputs[0].name
     for s in module.graph.stages:
         if s.op == "compute.sample_logprobs" and s.inputs and s.inputs[0].name == roll:
-            s.op, s.target = "forward.logprobs", gen.target
-            s.attrs = {"temperature": float(s.attrs.get("temperature", 1.0))}
-            s.annotations = {}
-            plan.unset(gen, "logprobs")
+            to_forward_logprobs(gen, s)
 
 
 def proximal_forwards(module: Module, gen) -> list:
@@ -163,11 +168,9 @@ def interpolate_proximal(module: Module) -> Module:
     return module
 
 
-def _faster(candidate: Module, base: Module) -> bool:
-    """Whether ``candidate``'s steady-state step is predicted :data:`AUTO_GAIN` faster than ``base``'s."""
+def _steady_step(module: Module) -> float:
+    """``module``'s predicted steady-state step (:data:`rlhfc.cost.simulator.STEADY_STEPS` simulated)."""
     from rlhfc.cost import CostModel, simulate
     from rlhfc.cost.simulator import STEADY_STEPS
 
-    before = simulate(base, steps=STEADY_STEPS, cost_model=CostModel(base)).step_time_s
-    after = simulate(candidate, steps=STEADY_STEPS, cost_model=CostModel(candidate)).step_time_s
-    return after < (1.0 - AUTO_GAIN) * before
+    return simulate(module, steps=STEADY_STEPS, cost_model=CostModel(module)).step_time_s

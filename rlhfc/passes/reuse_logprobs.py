@@ -82,6 +82,15 @@ def to_sample_logprobs(gen, forward) -> None:
     forward.annotations = {}
 
 
+def to_forward_logprobs(gen, stage) -> None:
+    """The inverse of :func:`to_sample_logprobs`: ``stage`` (a ``compute.sample_logprobs`` reading ``gen``'s
+    rollout) becomes the generating model's ``forward.logprobs`` again, and ``gen`` keeps no sampling log-probs."""
+    stage.op, stage.target = "forward.logprobs", gen.target
+    stage.attrs = {"temperature": float(stage.attrs.get("temperature", 1.0))}
+    stage.annotations = {}
+    plan.unset(gen, "logprobs")
+
+
 def reuses(module: Module) -> bool:
     """Whether the pass turned a forward of ``module`` into a :func:`take_back`-able ``compute.sample_logprobs``."""
     return any(s.op == "compute.sample_logprobs" for s in module.graph.stages)
@@ -102,10 +111,7 @@ def take_back(module: Module) -> Module:
         ahead = plan.async_rollout(module, gen)
         if ahead is not None and ahead.proximal == "loglinear":   # A-3PO's: the loss interpolates from them
             continue
-        s.op, s.target = "forward.logprobs", gen.target
-        s.attrs = {"temperature": float(s.attrs.get("temperature", 1.0))}
-        s.annotations = {}
-        plan.unset(gen, "logprobs")
+        to_forward_logprobs(gen, s)
         changed = True
     if changed:
         module.refresh_versions()
