@@ -271,3 +271,33 @@ def test_a_row_samples_the_same_tokens_whatever_else_is_in_the_batch(small_vocab
             assert s.response_ids == full[row].response_ids, row
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(full[row].logprobs), rtol=1e-5,
                                        atol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_carried_rows_are_prefilled_apart_from_fresh_prompts(small_vocab_policy, slots):
+    """Overcommit's carried rows (prompt + a long partial response, ``resumed``) decode beside fresh prompts
+    without padding them: a fresh row is charged its own prompt's width at prefill, not the carried prefix's
+    (#40: -O3's generation padding efficiency), and every row samples the tokens it samples alone."""
+    fresh = [[1, 3 + i] for i in range(4)]
+    carried = [[1, 4] + [5, 6, 3] * 4, [1, 7, 5] + [6, 3] * 5]        # 2-3 prompt tokens + 12 and 10 carried
+    prompts, resumed = carried + fresh, [12, 10, 0, 0, 0, 0]
+    budgets = [4, 6, 16, 16, 16, 16]
+    keys = [500 + 11 * i for i in range(6)]
+
+    def run(rows, **kw):
+        out = list(generate_stream(small_vocab_policy, [prompts[i] for i in rows], 16, eos_id=EOS, pad_id=PAD,
+                                   row_keys=[keys[i] for i in rows], resumed=[resumed[i] for i in rows],
+                                   budgets=[budgets[i] for i in rows], logprob_temperature=1.0, **kw))
+        return {rows[s.index]: s for s in out}
+
+    together = run(list(range(6)), slots=slots)
+    assert sorted(together) == list(range(6))
+    for row in range(6):
+        alone = run([row])[row]
+        assert together[row].response_ids == alone.response_ids, row
+        torch.testing.assert_close(torch.tensor(together[row].logprobs), torch.tensor(alone.logprobs), rtol=1e-5,
+                                   atol=1e-5)
+    # one token each: nothing decodes after the prefill, so what a row is charged is its prefill width
+    first = {s.index: s for s in generate_stream(small_vocab_policy, prompts, 1, eos_id=EOS, pad_id=PAD,
+                                                  row_keys=keys, resumed=resumed, budgets=[1] * 6, slots=slots)}
+    assert [first[i].computed for i in range(6)] == [14, 14, 2, 2, 2, 2]

@@ -4,7 +4,8 @@ finishes (see :mod:`rlhfc.runtime.rollout.generation` for the rollout layout and
 Finished rows leave the decode batch (with their KV cache) once a quarter of it has finished, and with
 ``slots = K`` at most K rows decode at once: waiting prompts join the batch as rows leave it (continuous
 batching), their prompts prefilled on their own and their KV cache merged into the batch's, left-padded to
-a common width. Every row samples from its own random stream keyed by its row and its token position, so
+a common width. Rows resumed from a carried partial response (overcommit's) are prefilled apart from fresh
+prompts and join the same way, so a long carried prefix pads no fresh prompt. Every row samples from its own random stream keyed by its row and its token position, so
 neither compaction nor joining changes a row's tokens (up to the float rounding of batched kernels over
 other shapes).
 """
@@ -42,6 +43,11 @@ class FinishedSample:
     #: tokens the engine computed for it: the padded prompt, and its share of each decode step's batch
     #: (finished rows not yet dropped included) while it was decoding
     computed: float = 0.0
+
+
+#: the least share of useful tokens in the prefill of a group of carried rows (padded to its longest): a row
+#: that would take a group below it starts a group of its own (one more prefill call)
+PREFILL_FILL = 0.8
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -178,11 +184,35 @@ def generate_stream(
                 torch.zeros(len(index), dtype=torch.long, device=device),
                 torch.zeros(len(index), dtype=torch.bool, device=device))
 
+    def start_rows(index: list[int]):
+        """Prefill rows ``index`` and make them a decode batch: fresh prompts together, rows resumed from a
+        carried partial response apart from them, in groups of similar width (a prefix carried over several
+        steps is long: padding every fresh prompt, or a once-carried row, to it would compute mostly padding),
+        the caches then joined as waiting prompts join."""
+        fresh = [i for i in index if not start[i]]
+        groups = [fresh] if fresh else []
+        group: list[int] = []
+        for i in sorted((i for i in index if start[i]), key=lambda i: len(prompts[i])):
+            # a row joins the group while the group's prefill stays >= PREFILL_FILL useful tokens
+            if group and len(prompts[i]) * (len(group) + 1) > (sum(len(prompts[j]) for j in group)
+                                                              + len(prompts[i])) / PREFILL_FILL:
+                groups.append(group)
+                group = []
+            group.append(i)
+        if group:
+            groups.append(group)
+        logits, kv, m, pos = prefill(groups[0])
+        for g in groups[1:]:
+            more_logits, more_kv, more_m, more_pos = prefill(g)
+            kv, m = _join_caches(kv, m, more_kv, more_m)
+            logits, pos = torch.cat([logits, more_logits]), torch.cat([pos, more_pos])
+        return state([i for g in groups for i in g]), (logits, kv, m, pos)
+
     slots = b if slots is None else max(1, min(int(slots), b))
     waiting = list(range(slots, b))
     # per batch slot: its row, random-stream key, resumed offset, token budget, tokens so far, finished
-    rows, keys, offset, limit, count, finished = state(list(range(slots)))
-    next_logits, cache, mask, last_pos = prefill(list(range(slots)))
+    (rows, keys, offset, limit, count, finished), (next_logits, cache, mask, last_pos) = \
+        start_rows(list(range(slots)))
     responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
     lengths = [0] * b
     n_finished = 0
@@ -241,8 +271,7 @@ def generate_stream(
             next_logits = logits[:, -1]
         if join:   # continuous batching: waiting prompts take the free slots
             waiting = waiting[len(join):]
-            new_logits, new_cache, new_mask, new_pos = prefill(join)
-            more = state(join)
+            more, (new_logits, new_cache, new_mask, new_pos) = start_rows(join)
             if len(rows):
                 cache, mask = _join_caches(cache, mask, new_cache, new_mask)
                 next_logits, last_pos = torch.cat([next_logits, new_logits]), torch.cat([last_pos, new_pos])
