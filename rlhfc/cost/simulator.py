@@ -186,8 +186,12 @@ def _reallocations(cm: CostModel) -> tuple[dict, dict, list, dict]:
 
 def simulate(module: Module, config: CostConfig | None = None, *, steps: int = 3, step_barrier: bool = True,
              cost_model: CostModel | None = None) -> SimResult:
-    """Simulate ``steps`` steps of ``module`` (see the module docstring)."""
+    """Simulate ``steps`` steps of ``module`` (see the module docstring); at least :data:`STEADY_STEPS` when a
+    generate runs ahead of training (asynchronous rollout): fewer would price its warm-up, not its steady
+    state (``SimResult.steps`` says how many ran)."""
     cm = cost_model or CostModel(module, config)
+    if steps < STEADY_STEPS and any(plan.async_rollout(module, s) is not None for s in module.graph.stages):
+        steps = STEADY_STEPS
     if _shared_active():   # a placement search simulates the same plan more than once: memoised by its plan
         key = ("simulate", steps, step_barrier, tuple((s.name, s.op, str(s.annotations), str(s.attrs))
                                                       for s in module.graph.stages))

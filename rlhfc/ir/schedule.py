@@ -213,7 +213,8 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     A stage gets its worker's threads (one per core of its mesh) divided among the workers that may run on
     some of the same cores at the same time: those of the stages neither side of the schedule has awaited
     before launching the other (an overlap group's members, a stream's generate and its consumers, a
-    future still in flight). A stage the driver runs alone — every stage at -O0 — gets all its cores,
+    future still in flight), and a generate running ahead (asynchronous rollout) with every stage of another
+    worker. A stage the driver runs alone — every stage at -O0 — gets all its cores,
     unless the ``threads`` pass marked it ``threads = N`` (fewer measured faster): then at most N.
     Multi-rank groups keep one thread per rank. The runtime applies it per call (``threads=`` on the
     call, when fewer than the worker's own) and the simulator prices the same numbers. Empty on GPUs."""
@@ -226,8 +227,10 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     out = {}
     for e, w in on:
         mine = set(w.devices)
+        # a generate running ahead overlaps every stage of the step before it on another worker, those
+        # launched after it in the step included: they train on the rollout it made a step earlier
         beside = {v.name for f, v in on if v.name != w.name and mine & set(v.devices)
-                  and f.name not in e.after and e.name not in f.after}
+                  and ((f.name not in e.after and e.name not in f.after) or "ahead" in (e.kind, f.kind))}
         out[e.name] = w.threads if w.ranks > 1 else max(1, w.threads // (1 + len(beside)))
         cap = plan.threads_cap(e.stage)   # the threads pass: fewer measured faster
         if cap is not None and w.ranks == 1:
