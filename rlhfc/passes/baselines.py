@@ -10,9 +10,11 @@ leaves out are in docs/benchmarks.md ("Baselines").
   generates through the Hybrid Engine: its shards gathered into a tensor-parallel layout (the smallest tp
   that holds the weights beside what the devices keep), HF-style static batches, as many waves as the KV
   cache allows; stages one after another; gradient checkpointing.
-- ``openrlhf`` (OpenRLHF): vLLM engines on their own nodes (continuous batching, the smallest tp that
-  holds the weights), each model on its own node-aligned share trained/run with DeepSpeed ZeRO-3; weights
-  broadcast to the engines after each train step (``realloc``'s sync); independent stages concurrent.
+- ``openrlhf`` (OpenRLHF): vLLM engines on their own devices (continuous batching, the smallest tp that
+  holds the weights), each model on its own share trained/run with DeepSpeed ZeRO-3, in OpenRLHF's
+  proportions (vLLM : actor : critic = 1 : 1 : 1, reference and reward half each: 4 : 4 : 4 : 2 : 2 on 16
+  GPUs) where the devices split so, else by work; weights broadcast to the engines after each train step
+  (``realloc``'s sync); independent stages concurrent.
 - ``verl`` (verl / HybridFlow): every model on every device in the split the cost model finds fastest
   (Megatron 3D parallel), vLLM generation in its own split on the same devices (3D-HybridEngine
   resharding), stages one after another.
@@ -151,24 +153,47 @@ def _dschat(module: Module) -> None:
 
 def _openrlhf(module: Module) -> None:
     n, per = module.cluster.num_devices, module.cluster.per_node
-    gen_mesh = next((m for name, m in separate(module).items() if module.graph.stage(name).op == "generate"),
-                    (0, n))
-    k = gen_mesh[1] if gen_mesh[1] < n else 0
     stages = _model_stages(module)
-    rest = module.clone()
-    rest.cluster.nodes, rest.cluster.per_node = ((n - k) // per, per) if k % per == 0 and k else (1, n - k)
-    shares = work_shares(rest, work_per_model(rest)) if n - k > 1 else {m: (0, 1) for m in module.models}
+    gens = [s for s in stages if s.op == "generate"]
+    split = _openrlhf_split(module, n)
+    if split is not None and gens:
+        k, shares = split
+    else:   # no even split: vLLM on the separate strategy's generation mesh, the rest by work
+        gen_mesh = next((m for name, m in separate(module).items() if module.graph.stage(name).op == "generate"),
+                        (0, n))
+        k = gen_mesh[1] if gen_mesh[1] < n else 0
+        rest = module.clone()
+        rest.cluster.nodes, rest.cluster.per_node = ((n - k) // per, per) if k % per == 0 and k else (1, n - k)
+        shares = work_shares(rest, work_per_model(rest)) if n - k > 1 else {m: (0, 1) for m in module.models}
     for s in stages:
         if s.op == "generate":
             continue
         first, count = shares.get(s.target, (0, n - k))
         _zero3(module, [s], k + first, count)
-    for gen in (s for s in stages if s.op == "generate"):
+    for gen in gens:
         if not k:
             plan.set_layout(gen, Layout(0, n, n, 1, 1))
             continue
         tp = _generation_tp(module, gen, k, 0.0)
         plan.set_layout(gen, Layout(0, k, k // tp, tp, 1))
+
+
+def _openrlhf_split(module: Module, n: int) -> tuple[int, dict[str, tuple[int, int]]] | None:
+    """OpenRLHF's own allocation rule (its performance guide: vLLM : actor : critic = 1 : 1 : 1; its scripts
+    give the frozen reference and reward half of that each, e.g. 4 : 4 : 4 : 2 : 2 on 16 GPUs): the vLLM
+    engines' devices and each other model's (first, count) after them, in units of n / (2 per trained model
+    and the engines, 1 per frozen model); None when the devices do not split so."""
+    models = [m for m in module.models if any(s.target == m for s in _model_stages(module) if s.op != "generate")]
+    units = {m: 2 if module.models[m].trainable else 1 for m in models}
+    total = 2 + sum(units.values())
+    if n % total:
+        return None
+    unit = n // total
+    shares, at = {}, 0
+    for m in sorted(models, key=lambda m: -units[m]):   # trained models first, in program order
+        shares[m] = (at, units[m] * unit)
+        at += units[m] * unit
+    return 2 * unit, shares
 
 
 def _apply_fitting(module: Module, assign: dict) -> None:

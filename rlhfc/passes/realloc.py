@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 
 from rlhfc.contract.engines import rollout_traits
 from rlhfc.ir import Module, Stage, Value, ValueType
-from rlhfc.ir.plan import (TRANSPORTS, Mesh, Sync, generates_ahead, set_refit_mb, stage_engine, stage_mesh,
-                           worker_ranks)
+from rlhfc.ir.plan import (TRANSPORTS, Mesh, Sync, generates_ahead, overlap_group, set_refit_mb, stage_engine,
+                           stage_mesh, worker_ranks)
 
 from .base import Pass, register_pass
 
@@ -88,7 +88,11 @@ class Realloc(Pass):
                 mesh = stage_mesh(module, s)
                 if s.op != "sync" and mesh != home and mesh not in others:
                     others.append(mesh)
-            at = g.stages.index(train) + 1
+            # after the train's overlap group: the driver awaits the train to send its weights, and a sync
+            # between two trains launched together would hold the second back until the first is done
+            group = overlap_group(train)
+            at = 1 + max(i for i, s in enumerate(g.stages)
+                         if s is train or (group is not None and overlap_group(s) == group))
             generates_here = any(s.op == "generate" and stage_mesh(module, s) == home
                                  for s in g.stages_on(train.target))
             if generates_here and worker_ranks(module, train.target, home) > 1:
