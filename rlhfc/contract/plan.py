@@ -219,7 +219,8 @@ class WorkerPlan:
     """One worker group: model ``model`` on mesh ``mesh`` (first, count) of node ``bundle``; its Ray resource
     share; its torch ``threads`` and pinned ``cores``; its layout (``ranks`` = dp·tp·pp processes) and the
     registered ``trainer`` backend and rollout ``engine`` that run it (:mod:`rlhfc.contract.engines`);
-    ``gpu_memory_utilization``: a CUDA rollout engine's share of its GPU, as the compiler priced it."""
+    ``gpu_memory_utilization``: a CUDA rollout engine's share of its GPU, as the compiler priced it;
+    ``offload``: it trains with its optimizer state and step on the host (the ``offload`` pass)."""
 
     model: str
     mesh: tuple[int, int]
@@ -235,6 +236,7 @@ class WorkerPlan:
     trainer: str
     engine: str
     gpu_memory_utilization: float | None = None
+    offload: bool = False
 
 
 @dataclass(frozen=True)

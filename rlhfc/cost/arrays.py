@@ -31,7 +31,7 @@ def hw_numbers(spec: DeviceSpec) -> dict:
     return {"F_inf": spec.peak_flops * spec.infer_eff, "F_train": spec.peak_flops * spec.train_eff,
             "BW": spec.hbm_bw * spec.mem_eff, "bpp": float(spec.bytes_per_param), "latency": spec.latency,
             "layer_overhead": spec.layer_overhead, "step_overhead": spec.step_overhead, "flash": spec.flash,
-            "cpu": spec.is_cpu}
+            "cpu": spec.is_cpu, "host_bw": spec.host_bw * spec.net_eff, "host_mem_bw": spec.host_mem_bw}
 
 
 def layout_arrays(layouts: list[Layout], spec: DeviceSpec, per_node: int, prof_threads: int | None = None,

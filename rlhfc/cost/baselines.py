@@ -129,8 +129,9 @@ class BaselineCostModel(CostModel):
             gathers = lay.microbatches * passes
             extra += gathers * (shard * (lay.dp - 1) / lay.dp / _link_bw(self, lay) + self.spec.latency)
             weights = shard / lay.dp + shard / max(model.layers, 1)    # the shard, plus one gathered layer
-            if family == "train":
-                state = 14.0 * model.params / (lay.tp * lay.pp * lay.dp)
+            if family == "train":   # gradients and optimizer state sharded too (the latter on the host: offload)
+                per = (float(self.spec.bytes_per_param) if plan.offload(stage) else 14.0)
+                state = per * model.params / (lay.tp * lay.pp * lay.dp)
         if family == "generate" and sysm.reshard is not None:
             train = next((s for s in self.module.graph.stages_on(stage.target) if s.op == "train"), None)
             if train is not None:

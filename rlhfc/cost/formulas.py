@@ -241,6 +241,31 @@ def train_state_bytes(xp, hw, arch, lay):
     return hw["bpp"] * shard + 12.0 * shard / lay["dp"]
 
 
+def offloaded_state_bytes(xp, hw, arch, lay):
+    """Gradients and optimizer state a train layout holds per device when its optimizer is offloaded (the
+    ``offload`` pass): the gradients only; the float32 master weights and Adam moments live on the host.
+    On CPU clusters the host is the device: nothing moves."""
+    if hw["cpu"]:
+        return train_state_bytes(xp, hw, arch, lay)
+    shard = arch.get("Nt", arch["N"]) / (lay["tp"] * lay["pp"])
+    return hw["bpp"] * shard + 0.0 * lay["dp"]
+
+
+OFFLOAD_HOST_BYTES_PER_PARAM = 28.0   # an Adam step on the host: reads master, moments, gradient (4 x 4 B), writes 3 x 4 B
+
+
+def offload_step_seconds(xp, hw, arch, work, lay):
+    """What an offloaded optimizer adds per train stage (ZeRO-Offload's schedule, not overlapped): per optimizer
+    step, each device sends its shard's gradients to the host and receives its updated weights (``host_bw``,
+    PCIe) while the host runs Adam on the shard (``host_mem_bw``: 28 bytes of traffic per parameter). 0 on
+    CPU clusters."""
+    if hw["cpu"]:
+        return 0.0 * lay["dp"]
+    shard = arch.get("Nt", arch["N"]) / (lay["tp"] * lay["pp"] * lay["dp"])
+    steps = work["epochs"] * work["minibatches"]
+    return steps * (shard * 2.0 * hw["bpp"] / hw["host_bw"] + shard * OFFLOAD_HOST_BYTES_PER_PARAM / hw["host_mem_bw"])
+
+
 def forward_activation_bytes(xp, hw, arch, work, lay):
     """Peak transient memory of a forward on one device: one layer's working set, the attention scores
     (unless the backend uses flash attention) and the float32 logits (lm head: logits + log-softmax)."""

@@ -33,7 +33,8 @@ class DeviceSpec:
     ``hbm_bw``: memory bandwidth (B/s). ``memory``: capacity (bytes).
     ``intra_bw`` / ``inter_bw``: per-device bandwidth to a device of the same
     node (NVLink, one direction) / of another node (its NIC). ``host_bw``: to host
-    memory (PCIe), for offload/onload. ``latency``: start-up time of one
+    memory (PCIe), for offload/onload. ``host_mem_bw``: the share of its host's memory bandwidth one device's
+    offloaded optimizer step gets (a two-socket server's few hundred GB/s over its 8 devices). ``latency``: start-up time of one
     collective or transfer. ``train_eff``/``infer_eff``: fraction of
     ``peak_flops`` reached by training / forward kernels; ``mem_eff``: of
     ``hbm_bw``; ``net_eff``: of link bandwidths. ``layer_overhead``: fixed
@@ -51,6 +52,7 @@ class DeviceSpec:
     intra_bw: float
     inter_bw: float
     host_bw: float
+    host_mem_bw: float = 40e9
     latency: float = 10e-6
     train_eff: float = 0.45
     infer_eff: float = 0.55

@@ -499,6 +499,8 @@ class CostModel:
                 work.update(epochs=float(stage.attrs.get("epochs", 1)),
                             minibatches=float(max(1, min(stage.attrs.get("minibatches", 1), work["rows"]))))
                 opt_fit = self._fit(model, "optimizer")
+                if plan.offload(stage):
+                    work["offload"] = 1.0
                 work["call_s"] = float(_fit(model, "train_call") or 0.0)
                 traced = plan.recompute_decision(stage)
                 if traced is not None and traced.kept is not None:

@@ -47,7 +47,12 @@ def price(xp, inp: PriceInputs, dispatch: float = 0.0) -> dict:
             res = dict(res, total=res["total"] + extra, compute=res["compute"] + extra)
         else:
             transient = F.train_activation_bytes(xp, hw, arch, work, lay)
-        state = F.train_state_bytes(xp, hw, arch, lay)
+        if work.get("offload"):   # optimizer state and step on the host (the offload pass)
+            state = F.offloaded_state_bytes(xp, hw, arch, lay)
+            host = F.offload_step_seconds(xp, hw, arch, work, lay)
+            res = dict(res, total=res["total"] + host, memory=res["memory"] + host, offload=host + 0.0 * res["total"])
+        else:
+            state = F.train_state_bytes(xp, hw, arch, lay)
     out = {k: v for k, v in res.items() if k != "step"}
     out["total"] = out["total"] + dispatch
     out["overhead"] = out["overhead"] + dispatch

@@ -97,6 +97,7 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     from .recompute import recompute_notes
 
     notes += recompute_notes(module, cm)
+    notes += offload_notes(module, cm)
     from .engines import engine_notes
 
     notes += engine_notes(module, cm)
@@ -216,3 +217,26 @@ def device_groups(report: Report) -> list[tuple[list[int], object]]:
 
 def ids_text(ids: list[int]) -> str:
     return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+
+
+def offload_notes(module, cm) -> list[str]:
+    """What ``explain`` says about each train stage whose optimizer lives on the host (the ``offload`` pass):
+    the device memory it frees and the seconds per step it costs."""
+    from rlhfc.ir import plan
+
+    notes = []
+    for s in module.graph.stages:
+        if not plan.offload(s):
+            continue
+        cost = cm.stage_cost(s)
+        trial = module.clone()
+        plan.set_offload(trial.graph.stage(s.name), False)
+        kept = type(cm)(trial, cm.config).stage_cost(trial.graph.stage(s.name))
+        freed = kept.state_bytes - cost.state_bytes
+        host = cost.parts.get("offload", 0.0)
+        notes.append(f"%{s.name} keeps @{s.target}'s optimizer state on the host (offload: "
+                     + (f"frees {freed / 2 ** 30:.1f} GiB per device, costs {host:.3g} s of host transfers and "
+                        f"host-side Adam per step" if freed > 0 else "the host is the device here: nothing moves")
+                     + ")")
+    return notes
+

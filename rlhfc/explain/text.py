@@ -50,6 +50,8 @@ def _placement(report: Report) -> list[str]:
             traced = plan.recompute_decision(s)
             if traced is not None and traced.kept is not None:   # the recompute pass's decision, not a coarse one
                 parallel = parallel.replace(f"rc:{c.layout.recompute}", f"rc:{traced.policy}")
+            if plan.offload(s):   # its optimizer state and step on the host (the offload pass)
+                parallel += " opt:host"
             mem = fmt_bytes(c.total_bytes)
         eff = CostModel.padding_efficiency(c)
         rows.append((f"%{s.name}", s.op, f"@{c.model}" if c.model else "-", devices, parallel,

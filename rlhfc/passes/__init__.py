@@ -20,6 +20,7 @@ for _name, _module in {
     "placement": "rlhfc.passes.placement",
     "realloc": "rlhfc.passes.realloc",
     "recompute": "rlhfc.passes.recompute",
+    "offload": "rlhfc.passes.offload",
     "threads": "rlhfc.passes.threads",
 }.items():
     register_lazy(_name, _module)

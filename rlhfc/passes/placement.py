@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, ProfileError, check_memory, load_profile, memory_issues, response_dist
-from rlhfc.ir import DiagnosticSink, Module, plan
+from rlhfc.ir import CompileError, DiagnosticSink, Module, plan
 from rlhfc.ir.diagnostics import error
 from rlhfc.ir.plan import STRATEGIES
 
@@ -91,7 +91,27 @@ class Placement(Pass):
     def run_in_pipeline(self, module: Module, downstream: list, upstream: list = ()) -> Module:
         """Place ``module``; ``downstream``: the passes the pipeline runs after this one (the search prices
         every candidate plan as they will leave it: :mod:`rlhfc.passes.search`); ``upstream``: those that ran
-        before it (a plan that takes ``reuse_logprobs``' decision back is regrouped by their ``parallelize``)."""
+        before it (a plan that takes ``reuse_logprobs``' decision back is regrouped by their ``parallelize``).
+
+        On a GPU cluster with the ``offload`` pass downstream, a program no plan fits is placed again with every
+        train stage's optimizer state on the host (the layouts then priced with it), and the offload pass
+        keeps that only where the plan needs it."""
+        if module.cluster.device == "cpu" or not any(p.name == "offload" for p in downstream):
+            return self._place(module, downstream, upstream)
+        original = module.clone()
+        try:
+            return self._place(module, downstream, upstream)
+        except CompileError as first:
+            trial = original
+            for s in trial.graph.stages:
+                if s.op == "train":
+                    plan.set_offload(s, True)
+            try:
+                return self._place(trial, downstream, upstream)
+            except CompileError:
+                raise first from None
+
+    def _place(self, module: Module, downstream: list, upstream: list = ()) -> Module:
         strategy = self.strategy if self.strategy != "auto" else module.run.placement
         if strategy.startswith("baseline:"):   # another system's plan, as it would run (passes/baselines.py)
             return build(module, strategy.split(":", 1)[1])
@@ -110,18 +130,22 @@ class Placement(Pass):
                                     CostConfig(profile=prof, response_lengths=self.response_lengths), upstream)
             module.search_report = report   # not IR: what explain reports about the search
         place(module, assign, strategy, regroup if assign_fn is None else None)
-        if memory_issues(module) and not memory_issues(with_full_recompute(module)):
-            return module   # it fits once the trained models recompute their activations: the recompute pass decides
+        if memory_issues(module) and not memory_issues(with_full_recompute(module, offload=True)):
+            return module   # it fits once the trained models recompute their activations (and, on GPUs, keep
+            #                 their optimizer state on the host): the recompute and offload passes decide
         sink = DiagnosticSink()
         check_memory(module, sink)
         sink.raise_if_errors()
         return module
 
 
-def with_full_recompute(module: Module) -> Module:
-    """A copy of ``module`` whose train stages recompute everything (the least activation memory)."""
+def with_full_recompute(module: Module, offload: bool = False) -> Module:
+    """A copy of ``module`` whose train stages recompute everything (the least activation memory), and with
+    ``offload`` keep their optimizer state on the host (on GPU clusters: the offload pass's last resort)."""
     trial = module.clone()
     for s in trial.graph.stages:
         if s.op == "train":
             plan.set_recompute(s, plan.Recompute("full"))
+            if offload and trial.cluster.device != "cpu":
+                plan.set_offload(s, True)
     return trial

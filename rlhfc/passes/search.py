@@ -139,7 +139,8 @@ class PlanPricer:
         if key not in self.prices:
             trial = self._placed(assign)
             cm = CostModel(trial, self.config)
-            if not _resident_fits(trial, cm):
+            if not _resident_fits(trial, cm) and not (any(p.name == "offload" for p in self.downstream)
+                                                      and _resident_fits_offloaded(trial, self.config)):
                 # weights and optimizer state alone overflow a device: no pass after placement changes them
                 # (they only add syncs and trade activations for time), so no pipeline can emit this plan;
                 # the walk scores it by its placed price (penalised) without running those passes
@@ -181,6 +182,18 @@ def _resident_fits(module: Module, cm) -> bool:
     n = module.cluster.nodes * module.cluster.per_node
     held = resident_bytes(module, {s.name: cm.stage_cost(s) for s in module.graph.stages}, n, cm)
     return all(sum(h.values()) <= cm.spec.memory for h in held)
+
+
+def _resident_fits_offloaded(module: Module, config) -> bool:
+    """Whether the resident bytes fit once every train stage keeps its optimizer state on the host (GPU
+    clusters): then the offload pass downstream may make the plan fit."""
+    if module.cluster.device == "cpu":
+        return False
+    trial = module.clone()
+    for s in trial.graph.stages:
+        if s.op == "train":
+            plan.set_offload(s, True)
+    return _resident_fits(trial, CostModel(trial, config))
 
 
 #: the young generation's collection threshold during a search (Python's default: 700 allocations)

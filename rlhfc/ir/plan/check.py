@@ -230,7 +230,9 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
     for name, ops, hint in (("unpad", ("generate", "train"), "forwards follow their rollout: mark the generate "
                                                               "stage unpad = true"),
                             ("logprobs", ("generate",), "mark the generate stage whose sampling log-probs are "
-                                                        "kept: logprobs = true")):
+                                                        "kept: logprobs = true"),
+                            ("offload", ("train",), "offload = true keeps a trained model's optimizer state (and "
+                                                    "its step) on the host: mark its train stage")):
         if name not in ann:
             continue
         if stage.op not in ops:

@@ -151,6 +151,24 @@ def set_threads_cap(stage: Stage, n: int | None) -> None:
         stage.annotations["threads"] = int(n)
 
 
+def offload(stage: Stage) -> bool:
+    """Whether a train stage keeps its model's optimizer state, and runs the optimizer step, on the host
+    (``offload = true``, the ``offload`` pass: where the plan does not fit otherwise)."""
+    return stage.op == "train" and stage.annotations.get("offload") is True
+
+
+def set_offload(stage: Stage, on: bool) -> None:
+    if on:
+        stage.annotations["offload"] = True
+    else:
+        stage.annotations.pop("offload", None)
+
+
+def model_offloaded(module, model: str) -> bool:
+    """Whether any train stage of ``model`` offloads its optimizer (its training worker then does)."""
+    return any(s.op == "train" and s.target == model and offload(s) for s in module.graph.stages)
+
+
 def refit_mb(stage: Stage) -> int | None:
     """The refit bucket size (MiB) the ``realloc`` pass gave a generate stage whose engine holds its own weights
     (None: not marked, or malformed; the runtime's default is 64)."""

@@ -134,6 +134,8 @@ class Cluster:
             args = (w.model, model.spec.as_dict(), model.init.as_dict(), self.seed)
             common = dict(device="cuda" if gpu else "cpu", precision=self.plan.run.precision, rollout=rollout,
                           trainer=w.trainer)
+            if w.offload:   # its optimizer state and step on the host (rlhfc.runtime.train.offload)
+                common["offload"] = True
             if not train_traits(w.trainer).dims:   # one process
                 actor_cls = ray.remote(num_cpus=w.num_cpus, num_gpus=w.num_gpus, max_restarts=0)(ModelWorker)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(

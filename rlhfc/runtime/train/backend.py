@@ -60,13 +60,15 @@ class TrainBackend:
     grouped = False
 
     def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1, store: tuple[str, int] | None = None,
-                 dist_backend: str = "gloo", tp: int = 1, pp: int = 1):
+                 dist_backend: str = "gloo", tp: int = 1, pp: int = 1, offload: bool = False):
         if (world, tp, pp) != (1, 1, 1):
             raise ValueError(f"the torch trainer runs one process, not world = {world}, tp = {tp}, pp = {pp}")
         self.host, self.model = host, model
         self.rank, self.world = int(rank), int(world)
         self.device, self.precision = host.device, host.precision
         self.optimizer: torch.optim.Optimizer | None = None
+        #: the optimizer's state and step on the host (the offload pass): :class:`~.offload.HostAdamW`
+        self.offload = bool(offload)
 
     # -- layout ---------------------------------------------------------------------------------
     @property
@@ -111,7 +113,12 @@ class TrainBackend:
 
     # -- training -------------------------------------------------------------------------------
     def make_optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """A fresh AdamW over the parameters this rank holds."""
+        """A fresh AdamW over the parameters this rank holds (on the host under ``offload``)."""
+        if self.offload:
+            from .offload import HostAdamW
+
+            return HostAdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.999),
+                             eps=1e-8, weight_decay=weight_decay, foreach=False)
         return loop.make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
 
     def train_epochs(self, optimizer: torch.optim.Optimizer, batch: dict, loss_fn: Callable, **kwargs) -> dict:
@@ -187,8 +194,8 @@ class GroupBackend(TrainBackend):
 
     grouped = True
 
-    def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1, **_layout):
-        TrainBackend.__init__(self, host, model)
+    def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1, offload: bool = False, **_layout):
+        TrainBackend.__init__(self, host, model, offload=offload)
         self.rank, self.world = int(rank), int(world)
 
     def gather(self, obj: Any) -> list | None:

@@ -54,15 +54,19 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))
 
 
-def shard_model(model: nn.Module, device: str = "cpu") -> nn.Module:
-    """Shard ``model`` in place with FSDP2 over the default process group: each block, then the root."""
+def shard_model(model: nn.Module, device: str = "cpu", offload: bool = False) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 over the default process group: each block, then the root. With
+    ``offload``, FSDP2's ``CPUOffloadPolicy``: the sharded parameters, their gradients and the optimizer step
+    on the host (pinned memory on CUDA), each block's parameters brought to the device for its compute."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    cuda = device.startswith("cuda")
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+    policy = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
     for block in blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
     for name in FORWARD_METHODS:
         if callable(getattr(model, name, None)):
             register_fsdp_forward_method(model, name)
@@ -99,14 +103,16 @@ class FsdpBackend(GroupBackend):
     pack = False   # FSDP gathers weights in every forward: all ranks must run the same number of them
 
     def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1,
-                 store: tuple[str, int] | None = None, dist_backend: str = "gloo", tp: int = 1, pp: int = 1):
+                 store: tuple[str, int] | None = None, dist_backend: str = "gloo", tp: int = 1, pp: int = 1,
+                 offload: bool = False):
         if tp != 1 or pp != 1:
             raise ValueError(f"the fsdp trainer splits a model over data-parallel ranks only, not tp = {tp}, pp = {pp}")
         if store is None:
             raise ValueError("the fsdp trainer's ranks need their group's rendezvous (store = (host, port))")
         super().__init__(host, model, rank=rank, world=world)
+        self.fsdp_offload = bool(offload)   # FSDP2 offloads itself: its optimizer is a plain AdamW on the host
         self._tcp = init_group(f"rlhfc-dp/{host.name}", store, self.rank, self.world, dist_backend)
-        shard_model(self.model, self.device)
+        shard_model(self.model, self.device, offload=self.fsdp_offload)
         self._replica: nn.Module | None = None
         self._replica_version: int | None = None   # the weights version the gathered copy holds
         self.gathered = (0, 0)

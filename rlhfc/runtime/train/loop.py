@@ -96,7 +96,8 @@ def train_epochs(
     b = _batch_size(batch)
     if minibatches < 1 or minibatches > b:
         raise ValueError(f"minibatches must be in 1..{b} (batch size), got {minibatches}")
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # the parameters whose gradients backward fills (an offloaded optimizer steps host copies of them)
+    params = getattr(optimizer, "device_params", None) or [p for group in optimizer.param_groups for p in group["params"]]
     totals: dict[str, float] = {}
     steps = 0
     model.train()

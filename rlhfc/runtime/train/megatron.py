@@ -69,12 +69,13 @@ class MegatronBackend(GroupBackend):
     ``store``: (host, port) of the group's rendezvous (:func:`rlhfc.runtime.train.backend.open_store`)."""
 
     def __init__(self, host, model: nn.Module, *, rank: int = 0, world: int = 1,
-                 store: tuple[str, int] | None = None, dist_backend: str = "gloo", tp: int = 1, pp: int = 1):
+                 store: tuple[str, int] | None = None, dist_backend: str = "gloo", tp: int = 1, pp: int = 1,
+                 offload: bool = False):
         if host.precision != "fp32":
             raise ValueError(f"the megatron trainer runs fp32 only, not precision = {host.precision}")
         if store is None:
             raise ValueError("the megatron trainer's ranks need their group's rendezvous (store = (host, port))")
-        super().__init__(host, model, rank=rank, world=world)
+        super().__init__(host, model, rank=rank, world=world, offload=offload)   # offload: HostAdamW on its pieces
         from megatron.core import parallel_state as ps
 
         self.tp, self.pp = int(tp), int(pp)
@@ -374,9 +375,10 @@ class MegatronBackend(GroupBackend):
         """The optimizer state in full, Hugging Face layout: {state key: {parameter name: tensor}} (a collective)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         per_key: dict[str, dict[str, torch.Tensor]] = {}
+        own = getattr(self.optimizer, "device_param", lambda q: q)   # an offloaded optimizer's masters
         for p, state in self.optimizer.state.items():
             for key, t in state.items():
-                per_key.setdefault(key, {})[names[id(p)]] = t
+                per_key.setdefault(key, {})[names[id(own(p))]] = t
         steps = [float(t) for t in per_key.get("step", {}).values()]   # a scalar per tensor: the same count everywhere
         out = {"step": {n: torch.tensor(steps[0] if steps else 0.0) for n in self.hf_params}}
         moments = [{n: per_key.get(k, {}).get(n, torch.zeros_like(p)) for n, p in self.model.named_parameters()}

@@ -89,7 +89,7 @@ class ModelWorker(TracedWorker):
     def __init__(self, name: str, spec: dict, init: dict, seed: int, threads: int = 1, device: str = "cpu",
                  cores: list[int] | None = None, precision: str = "fp32", rollout: dict | None = None, *,
                  trainer: str = "torch", rank: int = 0, world: int = 1, store: tuple[str, int] | None = None,
-                 dist_backend: str = "gloo", tp: int = 1, pp: int = 1):
+                 dist_backend: str = "gloo", tp: int = 1, pp: int = 1, offload: bool = False):
         if cores and device == "cpu" and hasattr(os, "sched_setaffinity") and max(cores) < (os.cpu_count() or 1):
             os.sched_setaffinity(0, set(cores))   # honour the plan's placement: this worker's CPU cores
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -123,7 +123,8 @@ class ModelWorker(TracedWorker):
         self.seed = seed
         self.engine_stats: dict[str, float] = {}   # its start/refit statistics, reported with the next rollout
         self.backend: TrainBackend = build_backend(trainer, self, model, self.rollout.get("plugins") or (), rank=rank,
-                                                   world=world, store=store, dist_backend=dist_backend, tp=tp, pp=pp)
+                                                   world=world, store=store, dist_backend=dist_backend, tp=tp, pp=pp,
+                                                   **({"offload": True} if offload else {}))
         self.rollout_engine = build_rollout(self.rollout, self)   # what decodes its generate calls
 
     @property
