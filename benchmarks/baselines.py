@@ -3,6 +3,7 @@ at the configurations the papers report, with catalog rates only (no profile, no
 
     python benchmarks/baselines.py            # every configuration (a few minutes on 2 cores)
     python benchmarks/baselines.py --quick    # the 7B one only
+    python benchmarks/baselines.py --openrlhf # dschat and openrlhf at OpenRLHF's published configurations
 
 Prints, per configuration, each plan's predicted seconds per step and its ratio to rlhfc's (baseline /
 rlhfc: how much faster rlhfc's plan is predicted to be), and verl's ratio to the others (HybridFlow's own
@@ -59,6 +60,28 @@ CONFIGS = [
 ]
 
 
+#: OpenRLHF's README table (A800, 1024 prompts, one PPO epoch): seconds of DeepSpeed-Chat (Hybrid Engine) and of
+#: OpenRLHF, priced here on A100-80GB with 1024-token prompts and responses (``--openrlhf``)
+OPENRLHF_PUBLISHED = [
+    ("7B-16", dict(gpu="A100-80GB", nodes=2, actor="7B", critic="7B"), 855.09, 471.11),
+    ("13B-32", dict(gpu="A100-80GB", nodes=4, actor="13B", critic="13B"), 1528.93, 608.93),
+    ("34B-32", dict(gpu="A100-80GB", nodes=4, actor="34B", critic="34B"), 3634.98, 1526.4),
+    ("70B-32", dict(gpu="A100-80GB", nodes=4, actor="70B", critic="70B"), 10407.0, 4488.53),
+]
+
+
+def openrlhf_table() -> None:
+    """The dschat and openrlhf plans at OpenRLHF's published configurations, beside its measured seconds."""
+    print(f"{'configuration':<10}{'rlhfc':>9}{'dschat':>9}{'openrlhf':>10}  openrlhf vs published  dschat/openrlhf "
+          "predicted vs published")
+    for label, cfg, ds_pub, orl_pub in OPENRLHF_PUBLISHED:
+        text = PROGRAM.format(**cfg, prompt=1024, response=1024, batch=1024, minibatches=8)
+        t = {n: predict(text, None if n == "rlhfc" else f"baseline:{n}") for n in ("rlhfc", "dschat", "openrlhf")}
+        ratio, pub = t["dschat"] / t["openrlhf"], ds_pub / orl_pub
+        print(f"{label:<10}{t['rlhfc']:>8.0f}s{t['dschat']:>8.0f}s{t['openrlhf']:>9.0f}s  "
+              f"{(t['openrlhf'] / orl_pub - 1) * 100:>+20.0f} %  {ratio:.2f}x vs {pub:.2f}x ({(ratio / pub - 1) * 100:+.0f} %)")
+
+
 def predict(text: str, placement: str | None) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".rlhf", delete=False) as fh:
         fh.write(text)
@@ -73,7 +96,11 @@ def predict(text: str, placement: str | None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--openrlhf", action="store_true", help="OpenRLHF's published configurations instead")
     args = ap.parse_args()
+    if args.openrlhf:
+        openrlhf_table()
+        return
     configs = CONFIGS[:1] if args.quick else CONFIGS
     names = ["rlhfc"] + [f"baseline:{b}" for b in SYSTEMS]
     print(f"{'configuration':<26}" + "".join(f"{n:>18}" for n in names) + "   verl vs dschat/openrlhf/nemo")
