@@ -106,8 +106,8 @@ def _assert_resumed_as_uninterrupted(out: Path, reference: list[dict], reference
     whole-suite CI run once saw one reward differ by one float32 ulp (about 1e-7) at the resumed step and
     every later float follow it, with the same tokens, where every earlier CI run and the local runs since
     were bitwise equal (suspected: MKL's run-to-run variation without conditional numerical
-    reproducibility; not reproduced). A real resume fault (a lost RNG state, optimizer state or data position) changes the
-    tokens or the metrics by far more."""
+    reproducibility; not reproduced). A real resume fault (a lost RNG state, optimizer state or data
+    position) changes the tokens or the metrics by far more."""
     rows = _strip(_rows(out))
     samples = _samples(out)
     assert [(s["step"], s["row"], s["prompt"], s["response"], s["response_tokens"], s.get("versions"))

@@ -2,12 +2,12 @@
 finishes (see :mod:`rlhfc.runtime.rollout.generation` for the rollout layout and the plain ``generate``).
 
 Finished rows leave the decode batch (with their KV cache) once a quarter of it has finished, and with
-``slots = K`` at most K rows decode at once: waiting prompts join the batch as rows leave it (continuous
-batching), their prompts prefilled on their own and their KV cache merged into the batch's, left-padded to
-a common width. Rows resumed from a carried partial response (overcommit's) are prefilled apart from fresh
-prompts and join the same way, so a long carried prefix pads no fresh prompt. Every row samples from its own random stream keyed by its row and its token position, so
-neither compaction nor joining changes a row's tokens (up to the float rounding of batched kernels over
-other shapes).
+``slots = K`` at most K rows decode at once: waiting prompts join the batch as rows leave it (continuous batching),
+their prompts prefilled on their own and their KV cache merged into the batch's, left-padded to a common
+width. Rows resumed from a carried partial response (overcommit's) are prefilled apart from fresh prompts and
+join the same way, so a long carried prefix pads no fresh prompt. Every row samples from its own random stream
+keyed by its row and its token position, so neither compaction nor joining changes a row's tokens (up to the
+float rounding of batched kernels over other shapes).
 """
 
 from __future__ import annotations
