@@ -39,9 +39,9 @@ class Offload(Pass):
         for s in trains:
             plan.set_offload(s, False)
         issues = memory_issues(module)
+        cm = CostModel(module)   # an unmarked stage's state bytes do not depend on the other stages' marks
         while issues:
             over = {d for issue in issues for d in issue.devices}
-            cm = CostModel(module)
             left = [s for s in trains if not plan.offload(s) and over & set(plan.stage_layout(module, s).devices)]
             if not left:
                 break   # what is left over is the memory check's to report

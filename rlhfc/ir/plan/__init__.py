@@ -57,7 +57,7 @@ from .check import verify_plan
 from .hardware import aligned_sizes, layout_problems, mesh_aligned, splits, tp_within_nodes
 from .rollout import ENGINE_KEY, auto_engine, engine_problem, head_problem, installed, model_engine, stage_engine, verify_rollout
 from .rules import (Worker, async_rollout, can_run_ahead, generates_ahead, multi_turn, refills, staleness, backend_traits, changes_training, device_shares, gpu_memory, note_changes_training, unnote_changes_training,
-                    refit_mb, set_gpu_memory, set_refit_mb, set_threads_cap, threads_cap, offload, set_offload, model_offloaded, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
+                    refit_mb, set_gpu_memory, set_refit_mb, set_threads_cap, threads_cap, offload, set_offload, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
                     set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream,
@@ -68,7 +68,7 @@ __all__ = [
     "BASELINES", "placement_problem", "unset",
     "aligned_sizes", "layout_problems", "mesh_aligned", "splits", "tp_within_nodes",
     "AUTO", "LAYOUT_FACTORS", "backend_traits", "fixed_layout", "changes_training", "gpu_memory",
-    "note_changes_training", "unnote_changes_training", "layout_signature", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "offload", "set_offload", "model_offloaded", "planned_layout", "resolve_trainer", "worker_layout",
+    "note_changes_training", "unnote_changes_training", "layout_signature", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "offload", "set_offload", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
     "verify_rollout", "auto_engine", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
     "AsyncRollout", "PROXIMAL_METHODS", "async_rollout", "can_run_ahead", "generates_ahead", "multi_turn", "refills", "staleness", "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Worker", "describe",

@@ -164,11 +164,6 @@ def set_offload(stage: Stage, on: bool) -> None:
         stage.annotations.pop("offload", None)
 
 
-def model_offloaded(module, model: str) -> bool:
-    """Whether any train stage of ``model`` offloads its optimizer (its training worker then does)."""
-    return any(s.op == "train" and s.target == model and offload(s) for s in module.graph.stages)
-
-
 def refit_mb(stage: Stage) -> int | None:
     """The refit bucket size (MiB) the ``realloc`` pass gave a generate stage whose engine holds its own weights
     (None: not marked, or malformed; the runtime's default is 64)."""
