@@ -258,7 +258,7 @@ def test_a3po_drops_the_proximal_forward_and_the_loss_interpolates(tmp_path):
 
 def test_a3po_auto_takes_the_interpolation_only_where_the_step_is_predicted_faster():
     from rlhfc.cost import CostModel, simulate
-    from rlhfc.passes.async_rollout import AUTO_GAIN
+    from rlhfc.passes.predict import AUTO_GAIN
 
     base = _module(passes="async_rollout{proximal=recompute}")
     inter = _module(passes="async_rollout{proximal=loglinear}")

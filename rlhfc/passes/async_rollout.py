@@ -22,8 +22,8 @@ policy's, per sample: ``prox = behaviour + α (current − behaviour)`` with ``�
 the sample's weights lag the step's (0 for a fresh sample: the proximal policy is then the behaviour policy
 itself). It saves a forward over the batch per step and changes the loss further (an approximation of decoupled
 PPO; the KL reward, if any, reads the behaviour log-probs). ``proximal = auto`` (the default) prices the step both
-ways (:func:`rlhfc.cost.simulate`) and takes ``loglinear`` when it is predicted at least :data:`AUTO_GAIN` faster;
-``recompute`` always keeps the forward. A program's stated ``run { staleness = K }`` without the pass (-O0 to -O2)
+ways (:mod:`rlhfc.passes.predict`) and takes ``loglinear`` when it is predicted at least 5 % faster; ``recompute``
+always keeps the forward. A program's stated ``run { staleness = K }`` without the pass (-O0 to -O2)
 is decoupled PPO with the forward.
 
 The program's ``run { staleness = K }`` is part of its meaning and runs at every level, this pass or not;
@@ -44,10 +44,8 @@ from dataclasses import dataclass, field
 from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
+from .predict import Faster
 from .reuse_logprobs import to_forward_logprobs, to_sample_logprobs
-
-#: ``proximal = auto`` takes A-3PO's interpolation when the step is predicted this much faster without the forward
-AUTO_GAIN = 0.05
 
 
 @register_pass
@@ -97,14 +95,7 @@ class AsyncRollout(Pass):
         if changed and stated is None:
             plan.note_changes_training(ahead, "async_rollout")
         ahead.refresh_versions()
-        steps: dict[int, float] = {}   # each candidate plan simulated once
-
-        def faster(candidate: Module, base: Module) -> bool:
-            for m in (candidate, base):
-                if id(m) not in steps:
-                    steps[id(m)] = _steady_step(m)
-            return steps[id(candidate)] < (1.0 - AUTO_GAIN) * steps[id(base)]
-
+        faster = Faster()   # each candidate plan simulated once
         if changed and self.proximal != "recompute":
             interpolated = interpolate_proximal(ahead.clone())
             if self.proximal == "loglinear" or faster(interpolated, ahead):
@@ -167,10 +158,3 @@ def interpolate_proximal(module: Module) -> Module:
         module.refresh_versions()
     return module
 
-
-def _steady_step(module: Module) -> float:
-    """``module``'s predicted steady-state step (:data:`rlhfc.cost.simulator.STEADY_STEPS` simulated)."""
-    from rlhfc.cost import CostModel, simulate
-    from rlhfc.cost.simulator import STEADY_STEPS
-
-    return simulate(module, steps=STEADY_STEPS, cost_model=CostModel(module)).step_time_s

@@ -22,8 +22,8 @@ PIPELINES: dict[str, list[str]] = {
     "O1": ["dce"],
     "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "recompute", "offload",
            "realloc", "threads"],
-    "O3": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "overcommit", "async_rollout{when=faster}",
-           "placement", "recompute", "offload", "realloc", "threads"],
+    "O3": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "overcommit{when=faster}",
+           "async_rollout{when=faster}", "placement", "recompute", "offload", "realloc", "threads"],
 }
 assert tuple(PIPELINES) == OPT_LEVELS, "every -O level of rlhfc.ir.plan.OPT_LEVELS has a pipeline, in order"
 

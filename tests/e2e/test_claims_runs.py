@@ -29,7 +29,8 @@ from .conftest import TINY_PPO as PROGRAM              # batch 4, max_new_tokens
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")        # batch 8, long-tailed lengths up to 48 tokens
 MODELS = ("actor", "critic", "ref", "reward")
 #: -O3 without asynchronous rollout: what -O3 compiles for a program stating ``run { staleness = 0 }``
-OVERCOMMIT = [p for p in PIPELINES["O3"] if not p.startswith("async_rollout")]
+OVERCOMMIT = ["overcommit" if p.startswith("overcommit") else p for p in PIPELINES["O3"]
+              if not p.startswith("async_rollout")]
 
 pytestmark = pytest.mark.e2e
 
