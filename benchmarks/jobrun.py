@@ -10,10 +10,13 @@ from typing import Callable
 
 
 def run_compiled(module, level: str, source_path: str, work: str, *, warmup: int, steps: int | None = None,
-                 probe: Callable | None = None) -> dict:
+                 probe: Callable | None = None, trace: bool = False) -> dict:
     """Emit ``module`` (already optimised at ``level``) as a job under ``work`` and run it; the clock starts
     when step ``warmup`` starts. Returns the measured metric rows, the wall seconds they took and, with a
-    ``probe(job)``, its values at the clock's start and end."""
+    ``probe(job)``, its values at the clock's start and end. ``trace``: the run writes its measured timeline
+    (``trace`` in the result: the path of its ``trace.json``); the seconds the driver spends draining the
+    workers' spans between steps are left out of the wall time (a job run without ``--trace`` does not
+    spend them)."""
     from rlhfc.codegen import emit_job
     from rlhfc.passes import PIPELINES
     from rlhfc.runtime.job import Job
@@ -30,14 +33,19 @@ def run_compiled(module, level: str, source_path: str, work: str, *, warmup: int
         if marks.get("calls", 0) == warmup:
             marks["t0"] = time.perf_counter()
             marks["probe0"] = probe(job) if probe else None
+            marks["collect0"] = job.timeline.collect_s if job.timeline is not None else 0.0
         marks["calls"] = marks.get("calls", 0) + 1
         return mod.step(job, w)
 
-    job = Job(job_dir, out=os.path.join(work, f"run_{level}"), steps=steps, progress=False)
+    out = os.path.join(work, f"run_{level}")
+    job = Job(job_dir, out=out, steps=steps, progress=False, trace=trace)
     try:
         rows = job.run(step)
         wall = time.perf_counter() - marks["t0"]
+        if job.timeline is not None:   # the spans drained after the warm-up steps
+            wall -= job.timeline.collect_s - marks["collect0"]
         probe1 = probe(job) if probe else None
     finally:
         job.shutdown()
-    return {"rows": rows[warmup:], "wall": wall, "probe": (marks["probe0"], probe1), "first": rows[0] if rows else None}
+    return {"rows": rows[warmup:], "wall": wall, "probe": (marks["probe0"], probe1), "first": rows[0] if rows else None,
+            "trace": os.path.join(out, "trace.json") if trace else None}

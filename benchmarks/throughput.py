@@ -10,7 +10,9 @@ of a shared machine hit all of them; figures are medians over rounds.
 Printed per point: samples/s (only the samples a step trains on), -O2/TRL, -O3/TRL, -O0/TRL (the
 runtime's share of a gain) and -O2/-O0 (the passes' share); then each side's mean generated response
 length and generated tokens/s, and rlhfc's measured padding efficiency (generation; forwards) per level;
-last, each target and by how much it is met or missed. By default both sides train at lr 0: every
+then where each side's step goes (generation, forwards, training, transfers, driver, idle; TRL's
+phases — ``benchmarks/step_profile.py``; ``--no-profile`` leaves it out); last, each target and by how
+much it is met or missed. By default both sides train at lr 0: every
 gradient and optimizer update is computed, but both policies stay at their random start, so both
 generate the same length distribution and samples/s compares the same work (``--lr 1e-4`` lets each
 drift with its own random reward model, as earlier sweeps did).
@@ -100,8 +102,9 @@ def shared_start(point: dict, work: str) -> dict:
     return {"folder": folder, "prompts": prompts, "texts": texts}
 
 
-def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None = None) -> dict:
+def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None = None, profile: bool = True) -> dict:
     from jobrun import run_compiled
+    from step_profile import trace_split
 
     from rlhfc.frontend import compile_source
     from rlhfc.passes import PassManager, pipeline_for
@@ -112,7 +115,7 @@ def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None
                            lr=lr, **extra, **{k: v for k, v in point.items() if k != "steps"})
     module, _ = compile_source(text, path)
     module = PassManager(pipeline_for(level)).run(module)
-    run = run_compiled(module, level, path, work, warmup=WARMUP)
+    run = run_compiled(module, level, path, work, warmup=WARMUP, trace=profile)
     measured, wall, first = run["rows"], run["wall"], run.get("first")
     samples = sum(r["samples"] for r in measured)
     tokens = sum(r["samples"] * r["response_len_mean"] for r in measured)
@@ -122,10 +125,12 @@ def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None
            "response_len_mean": tokens / max(samples, 1), **eff}
     if first is not None and "response_len_std" in first:   # the first step's lengths: equal work starts equal
         out["first_len"] = (first["response_len_mean"], first["response_len_std"] / first["samples"] ** 0.5)
+    if profile:
+        out["phases"] = trace_split(run["trace"], skip=WARMUP)
     return out
 
 
-def run_trl(point: dict, lr: float, shared: dict | None = None) -> dict:
+def run_trl(point: dict, lr: float, shared: dict | None = None, profile: bool = True) -> dict:
     from statistics import mean, stdev
 
     from trl_peer import run_trl_ppo
@@ -136,13 +141,14 @@ def run_trl(point: dict, lr: float, shared: dict | None = None) -> dict:
                         max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],
                         prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
                         minibatches=point["minibatches"], epochs=1, lr=lr, seed=0, threads=threads,
-                        folder=shared["folder"] if shared else None, texts=shared["texts"] if shared else None)
+                        folder=shared["folder"] if shared else None, texts=shared["texts"] if shared else None,
+                        phases=profile)
         sps = r.get("steady_samples_per_s") or r["samples_per_s"]
         # TRL's own mean_response_len stops at the first <pad> a row samples; the tokens it generated run to
         # <eos> or the cap (mean_generated_len): that is the work, and what rlhfc's response length counts
         generated = r.get("mean_generated_len") or float("nan")
         res = {"samples_per_s": sps, "tokens_per_s": sps * generated, "threads": threads,
-               "response_len_mean": generated}
+               "response_len_mean": generated, "phases": r.get("phases")}
         lens = r.get("first_step_generated_lens") or []
         if len(lens) > 1:
             res["first_len"] = (mean(lens), stdev(lens) / len(lens) ** 0.5)
@@ -165,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--own-init", action="store_true",
                     help="each side builds its own random models and prompts (earlier sweeps); by default both load "
                          "the same saved policy, tokenizer and prompts (equal work)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="skip the per-phase profile of both sides (rlhfc runs without --trace, TRL without timers)")
     ap.add_argument("--lr", type=float, default=0.0,
                     help="learning rate of both sides; 0 (default) keeps both policies at their random start, so "
                          "both generate the same length distribution every step (every gradient and optimizer "
@@ -173,6 +181,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from cores import core_scaling
     from overlap import _cpu_name
+    from step_profile import RLHFC_ORDER, TRL_ORDER, format_split
 
     levels = args.levels.split(",")
     points = args.points.split(",")
@@ -186,8 +195,8 @@ def main(argv=None) -> int:
                 shared = None if args.own_init else shared_start(POINTS[name], os.path.join(work, f"shared_{name}"))
                 for lv in levels:
                     results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}"),
-                                                       args.lr, shared))
-                results[name]["TRL"].append(run_trl(POINTS[name], args.lr, shared))
+                                                       args.lr, shared, profile=not args.no_profile))
+                results[name]["TRL"].append(run_trl(POINTS[name], args.lr, shared, profile=not args.no_profile))
                 print(f"round {rnd + 1}: {name} done", file=sys.stderr, flush=True)
                 if args.json:   # what is measured so far survives an interrupted sweep
                     with open(args.json + ".partial", "w") as fh:
@@ -228,6 +237,18 @@ def main(argv=None) -> int:
         print(f"  {name:<6} " + "  ".join(
             f"-{lv}: {e.get('pad_eff_generate', float('nan')):.2f}, {e.get('pad_eff_forward', float('nan')):.2f}"
             for lv, e in eff.items()))
+    if not args.no_profile:
+        print("where a step goes (seconds per step, medians over rounds; share of the step; rlhfc's families may "
+              "overlap, idle = no span running: dispatch and driver Python; benchmarks/step_profile.py):")
+        for name in points:
+            for lv in levels + ["TRL"]:
+                runs = [r["phases"] for r in results[name][lv] if r.get("phases")]
+                if not runs:
+                    continue
+                split = {k: median(r[k] for r in runs) for k in runs[0]}
+                summary[name].setdefault("phases", {})[lv] = split
+                print(f"  {name:<6} {lv:<4} step {split['step']:.2f} s: "
+                      + format_split(split, TRL_ORDER if lv == "TRL" else RLHFC_ORDER))
     print("targets:")
     for name in points:
         r, o = summary[name]["ratios_to_trl"], summary[name]["O2_over_O0"]

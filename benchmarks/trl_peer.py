@@ -218,6 +218,7 @@ def run_trl_ppo(
     quiet: bool = True,
     folder: str | None = None,
     texts: list[str] | None = None,
+    phases: bool = False,
 ) -> dict:
     """Train TRL's PPO for ``steps`` updates of ``batch`` prompts; time the loop.
 
@@ -231,7 +232,9 @@ def run_trl_ppo(
 
     ``gradient_checkpointing`` defaults to False (TRL's config default is True,
     which only costs time on models this small). ``quiet`` keeps TRL's progress
-    bar and log lines off stdout.
+    bar and log lines off stdout. ``phases``: time the trainer's phases
+    (``benchmarks/step_profile.py``); ``phases`` in the result holds each one's
+    median seconds per update after the first.
     """
     if batch % minibatches:
         raise ValueError(f"batch ({batch}) must be a multiple of minibatches ({minibatches})")
@@ -282,12 +285,15 @@ def run_trl_ppo(
 
         def on_step_end(self, args, state, control, **kw):
             self.marks.append(time.perf_counter())
+            if profiler is not None:
+                profiler.end_update()
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs:
                 self.logs.append(dict(logs))
 
     timer = _Timer()
+    profiler = None
     response_lens: list[int] = []
     generated_lens: list[int] = []
     eos_flags: list[bool] = []
@@ -359,6 +365,14 @@ def run_trl_ppo(
         assert trainer.args.batch_size == batch and trainer.args.mini_batch_size == batch // minibatches
 
         ppo_mod.get_reward = _get_reward
+        if phases:
+            here = os.path.dirname(os.path.abspath(__file__))
+            if here not in sys.path:   # its sibling module, when this file is loaded by path
+                sys.path.insert(0, here)
+            from step_profile import TrlPhases
+
+            profiler = TrlPhases()
+            profiler.install(ppo_mod, trainer)
         redirect = contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()
         try:
             with redirect:
@@ -366,6 +380,8 @@ def run_trl_ppo(
                 trainer.train()
                 wall = time.perf_counter() - t0
         finally:
+            if profiler is not None:
+                profiler.uninstall()
             ppo_mod.get_reward = orig_get_reward
         del trainer
     finally:
@@ -388,6 +404,7 @@ def run_trl_ppo(
         "per_step_s": per_step,
         "eos_tokens_per_step": eos_counts,
         "optimizer_steps": steps * epochs * minibatches,
+        "phases": profiler.split(skip=1) if profiler is not None else None,
         "config": dict(
             layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_seq=max_seq, batch=batch,
             max_new_tokens=max_new_tokens, prompt_min_len=prompt_min_len, prompt_max_len=prompt_max_len,

@@ -40,7 +40,10 @@ TINY = dict(
 def test_run_trl_ppo_tiny(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # anything written to the working folder would show up here
     peer = _load_peer()
-    r = peer.run_trl_ppo(**TINY)
+    import trl.experimental.ppo.ppo_trainer as ppo_mod
+
+    saved = (ppo_mod.batch_generation, ppo_mod.forward, ppo_mod.get_reward, ppo_mod.gc)
+    r = peer.run_trl_ppo(**TINY, phases=True)
 
     for key in ("steps", "samples", "wall_s", "samples_per_s", "mean_response_len", "per_step_s"):
         assert key in r, key
@@ -56,6 +59,13 @@ def test_run_trl_ppo_tiny(tmp_path, monkeypatch):
     assert 1 <= r["mean_generated_len"] <= TINY["max_new_tokens"]
     assert r["optimizer_steps"] == 2 * 2 * 1
     assert list(tmp_path.iterdir()) == []
+    # the phases of the second update (benchmarks/step_profile.py): each timed, adding up to the update
+    ph = r["phases"]
+    assert set(ph) == {"step", "generation", "forwards", "training", "gc", "other"}
+    assert all(ph[k] > 0 for k in ("generation", "forwards", "training", "gc")) and ph["other"] >= 0
+    assert sum(ph[k] for k in ("generation", "forwards", "training", "gc", "other")) == pytest.approx(ph["step"])
+    assert ph["step"] == pytest.approx(r["per_step_s"][1], rel=0.05)
+    assert (ppo_mod.batch_generation, ppo_mod.forward, ppo_mod.get_reward, ppo_mod.gc) == saved   # put back
 
 
 def test_tokenizer_and_prompts_offline():

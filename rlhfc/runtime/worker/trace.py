@@ -185,6 +185,7 @@ class Timeline:
                 if s.op == op and s.target:
                     self.by_method.setdefault((s.target, method), []).append(s.name)
         self.ranks_named: set = set()
+        self.collect_s = 0.0   # driver seconds spent draining the workers' spans between steps (not a step's)
 
     # -- the driver's events ----------------------------------------------------------------------
     def _us(self, t: float) -> float:
@@ -225,7 +226,9 @@ class Timeline:
         except (OSError, AttributeError):
             load = {}
         self.span(DRIVER_PID, STEPS_TID, f"step {step}", "step", t0, time.time() if end is None else end, load)
+        t = time.perf_counter()
         self.collect(workers)
+        self.collect_s += time.perf_counter() - t
 
     # -- the workers' spans -----------------------------------------------------------------------
     def start(self, workers: dict, resumed_at: int | None = None) -> None:
@@ -289,7 +292,8 @@ class Timeline:
                   for i, s in enumerate(self.syncs)]]
         doc = {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
                "otherData": {"module": self.plan.module, "kind": "measured", "job": self.job_dir,
-                             "origin": self.origin, "cores": os.cpu_count()}}
+                             "origin": self.origin, "cores": os.cpu_count(),
+                             "collect_s": round(self.collect_s, 6)}}
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(doc, fh)
