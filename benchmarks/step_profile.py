@@ -20,6 +20,12 @@ the loss arithmetic between them), ``gc`` (the ``gc.collect()`` calls the traine
 the rest of the update (advantages and whitening, statistics, ``empty_cache``, logging, the data loader). TRL
 runs one thing at a time, so its phases add up to the step.
 
+**TRL** (``GRPOTrainer``, :class:`TrlGrpoPhases`), per update (one generation round and the optimizer steps
+trained on it): ``generation`` (``_generate``), ``forwards`` (no-grad ``_get_per_token_logps_and_entropies``: the
+old policy's log-probs, the reference's when ``beta > 0``), ``rewards`` (``_calculate_rewards``), ``training``
+(``training_step`` less the generation round it may run first, and the optimizer steps), ``other`` (the rest:
+advantages, the data loader, logging).
+
 Medians over the measured steps (after the warm-up).
 """
 
@@ -33,6 +39,7 @@ from statistics import median
 FAMILIES = {"generate": "generation", "forward": "forwards", "train": "training", "sync": "transfers"}
 RLHFC_ORDER = ("generation", "forwards", "training", "transfers", "driver", "idle")
 TRL_ORDER = ("generation", "forwards", "training", "gc", "other")
+TRL_GRPO_ORDER = ("generation", "forwards", "rewards", "training", "other")
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:
@@ -144,6 +151,75 @@ class TrlPhases:
         """Per phase the median seconds per update, over the updates after the first ``skip``."""
         used = self.updates[skip:] or self.updates
         return {k: median(u[k] for u in used) for k in ("step",) + TRL_ORDER} if used else {}
+
+
+class TrlGrpoPhases:
+    """Timers around TRL GRPOTrainer's phases (see the module docstring): :meth:`install` patches the trainer
+    instance, :meth:`end_update` closes an update (after its last optimizer step), :meth:`uninstall` takes the
+    patches off."""
+
+    PHASES = ("generation", "forwards", "rewards", "training")
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, float]] = []
+        self._open()
+
+    def _open(self) -> None:
+        self.cur = dict.fromkeys(self.PHASES, 0.0)
+        self.t_start = time.perf_counter()
+        self.prepare = 0.0   # the generation round inside the current training_step
+
+    def install(self, trainer) -> None:
+        import torch
+
+        self.trainer, self.optimizer = trainer, None
+        patched = {"_generate": lambda: "generation", "_calculate_rewards": lambda: "rewards",
+                   "_get_per_token_logps_and_entropies": lambda: None if torch.is_grad_enabled() else "forwards",
+                   "_prepare_inputs": lambda: "prepare", "training_step": lambda: "training"}
+        self.names = list(patched)
+
+        def timed(fn, phase):
+            def wrapper(*args, **kwargs):
+                kind = phase()
+                t0 = time.perf_counter()
+                before = self.prepare
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    dt = time.perf_counter() - t0
+                    if kind == "prepare":
+                        self.prepare += dt
+                    elif kind == "training":   # less the generation round it ran first
+                        self.cur["training"] += dt - (self.prepare - before)
+                    elif kind is not None:
+                        self.cur[kind] += dt
+            return wrapper
+
+        for name, phase in patched.items():
+            setattr(trainer, name, timed(getattr(trainer, name), phase))
+        self.timed = timed
+        self._open()
+
+    def optimizer_ready(self, optimizer) -> None:
+        """The optimizer the trainer made at the start of ``train()`` (a callback's ``on_train_begin``)."""
+        self.optimizer = optimizer
+        optimizer.step = self.timed(optimizer.step, lambda: "training")
+        self._open()
+
+    def end_update(self) -> None:
+        step = time.perf_counter() - self.t_start
+        self.updates.append({**self.cur, "other": step - sum(self.cur.values()), "step": step})
+        self._open()
+
+    def uninstall(self) -> None:
+        for name in self.names:
+            delattr(self.trainer, name)   # the instance attributes: the class's methods again
+        if self.optimizer is not None:
+            del self.optimizer.step
+
+    def split(self, skip: int = 0) -> dict[str, float]:
+        used = self.updates[skip:] or self.updates
+        return {k: median(u[k] for u in used) for k in ("step",) + TRL_GRPO_ORDER} if used else {}
 
 
 def format_split(split: dict[str, float], order: tuple[str, ...]) -> str:

