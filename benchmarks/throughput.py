@@ -5,7 +5,8 @@ a neural reward model), random weights, a small vocabulary so response lengths a
 tail up to ``max_new_tokens`` — run by rlhfc at each level and by TRL's ``PPOTrainer``
 (``benchmarks/trl_peer.py``) on the same models, batch, lengths and minibatches. The ``grpo-*`` points are a
 GRPO program (one trained model, groups of ``n``, rlhfc's ``vowel_count`` rule, no reference) against TRL's
-``GRPOTrainer`` with the same policy, prompts, groups, rule and optimizer steps per generation round. TRL runs at 1 and at 2
+``GRPOTrainer`` with the same policy, prompts, groups, rule and optimizer steps per generation round;
+``grpo-chat`` puts a chat template in the shared tokenizer and makes each prompt a user turn on both sides. TRL runs at 1 and at 2
 torch threads and the faster counts. Levels and TRL alternate within each round, so slow and fast spells
 of a shared machine hit all of them; figures are medians over rounds.
 
@@ -50,6 +51,9 @@ POINTS = {
                      minibatches=2, steps=4),
     "grpo-wide": dict(algo="grpo", layers=6, hidden=256, heads=8, vocab=32, max_new_tokens=128, batch=8, n=4,
                       minibatches=2, steps=3),
+    # grpo-mid with a chat template in the tokenizer: each prompt a user turn (generate(..., chat = true))
+    "grpo-chat": dict(algo="grpo", chat=True, layers=4, hidden=128, heads=4, vocab=24, max_new_tokens=128, batch=8,
+                      n=8, minibatches=2, steps=4),
 }
 #: the points whose step is dominated by model compute rather than per-call overheads (the -O2/-O0 target)
 COMPUTE_BOUND = ("wide", "20m")
@@ -92,7 +96,7 @@ GRPO = """cluster local {{ devices = cpu:2 }}
 model actor = hf("{folder}") trainable
 data prompts = jsonl("{prompts}")
 pipeline grpo(batch = {batch}) {{
-  roll   = actor.generate(prompts, n = {n}, max_new_tokens = {max_new_tokens}, temperature = 1.0)
+  roll   = actor.generate(prompts, n = {n}, max_new_tokens = {max_new_tokens}, temperature = 1.0{chat})
   logp   = actor.logprobs(roll)
   scores = rule("rlhfc.runtime.rewards:vowel_count", roll)
   adv    = group_advantages(roll, scores, method = grpo)
@@ -115,7 +119,7 @@ def shared_start(point: dict, work: str) -> dict:
     folder = os.path.join(work, "shared_model")
     if not os.path.isdir(folder):
         save_shared_folder(folder, layers=point["layers"], hidden=point["hidden"], heads=point["heads"],
-                           vocab=point["vocab"], max_seq=_max_seq(point), seed=0)
+                           vocab=point["vocab"], max_seq=_max_seq(point), seed=0, chat=bool(point.get("chat")))
     texts = prompt_texts(n=point["batch"] * (point["steps"] + WARMUP), vocab=point["vocab"], min_len=PROMPT_MIN,
                          max_len=PROMPT_MAX, seed=0)
     prompts = os.path.join(work, "prompts.jsonl")
@@ -136,7 +140,8 @@ def run_rlhfc(point: dict, level: str, work: str, lr: float, shared: dict | None
     if point.get("algo") == "grpo":
         template = GRPO
     text = template.format(max_seq=_max_seq(point), pmin=PROMPT_MIN, pmax=PROMPT_MAX, steps=point["steps"] + WARMUP,
-                           lr=lr, **extra, **{k: v for k, v in point.items() if k not in ("steps", "algo")})
+                           lr=lr, chat=", chat = true" if point.get("chat") else "", **extra,
+                           **{k: v for k, v in point.items() if k not in ("steps", "algo", "chat")})
     module, _ = compile_source(text, path)
     module = PassManager(pipeline_for(level)).run(module)
     run = run_compiled(module, level, path, work, warmup=WARMUP, trace=profile)
@@ -164,7 +169,8 @@ def run_trl(point: dict, lr: float, shared: dict | None = None, profile: bool = 
         if point.get("algo") == "grpo":
             r = run_trl_grpo(folder=shared["folder"], texts=shared["texts"], batch=point["batch"], n=point["n"],
                              max_new_tokens=point["max_new_tokens"], steps=point["steps"] + WARMUP,
-                             minibatches=point["minibatches"], lr=lr, seed=0, threads=threads, phases=profile)
+                             minibatches=point["minibatches"], lr=lr, seed=0, threads=threads, phases=profile,
+                             chat=bool(point.get("chat")))
         else:
             r = run_trl_ppo(layers=point["layers"], hidden=point["hidden"], heads=point["heads"], vocab=point["vocab"],
                             max_seq=_max_seq(point), batch=point["batch"], max_new_tokens=point["max_new_tokens"],

@@ -137,13 +137,23 @@ def build_prompts(tokenizer, *, n: int, vocab: int, min_len: int, max_len: int, 
     return Dataset.from_dict({"input_ids": ids})
 
 
+#: a chat template for the character tokenizer (its markers are letters every vocabulary of 20 or more holds:
+#: ``qq`` opens a user turn, ``rr`` the assistant's, which ends with ``<eos>``)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ 'qq' + m['content'] }}"
+                 "{% else %}{{ 'rr' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'rr' }}{% endif %}")
+
+
 def save_shared_folder(folder: str, *, layers: int, hidden: int, heads: int, vocab: int, max_seq: int,
-                       seed: int = 0) -> str:
+                       seed: int = 0, chat: bool = False) -> str:
     """The equal-work start both sides load: a random GPT-2 policy (seeded, transformers' initialisation) saved
-    with ``save_pretrained`` beside the character tokenizer. Returns ``folder``."""
+    with ``save_pretrained`` beside the character tokenizer (``chat``: with :data:`CHAT_TEMPLATE`). Returns
+    ``folder``."""
     import transformers
 
     tokenizer = build_tokenizer(vocab)
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
     transformers.set_seed(seed)
     policy, *_ = build_models(layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_seq=max_seq,
                               tokenizer=tokenizer)
@@ -430,13 +440,15 @@ def run_trl_grpo(
     temperature: float = 1.0,
     quiet: bool = True,
     phases: bool = False,
+    chat: bool = False,
 ) -> dict:
     """Train TRL's ``GRPOTrainer`` on the policy in ``folder`` (saved by :func:`save_shared_folder`) for ``steps``
     updates, each ``batch`` prompts of ``texts`` answered ``n`` times and trained in ``minibatches`` optimizer
     steps (``steps_per_generation``), one epoch (``num_iterations = 1``), no reference model (``beta = 0``), the
     reward rlhfc's ``vowel_count`` rule — what a rlhfc GRPO program with ``group_advantages(method = grpo)``,
     ``minibatches = M`` and no KL term computes. Prompts are ``<bos>`` + the text's characters, as rlhfc encodes
-    them.
+    them; with ``chat``, a user message each, which TRL renders with the folder's chat template as rlhfc's
+    ``generate(..., chat = true)`` does (the rule sees the plain prompt and completion on both sides).
 
     Returns ``samples_per_s`` (completions trained per second over the updates after the first),
     ``per_update_s``, ``mean_generated_len`` (completion tokens up to and including ``<eos>``, as rlhfc counts
@@ -476,12 +488,17 @@ def run_trl_grpo(
     policy = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     policy.config.pad_token_id = policy.generation_config.pad_token_id = tokenizer.pad_token_id
     policy.generation_config.eos_token_id = tokenizer.eos_token_id
-    dataset = Dataset.from_dict({"prompt": [tokenizer.bos_token + t for t in texts[:batch * steps]]})
+    used = texts[:batch * steps]
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in used] if chat
+                                 else [tokenizer.bos_token + t for t in used]})
     lengths: list[int] = []
+
+    def text(x) -> str:   # a conversational prompt or completion: its last message's text
+        return x[-1]["content"] if isinstance(x, list) else x
 
     def reward(prompts, completions, completion_ids, **_):
         lengths.extend(len(c) for c in completion_ids)
-        return [vowel_count(p, c) for p, c in zip(prompts, completions)]
+        return [vowel_count(text(p), text(c)) for p, c in zip(prompts, completions)]
 
     profiler = TrlGrpoPhases() if phases else None
     marks: list[float] = []
