@@ -7,16 +7,14 @@ model (tests/cost/test_offload_pass.py), not measurable here."""
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rlhfc.runtime.data.values import PolicyLossInput
 from rlhfc.runtime.train.backend import open_store
 from rlhfc.runtime.train.offload import HostAdamW
 from rlhfc.runtime.worker.base import ModelWorker
+from spawned import run_spawned   # tests/runtime/spawned.py
 
 PROMPTS = ["abc", "hello there", "x", "the quick brown", "fox", "jumps over", "a lazy", "dog!"]
 GEN = dict(max_new_tokens=8, temperature=1.0, top_p=1.0)
@@ -81,38 +79,24 @@ def test_torch_trainer_with_its_optimizer_on_the_host_trains_bitwise_alike_and_r
     assert all(torch.equal(v, resumed.get_weights()[k]) for k, v in plain.get_weights().items())
 
 
-def _rank(rank: int, world: int, store, spec: dict, trainer: str, offload: bool, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        worker = ModelWorker("actor", spec, {"kind": "random"}, seed=7, trainer=trainer, rank=rank, world=world,
-                             store=store, offload=offload)
-        roll = worker.generate(PROMPTS, **GEN)   # a collective on a group: every rank calls it
-        import torch.distributed as dist
+def _rank(rank: int, world: int, store, spec: dict, trainer: str, offload: bool) -> dict:
+    torch.set_num_threads(1)
+    worker = ModelWorker("actor", spec, {"kind": "random"}, seed=7, trainer=trainer, rank=rank, world=world,
+                         store=store, offload=offload)
+    roll = worker.generate(PROMPTS, **GEN)   # a collective on a group: every rank calls it
+    import torch.distributed as dist
 
-        box = [roll]
-        dist.broadcast_object_list(box, src=0)
-        metrics = [worker.train(_loss(box[0], k), **TRAIN) for k in range(2)]
-        state = worker.backend.optimizer_state()[0]
-        queue.put((rank, pickle.dumps({"metrics": metrics, "weights": worker.get_weights(), "opt": state})))
-    except BaseException:   # report, do not hang the parent
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
+    box = [roll]
+    dist.broadcast_object_list(box, src=0)
+    metrics = [worker.train(_loss(box[0], k), **TRAIN) for k in range(2)]
+    state = worker.backend.optimizer_state()[0]
+    return {"metrics": metrics, "weights": worker.get_weights(), "opt": state}
 
 
 def _group(world: int, spec: dict, trainer: str, offload: bool) -> list[dict]:
     store = open_store()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store, spec, trainer, offload, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for r, res in results.items():
-        assert isinstance(res, bytes), f"{trainer} rank {r} (offload={offload}) failed:\n{res}"
-    return [pickle.loads(results[r]) for r in range(world)]
+    return run_spawned([(_rank, (r, world, store, spec, trainer, offload)) for r in range(world)],
+                       what=f"{trainer} rank (offload={offload})", timeout=300)
 
 
 @pytest.mark.parametrize("trainer,world", [("fsdp", 2), ("megatron", 1)])

@@ -10,15 +10,13 @@ WEIGHTS_TOL).
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rlhfc.runtime.data.values import PolicyLossInput, ValueLossInput
 from rlhfc.runtime.worker.base import ModelWorker
 from rlhfc.runtime.train.backend import join, open_store, row_share
+from spawned import run_spawned   # tests/runtime/spawned.py
 
 PROMPTS = ["abc", "hello there", "x", "the quick brown", "fox", "jumps over", "a lazy", "dog!"]
 GEN = dict(max_new_tokens=8, temperature=1.0, top_p=1.0)
@@ -71,30 +69,10 @@ def _broadcast(obj, rank: int):
     return box[0]
 
 
-def _spawned(rank, world, store, specs, role, folder, queue):
-    try:
-        # bytes, not tensors: torch shares tensors through file descriptors that die with this process
-        queue.put((rank, pickle.dumps(_rank_main(rank, world, store, specs, role, folder))))
-    except BaseException:   # report, do not hang the parent
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-
-
 def _run_group(world: int, specs: dict, role: str, folder: str) -> list[dict]:
     store = open_store()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, world, store, specs, role, folder, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {r: (pickle.loads(res) if isinstance(res, bytes) else res)
-               for r, res in (queue.get(timeout=300) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
-    for r, res in results.items():
-        assert isinstance(res, dict), f"{role} rank {r} failed:\n{res}"
-    return [results[r] for r in range(world)]
+    return run_spawned([(_rank_main, (r, world, store, specs, role, folder)) for r in range(world)],
+                       what=f"{role} rank", timeout=300)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -8,17 +8,15 @@ alone, a streamed call, as ``stream`` runs on a group).
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("vllm")
 
 from rlhfc.runtime.data.values import PolicyLossInput  # noqa: E402
 from rlhfc.runtime.worker.base import ModelWorker  # noqa: E402
 from rlhfc.runtime.train.backend import join, open_store, row_share  # noqa: E402
+from spawned import run_spawned  # noqa: E402   # tests/runtime/spawned.py
 
 #: head size 64 (what vLLM's CPU attention runs)
 SPEC = dict(arch="llama", layers=2, hidden=128, heads=2, vocab=96, max_seq=128)
@@ -76,41 +74,15 @@ def _single(folder: str) -> list[list[int]]:
         w.rollout_engine.shutdown()
 
 
-def _spawned(key, fn, args, queue):
-    try:
-        queue.put((key, pickle.dumps(fn(*args))))   # bytes: torch shares tensors through file descriptors
-    except BaseException:   # report, do not hang the parent
-        import traceback
-
-        queue.put((key, traceback.format_exc()))
-
-
 def _two_ranks(body, tmp_path) -> list[dict]:
     """Run ``body(rank, world, store, folder)`` in two spawned processes; their results, by rank."""
     store = open_store()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, body, (r, 2, store, str(tmp_path)), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    for k, r in res.items():
-        assert isinstance(r, bytes), f"rank {k} failed:\n{r}"
-    return [pickle.loads(res[0]), pickle.loads(res[1])]
+    return run_spawned([(body, (r, 2, store, str(tmp_path))) for r in range(2)], what="rank")
 
 
 def _one_process(fn, *args):
     """``fn(*args)`` in a spawned process of its own (a vLLM engine outside the test process)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_spawned, args=(0, fn, args, queue))
-    proc.start()
-    _, res = queue.get(timeout=600)
-    proc.join(timeout=60)
-    assert isinstance(res, bytes), f"the single-process reference failed:\n{res}"
-    return pickle.loads(res)
+    return run_spawned([(fn, args)], what="the single-process reference")[0]
 
 
 def test_dp2_ranks_generate_on_their_own_engines_and_refit_from_their_shards(tmp_path):
