@@ -25,7 +25,7 @@ from rlhfc.runtime.job import JobError, run_job
 
 from .conftest import HERE, close, compile_job, job_step, metrics, recording, untimed
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("shared_ray")]
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TOOL = os.path.join(HERE, "agent_tool.rlhf")

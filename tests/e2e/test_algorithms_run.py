@@ -16,7 +16,7 @@ from rlhfc.runtime.rl.algorithms import lr_factor
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRAM = os.path.join(ROOT, "examples", "dapo_tiny.rlhf")
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("shared_ray")]
 
 
 def test_dapo_example_trains_with_its_options(tmp_path):

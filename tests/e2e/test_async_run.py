@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 ARITH_GRPO = os.path.join(ROOT, "examples", "arith_tiny.rlhf")
 ARITH_PPO = os.path.join(HERE, "arith_ppo.rlhf")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 #: the synchronous arith_tiny's final reward over seeds 0-2 spans 0.769-0.883 (tests/e2e/test_arith_learns.py)
 SEED_SPREAD = 0.15

@@ -37,7 +37,8 @@ BANDS = {"ppo_tiny": (0.10, 0.15), "grpo_tiny": (0.05, 0.05)}
 #: the rounding passes' tolerance (docs/claims.md): per-step metrics and final weights
 REL, ABS, WEIGHTS_ABS = 1e-4, 1e-6, 1e-4
 
-pytestmark = [pytest.mark.e2e]   # the README's claims: not slow-marked, so CI runs them
+# the README's claims: not slow-marked, so CI runs them
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("shared_ray")]
 
 
 def _train(tmp, program: str, level: str):

@@ -32,7 +32,7 @@ MODELS = ("actor", "critic", "ref", "reward")
 OVERCOMMIT = ["overcommit" if p.startswith("overcommit") else p for p in PIPELINES["O3"]
               if not p.startswith("async_rollout")]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("shared_ray")]
 
 
 def _job(tmp, program: str, passes: list[str], tag: str) -> str:

@@ -24,7 +24,7 @@ from .conftest import TINY_PPO as PROGRAM
 
 TAIL = os.path.join(HERE, "tiny_ppo_tail.rlhf")   # long-tailed lengths: unpad really cuts columns
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("shared_ray")]
 
 
 def _train(tmp_path, level: str, steps: int = 3, program: str = PROGRAM, passes: list[str] | None = None):

@@ -21,7 +21,7 @@ from .conftest import HERE, TIMING, compile_job, job_step, recording
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 #: what the plan must run: (trainer, dp, tp, pp) per model
 LAYOUTS = {"actor": ("fsdp", 2, 1, 1), "critic": ("megatron", 1, 2, 1), "ref": ("megatron", 1, 1, 2),

@@ -17,7 +17,7 @@ from rlhfc.runtime.job import run_job
 
 from .conftest import HERE, compile_job, job_step, recording, untimed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 def _run(tmp_path, trainer: str, steps: int = 2, resume_from: str | None = None, step_fn=None, samples=None):

@@ -27,7 +27,7 @@ from rlhfc.runtime.job import run_job
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "tiny_ppo.rlhf")
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]
 
 
 def _grid_points(prof) -> tuple[set, set]:

@@ -155,14 +155,36 @@ class Cluster:
         return refs
 
     def shutdown(self) -> None:
-        """Stop Ray if this job started it (a connected cluster keeps running) and remove its temporary
-        folder (also after a Ray that failed to start)."""
+        """Stop Ray if this job started it and remove its temporary folder (also after a Ray that failed to
+        start). On a Ray the job found running (``--ray-address``, or one the calling process started) Ray
+        keeps running and the job gives back what it took: its workers are killed and its placement group
+        removed, so the next job in the same process finds the devices free."""
         try:
             if self.started_ray:
                 import_ray().shutdown()
+            else:
+                self._release()
         finally:
             if getattr(self, "ray_temp", None):
                 remove_ray_temp(self.ray_temp)
+
+    def _release(self) -> None:
+        ray = import_ray()
+        if not ray.is_initialized():
+            return
+        for group in self.workers.values():
+            try:
+                group.kill()
+            except Exception:   # already dead (a killed worker is why some jobs end)
+                pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:   # already removed
+                pass
+            self.pg = None
 
 
 def check_backend(w: WorkerPlan, precision: str = "fp32") -> None:
