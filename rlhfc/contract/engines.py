@@ -31,7 +31,9 @@ class RolloutTraits:
     ``head_sizes``: the attention head sizes it runs (None: any). ``top_p_zero``: whether it samples with
     ``top_p <= 0`` (greedy through the nucleus cut). ``package``: the import it needs (None: none),
     ``install`` how to get it. ``auto``: ``rollout = auto`` may choose it for a stage the cost model prices
-    faster on it. ``title``: how messages name it (``vLLM``)."""
+    faster on it. ``title``: how messages name it (``vLLM``). ``driver_env``: environment variables of the driver
+    the engine reads in its workers, forwarded with its rollout options (``options["env"]``: a Ray worker's
+    environment is the one its Ray started with, on another node none of the driver's)."""
 
     name: str
     runtime: str
@@ -43,6 +45,7 @@ class RolloutTraits:
     package: str | None = None
     install: str | None = None
     auto: bool = False
+    driver_env: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout.base:Torc
 register_rollout(RolloutTraits(
     "vllm", "rlhfc.runtime.rollout.vllm:VllmRollout", title="vLLM", trainer_numerics=False, own_weights=True,
     head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256), top_p_zero=False, package="vllm",
-    install=EXTRA_INSTALL.format(extra="vllm"), auto=True))
+    install=EXTRA_INSTALL.format(extra="vllm"), auto=True, driver_env=("RLHFC_VLLM_CACHE",)))
 
 register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.train.backend:TrainBackend", title="torch", lora=True))
 register_train(TrainTraits("fsdp", "rlhfc.runtime.train.fsdp:FsdpBackend", title="FSDP2", dims=frozenset({"dp"}),

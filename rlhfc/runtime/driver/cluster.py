@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from rlhfc.contract.engines import train_traits
+from rlhfc.contract.engines import rollout_traits, train_traits
 from rlhfc.contract.plan import Plan, WorkerPlan
 from rlhfc.runtime.errors import JobError
 
@@ -131,6 +131,8 @@ class Cluster:
                        "plugins": list(self.plan.plugins)}   # imported in the worker before it builds its engine
             if w.gpu_memory_utilization:   # a CUDA engine's share of its GPU, as the compiler priced it
                 rollout["gpu_memory"] = w.gpu_memory_utilization
+            # the driver's settings the engine reads (set or not): a worker's environment is its Ray's
+            rollout["env"] = {k: os.environ[k] for k in rollout_traits(w.engine).driver_env if k in os.environ}
             args = (w.model, model.spec.as_dict(), model.init.as_dict(), self.seed)
             common = dict(device="cuda" if gpu else "cpu", precision=self.plan.run.precision, rollout=rollout,
                           trainer=w.trainer)

@@ -77,13 +77,16 @@ class EngineError(RuntimeError):
 #: where engines keep their compile caches (vLLM's, TorchInductor's: the kernels and precompiled headers an
 #: engine's start builds, about half a minute on a 2-core CPU) when it is set, shared by every engine and run
 #: that sets it, instead of each engine's own folder: ``RLHFC_VLLM_CACHE=~/.cache/rlhfc-vllm rlhfc run ...``
+#: (the driver's value, forwarded to the workers: the engine's ``driver_env`` in rlhfc.contract.engines)
 SHARED_CACHE_ENV = "RLHFC_VLLM_CACHE"
 
 
-def engine_env(folder: str) -> None:
+def engine_env(folder: str, shared: str | None = None) -> None:
     """Point vLLM's files into ``folder`` and run its engine in this process (before ``import vllm``); the
-    compile caches go to ``$RLHFC_VLLM_CACHE`` instead where it is set (:data:`SHARED_CACHE_ENV`)."""
-    shared = os.environ.get(SHARED_CACHE_ENV)
+    compile caches go to the folder ``shared`` instead where it is not empty — in a job the driver's
+    ``$RLHFC_VLLM_CACHE`` (:data:`SHARED_CACHE_ENV`), passed with the worker's rollout options since a Ray
+    worker's environment is the one its Ray started with; None: this process's own ``$RLHFC_VLLM_CACHE``."""
+    shared = os.environ.get(SHARED_CACHE_ENV) if shared is None else shared
     for key, sub in (("VLLM_CACHE_ROOT", "cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TMPDIR", "tmp")):
         where = os.path.join(shared, sub) if shared and key != "TMPDIR" else os.path.join(folder, sub)
         os.makedirs(where, exist_ok=True)
@@ -104,13 +107,14 @@ class VllmEngine:
     ``max_seqs``: requests decoded at once (vLLM's continuous batching; None = vLLM's default).
     ``gpu_memory``: on CUDA, vLLM's ``gpu_memory_utilization`` (the plan's; None: vLLM's default).
     ``rank``: (rank, world) of the worker's group, whose ``torch.distributed`` world is up: the engine joins it
-    (a collective; :func:`_rank_options`) and starts at version -1, to be refitted before it generates."""
+    (a collective; :func:`_rank_options`) and starts at version -1, to be refitted before it generates.
+    ``shared_cache``: the compile caches' folder (:func:`engine_env`)."""
 
     def __init__(self, model, folder: str, *, name: str, seed: int, device: str = "cpu",
                  max_seqs: int | None = None, version: int = 0, rank: tuple[int, int] | None = None,
-                 gpu_memory: float | None = None):
+                 gpu_memory: float | None = None, shared_cache: str | None = None):
         self.name, self.folder, self.version, self.calls, self.device = name, folder, version, 0, device
-        engine_env(folder)
+        engine_env(folder, shared_cache)
         hf_dir = os.path.join(folder, "hf")
         options = {"max_num_seqs": max_seqs} if max_seqs else {}
         if rank is not None:   # a rank of a group: vLLM joins the group's world (the module docstring)
@@ -385,6 +389,12 @@ class VllmRollout(RolloutEngine):
         super().__init__(worker, options)
         self.engine: VllmEngine | None = None
 
+    def _driver_env(self, key: str) -> str | None:
+        """The driver's value of ``key`` ("" where the driver has none); None outside a job (no options
+        ``env``: this process's environment is the caller's)."""
+        env = self.options.get("env")
+        return None if env is None else env.get(key, "")
+
     def prepare(self, model, refit_mb: int = 64) -> None:
         """Bring the engine up to the worker's weights: started at the first call (``engine_start_s``), woken up
         (CUDA: ``engine_wake_s``), and refitted when the worker's weights version is not the engine's
@@ -401,7 +411,8 @@ class VllmRollout(RolloutEngine):
             self.engine = VllmEngine(model, folder, name=worker.name, seed=worker.seed, device=worker.device,
                                      version=worker.version if written else -1,
                                      rank=(worker.backend.rank, worker.backend.world) if ranked else None,
-                                     gpu_memory=self.options.get("gpu_memory"))
+                                     gpu_memory=self.options.get("gpu_memory"),
+                                     shared_cache=self._driver_env(SHARED_CACHE_ENV))
             worker.engine_stats["engine_start_s"] = time.perf_counter() - start
         wake = self.engine.wake_up()   # CUDA: the engine slept while the trainer trained
         if wake:
