@@ -149,8 +149,7 @@ class TrlPhases:
 
     def split(self, skip: int = 0) -> dict[str, float]:
         """Per phase the median seconds per update, over the updates after the first ``skip``."""
-        used = self.updates[skip:] or self.updates
-        return {k: median(u[k] for u in used) for k in ("step",) + TRL_ORDER} if used else {}
+        return _medians(self.updates, TRL_ORDER, skip)
 
 
 class TrlGrpoPhases:
@@ -218,8 +217,14 @@ class TrlGrpoPhases:
             del self.optimizer.step
 
     def split(self, skip: int = 0) -> dict[str, float]:
-        used = self.updates[skip:] or self.updates
-        return {k: median(u[k] for u in used) for k in ("step",) + TRL_GRPO_ORDER} if used else {}
+        return _medians(self.updates, TRL_GRPO_ORDER, skip)
+
+
+def _medians(updates: list[dict[str, float]], order: tuple[str, ...], skip: int) -> dict[str, float]:
+    """Per phase of ``order`` (and ``step``) the median over the updates after the first ``skip`` (all of them
+    when there are no more)."""
+    used = updates[skip:] or updates
+    return {k: median(u[k] for u in used) for k in ("step",) + order} if used else {}
 
 
 def format_split(split: dict[str, float], order: tuple[str, ...]) -> str:
