@@ -51,7 +51,7 @@ from rlhfc.contract.plugins import PluginError, import_plugin
 from rlhfc.runtime.data.prompts import PromptSource, prompt_source_from_spec
 from rlhfc.runtime.data.values import oldest_version
 from rlhfc.runtime.driver import checkpoint
-from rlhfc.runtime.driver.cluster import Cluster
+from rlhfc.runtime.driver.cluster import Cluster, check_local_gpus
 from rlhfc.runtime.driver.cluster import import_ray as _ray
 from rlhfc.runtime.driver.group import WorkerGroup
 from rlhfc.runtime.driver.metrics import MetricsLog, Progress, model_ranks, step_metrics, summarize
@@ -93,6 +93,7 @@ class Job:
         except PlanFormatError as exc:
             raise JobError(exc.message, exc.hint) from None
         import_plugins(self.plan.plugins)
+        check_local_gpus(self.plan, ray_address)
         run = self.plan.run
         if steps is not None and int(steps) < 1:
             raise JobError(f"steps must be at least 1, not {steps}",

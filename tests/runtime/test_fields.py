@@ -269,3 +269,43 @@ pipeline grpo(batch = 1) {{
     assert plan.data["tasks"].fit[0].chat is True and plan.data["tasks"].options["fields"] == ["answer"]
     source = prompt_source_from_spec(plan.data["tasks"].as_spec())   # the job's view: fits with the template
     assert prompt_parts(source.next_batch(1)[0]) == ("2 plus 2", {"answer": "4"})
+
+
+def test_truncation_fits_every_model_when_two_share_a_tokenizer_and_a_third_does_not(tmp_path):
+    """Models sharing a tokenizer count each prompt once; a prompt shortened for one model is counted again for
+    the next (the shortest room wins, whatever the order)."""
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "abcdefghijkl"}, {"prompt": "ab"}])
+    fit = [{"model": "a", "tokenizer": {"vocab": 40}, "max_seq": 10, "max_new_tokens": 3},
+           {"model": "b", "tokenizer": {"vocab": 64}, "max_seq": 10, "max_new_tokens": 5},
+           {"model": "c", "tokenizer": {"vocab": 40}, "max_seq": 10, "max_new_tokens": 3}]
+    source = JsonlPrompts(path, fit=fit, truncate="left")
+    # a: room 7 with BOS, 6 characters ("ghijkl"); b: room 5, 4 characters ("ijkl"), still 6 for c
+    assert source.prompts == ["ijkl", "ab"] and source.truncated == 2
+    with pytest.raises(DataError, match=r"the prompt has 13 tokens.*model 'a'"):   # the first model, as before
+        JsonlPrompts(path, fit=fit)
+
+
+def test_synthetic_prompts_are_those_drawn_one_character_at_a_time():
+    """The bulk draw gives the prompts ``random.choice`` per character gives (runs and checkpoints of earlier
+    versions keep their data)."""
+    import random
+    import string
+
+    from rlhfc.runtime.data.prompts import SyntheticPrompts
+
+    def one_at_a_time(seed, index, min_len, max_len, alphabet):
+        rng = random.Random(f"rlhfc-prompt:{seed}:{index}")
+        n = rng.randint(min_len, max_len)
+        return "".join(rng.choice(alphabet) for _ in range(n))
+
+    for alphabet in (string.ascii_lowercase, "a", "ab", string.digits, string.printable, "xyz" * 11):
+        for i in range(60):
+            assert SyntheticPrompts.make_prompt(i % 3, i, 1, 300, alphabet) == one_at_a_time(i % 3, i, 1, 300, alphabet)
+
+
+def test_char_tokenizer_encodes_each_character_as_its_lookup_says():
+    for vocab in (4, 40, 64, 98, 120):
+        tok = CharTokenizer(vocab)
+        for text in ("Hello, World!\n\tÄé~}", "", "abc", "ABC xyz 0123"):
+            ids = [i for i in (tok._char_id(c) for c in text) if i is not None]
+            assert tok.encode(text) == ids and tok.encode(text, add_bos=True) == [tok.bos_id] + ids

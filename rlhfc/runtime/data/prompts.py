@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import random
 import string
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rlhfc.runtime.errors import JobError
 
@@ -81,14 +81,20 @@ class PromptSource:
         (last) characters until it fits every model, counting the prompts shortened in ``truncated``."""
         from .tokenizer import load_tokenizer
 
+        counted: dict[str, tuple[Callable, list[int]]] = {}   # per tokenizer (and chat): encode, each prompt's length
         for entry in fit:
-            tok = load_tokenizer(entry["tokenizer"])
-            encode = tok.encode_chat if entry.get("chat") else (lambda t, tok=tok: tok.encode(t, add_bos=True))
+            key = json.dumps([entry["tokenizer"], bool(entry.get("chat"))], sort_keys=True, default=str)
+            if key not in counted:   # models sharing a tokenizer count each prompt once
+                tok = load_tokenizer(entry["tokenizer"])
+                enc = tok.encode_chat if entry.get("chat") else (lambda t, tok=tok: tok.encode(t, add_bos=True))
+                counted[key] = (enc, [len(enc(text)) for text in self.prompts])
+            encode, lengths = counted[key]
             room = int(entry["max_seq"]) - int(entry["max_new_tokens"])
-            for i, text in enumerate(self.prompts):
-                n = len(encode(text))
+            for i, (text, n) in enumerate(zip(self.prompts, lengths)):
                 if n > room and truncate in ("left", "right"):
                     self.prompts[i] = truncate_text(encode, text, room, truncate)
+                    for enc, lens in counted.values():   # the shortened prompt's length under every tokenizer
+                        lens[i] = len(enc(self.prompts[i]))
                     if self.prompts[i] == text or not self.prompts[i]:
                         raise DataError(f"{self.where(i)}: the prompt cannot be truncated to fit {room} tokens "
                                         f"(max_seq {entry['max_seq']} of model '{entry['model']}' less "
@@ -175,7 +181,26 @@ class SyntheticPrompts(PromptSource):
         """Prompt ``index`` of the source seeded ``seed`` (a pure function)."""
         rng = random.Random(f"rlhfc-prompt:{seed}:{index}")
         n = rng.randint(min_len, max_len)
-        return "".join(rng.choice(alphabet) for _ in range(n))
+        return "".join(alphabet[i] for i in _below(rng, len(alphabet), n))
+
+
+def _below(rng: random.Random, n: int, count: int) -> list[int]:
+    """``[rng.choice(range(n)) for _ in range(count)]``, the same numbers drawn in bulk (several times faster):
+    ``choice`` draws one 32-bit word per try and keeps its top ``n.bit_length()`` bits when they are below
+    ``n`` (CPython's ``_randbelow_with_getrandbits``); ``getrandbits(32 * m)`` returns the next ``m`` words,
+    the first drawn in the lowest bits. Words drawn past the last kept one leave ``rng`` further on than
+    ``choice`` would: only for a generator used for nothing after."""
+    import numpy as np
+
+    if n > 2 ** 32:
+        return [rng.randrange(n) for _ in range(count)]
+    shift = 32 - n.bit_length()
+    out = np.empty(0, dtype=np.uint32)
+    while len(out) < count:
+        m = (count - len(out)) * 2 + 8   # at least half of the tries are kept
+        words = np.frombuffer(rng.getrandbits(32 * m).to_bytes(4 * m, "little"), dtype="<u4") >> shift
+        out = np.concatenate([out, words[words < n]])
+    return out[:count].tolist()
 
 
 class JsonlPrompts(PromptSource):

@@ -78,6 +78,7 @@ class CharTokenizer:
         self.vocab_size = int(vocab_size)
         self.chars = CHAR_ORDER[: self.vocab_size - self.num_special]
         self._to_id = {c: i + self.num_special for i, c in enumerate(self.chars)}
+        self._ids = _CharIds(self)   # every character seen: its id or None (dropped)
 
     def _char_id(self, c: str) -> int | None:
         if c in self._to_id:
@@ -88,10 +89,7 @@ class CharTokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = [self.bos_id] if add_bos else []
-        for c in text:
-            i = self._char_id(c)
-            if i is not None:
-                ids.append(i)
+        ids.extend(i for i in map(self._ids.__getitem__, text) if i is not None)
         return ids
 
     def encode_chat(self, text: str) -> list[int]:
@@ -110,6 +108,18 @@ class CharTokenizer:
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class _CharIds(dict):
+    """Character -> its id in a :class:`CharTokenizer` (None: dropped), each character looked up once."""
+
+    def __init__(self, tok: CharTokenizer):
+        super().__init__()
+        self.tok = tok
+
+    def __missing__(self, c: str) -> int | None:
+        self[c] = i = self.tok._char_id(c)
+        return i
 
 
 class HFTokenizer:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -38,6 +39,25 @@ def import_ray():
     return ray
 
 
+def check_local_gpus(plan: Plan, ray_address: str | None) -> None:
+    """A run on a local Ray (none given, none running in this process) of a plan that needs more GPUs than this
+    machine has fails at once, before its data is built and Ray started (the error :meth:`Cluster.check_resources`
+    gives on a cluster)."""
+    need = sum(b.get("GPU", 0) for b in plan.placement.bundles)
+    if need <= 0 or ray_address:
+        return
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if have + 1e-9 < need:
+        raise JobError(f"the plan needs {need:g} GPU ({plan.cluster.device}) but this machine has {have}",
+                       "run it on a matching cluster with --ray-address, or compile a program whose cluster is "
+                       "`devices = cpu:N` to run locally")
+
+
 class Cluster:
     """The Ray side of one job: the connection, its placement group and its worker groups."""
 
@@ -54,6 +74,7 @@ class Cluster:
         """Start (or connect to) Ray, check resources, reserve the placement group, create the workers."""
         ray = import_ray()
         os.makedirs(self.out, exist_ok=True)
+        check_local_gpus(self.plan, self.ray_address)   # before a local Ray is started for nothing
         self._connect(ray)
         self.check_resources(ray)
         self.pg = self._reserve(ray)
