@@ -4,6 +4,7 @@ at the configurations the papers report, with catalog rates only (no profile, no
     python benchmarks/baselines.py            # every configuration (a few minutes on 2 cores)
     python benchmarks/baselines.py --quick    # the 7B one only
     python benchmarks/baselines.py --openrlhf # dschat and openrlhf at OpenRLHF's published configurations
+    python benchmarks/baselines.py --dschat   # dschat at DeepSpeed-Chat's own published configurations
 
 Prints, per configuration, each plan's predicted seconds per step and its ratio to rlhfc's (baseline /
 rlhfc: how much faster rlhfc's plan is predicted to be), and verl's ratio to the others (HybridFlow's own
@@ -70,6 +71,85 @@ OPENRLHF_PUBLISHED = [
 ]
 
 
+#: DeepSpeed-Chat's step-3 (PPO) program as its blog measured it (blogs/deepspeed-chat/README.md in DeepSpeed,
+#: Tables 1 and 2): an OPT actor (and its frozen copy), OPT-350M critic and reward; 1024 prompts of 256 tokens
+#: a step, 256 generated; one PPO epoch over 131.9k prompts. OPT is GPT-2's layer shape (plain MLP of 4h,
+#: learned positions, tied head) at OPT's published sizes.
+DSCHAT_PROGRAM = """
+cluster c {{ gpu = "{gpu}"; nodes = {nodes}; gpus_per_node = 8 }}
+model actor  = gpt2({actor}) trainable
+model critic = gpt2({small}) head = value trainable
+model ref    = copy(actor) frozen
+model reward = gpt2({small}) head = score frozen
+data prompts = synthetic(count = 1024, min_len = 256, max_len = 256)
+pipeline ppo(batch = 1024) {{
+  roll     = actor.generate(prompts, max_new_tokens = 256, temperature = 1.0)
+  logp     = actor.logprobs(roll)
+  ref_logp = ref.logprobs(roll)
+  values   = critic.values(roll)
+  scores   = reward.score(roll)
+  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.1)
+  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = 1e-6, epochs = 1, minibatches = 1)
+  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = 5e-6, epochs = 1, minibatches = 1)
+}}
+run {{ steps = 10; seed = 0; optimize = O2 }}
+"""
+
+#: OPT's published shapes (Zhang et al. 2022, Table 1), as gpt2(...) fields
+OPT = {
+    "350M": "layers = 24, hidden = 1024, heads = 16, ffn = 4096, vocab = 50272, max_seq = 2048",
+    "6.7B": "layers = 32, hidden = 4096, heads = 32, ffn = 16384, vocab = 50272, max_seq = 2048",
+    "13B": "layers = 40, hidden = 5120, heads = 40, ffn = 20480, vocab = 50272, max_seq = 2048",
+    "30B": "layers = 48, hidden = 7168, heads = 56, ffn = 28672, vocab = 50272, max_seq = 2048",
+    "66B": "layers = 64, hidden = 9216, heads = 72, ffn = 36864, vocab = 50272, max_seq = 2048",
+}
+
+#: DeepSpeed-Chat's published step-3 hours (its blog's Tables 1 and 2: 131.9k prompts, 1024 a step, so 128.8
+#: steps): (label, gpu, nodes, actor size, hours)
+DSCHAT_PUBLISHED = [
+    ("6.7B-8xA100-40G", "A100-40GB", 1, "6.7B", 5.7),
+    ("13B-8xA100-40G", "A100-40GB", 1, "13B", 10.8),
+    ("30B-8xA100-40G", "A100-40GB", 1, "30B", 1.85 * 24),
+    ("6.7B-8xA100-80G", "A100-80GB", 1, "6.7B", 4.1),
+    ("13B-8xA100-80G", "A100-80GB", 1, "13B", 9.0),
+    ("30B-8xA100-80G", "A100-80GB", 1, "30B", 18.0),
+    ("66B-8xA100-80G", "A100-80GB", 1, "66B", 2.1 * 24),
+    ("13B-64xA100-80G", "A100-80GB", 8, "13B", 1.25),
+    ("30B-64xA100-80G", "A100-80GB", 8, "30B", 4.0),
+    ("66B-64xA100-80G", "A100-80GB", 8, "66B", 7.5),
+]
+DSCHAT_STEPS = 131_900 / 1024
+
+#: DeepSpeed-Chat's blog, Figure 6 (its best GPU count per size; A100s): per GPU, TFLOP/s of the generation
+#: phase (experience making: the generate and the four forwards) and of the training phase, counted as its
+#: dschat/utils/perf.py counts them — generation: one actor forward over prompt and answer per row;
+#: training: 8 N per token (checkpointing) for actor and critic. (size, GPUs, generation, training)
+DSCHAT_FIGURE6 = [("6.7B", 8, 32.9, 100.7), ("13B", 8, 33.0, 97.3)]
+
+
+def dschat_table() -> None:
+    """The dschat plan (and rlhfc's) at DeepSpeed-Chat's own published configurations, beside the seconds a
+    step its blog's hours give."""
+    print(f"{'configuration':<18}{'rlhfc':>9}{'dschat':>9}{'published':>11}  dschat vs published")
+    for label, gpu, nodes, actor, hours in DSCHAT_PUBLISHED:
+        text = DSCHAT_PROGRAM.format(gpu=gpu, nodes=nodes, actor=OPT[actor], small=OPT["350M"])
+        t = {n: predict(text, None if n == "rlhfc" else f"baseline:{n}") for n in ("rlhfc", "dschat")}
+        pub = hours * 3600 / DSCHAT_STEPS
+        print(f"{label:<18}{t['rlhfc']:>8.0f}s{t['dschat']:>8.0f}s{pub:>10.0f}s  {(t['dschat'] / pub - 1) * 100:>+8.0f} %",
+              flush=True)
+    print("\nphases of the dschat plan beside the seconds Figure 6's rates give (A100-80GB):")
+    for size, gpus, gen_rate, train_rate in DSCHAT_FIGURE6:
+        text = DSCHAT_PROGRAM.format(gpu="A100-80GB", nodes=gpus // 8, actor=OPT[size], small=OPT["350M"])
+        costs = plan_of(text, "baseline:dschat").costs
+        gen = sum(costs[k].time_s for k in ("roll", "logp", "ref_logp", "values", "scores"))
+        train = costs["actor_train"].time_s + costs["critic_train"].time_s
+        gen_pub = costs["roll"].flops / (gen_rate * 1e12 * gpus)
+        train_pub = (costs["actor_train"].flops + costs["critic_train"].flops) / (train_rate * 1e12 * gpus)
+        print(f"{size:>5} on {gpus}: generation phase {gen:5.1f} s vs {gen_pub:5.1f} s ({(gen / gen_pub - 1) * 100:+.0f} %), "
+              f"training {train:5.1f} s vs {train_pub:5.1f} s ({(train / train_pub - 1) * 100:+.0f} %); the two phases "
+              f"by Figure 6: {gen_pub + train_pub:.0f} s", flush=True)
+
+
 def openrlhf_table() -> None:
     """The dschat and openrlhf plans at OpenRLHF's published configurations, beside its measured seconds."""
     print(f"{'configuration':<10}{'rlhfc':>9}{'dschat':>9}{'openrlhf':>10}  openrlhf vs published  dschat/openrlhf "
@@ -82,22 +162,31 @@ def openrlhf_table() -> None:
               f"{(t['openrlhf'] / orl_pub - 1) * 100:>+20.0f} %  {ratio:.2f}x vs {pub:.2f}x ({(ratio / pub - 1) * 100:+.0f} %)")
 
 
-def predict(text: str, placement: str | None) -> float:
+def plan_of(text: str, placement: str | None, steps: int = 1):
+    """The simulation of ``text`` compiled at its -O level with ``placement``."""
     with tempfile.NamedTemporaryFile("w", suffix=".rlhf", delete=False) as fh:
         fh.write(text)
     try:
         module, _ = load(fh.name, [])
         done = optimise(module, None, None, placement=placement, memory_check=False)
-        return simulate(done.module, steps=3).step_time_s
+        return simulate(done.module, steps=steps)
     finally:
         os.unlink(fh.name)
+
+
+def predict(text: str, placement: str | None) -> float:
+    return plan_of(text, placement, steps=3).step_time_s
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--openrlhf", action="store_true", help="OpenRLHF's published configurations instead")
+    ap.add_argument("--dschat", action="store_true", help="DeepSpeed-Chat's published configurations instead")
     args = ap.parse_args()
+    if args.dschat:
+        dschat_table()
+        return
     if args.openrlhf:
         openrlhf_table()
         return

@@ -163,3 +163,24 @@ def test_a_static_batching_baseline_prices_a_vllm_rollout(tmp_path, monkeypatch,
     assert cm.generation_work(roll, 1, continuous=True).get("static") is None
     assert simulate(out).step_time_s > 0
     assert work
+
+
+def test_the_opt_shapes_priced_against_deepspeed_chat_have_opts_published_sizes():
+    """benchmarks/baselines.py --dschat prices OPT as GPT-2's layer shape: the counts are OPT's (Zhang et al.
+    2022: 6.7B, 13B, 30B, 66B; 350M within its projections' 7 %)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import baselines as bench
+    finally:
+        sys.path.pop(0)
+    from rlhfc.ir.arch import param_count
+
+    published = {"350M": 0.331e9, "6.7B": 6.66e9, "13B": 12.85e9, "30B": 29.97e9, "66B": 65.7e9}
+    for size, fields in bench.OPT.items():
+        f = {k: int(v) for k, v in (x.split(" = ") for x in fields.split(", "))}
+        n = param_count("gpt2", f["layers"], f["hidden"], f["heads"], f["heads"], f["ffn"], f["vocab"], f["max_seq"])
+        assert n == pytest.approx(published[size], rel=0.08 if size == "350M" else 0.005), size
+    assert {s for _, _, _, s, _ in bench.DSCHAT_PUBLISHED} | {s for s, *_ in bench.DSCHAT_FIGURE6} <= set(bench.OPT)
