@@ -166,7 +166,8 @@ def _whole_suite(config) -> bool:
 
     args = [os.path.normpath(os.path.join(str(config.invocation_params.dir), a)) for a in config.args]
     root = os.path.normpath(os.path.join(str(config.rootpath), "tests"))
-    narrowed = ("keyword", "markexpr", "deselect", "lf", "exitfirst", "collectonly")   # options that run fewer
+    # options that run fewer tests
+    narrowed = ("keyword", "markexpr", "deselect", "ignore", "ignore_glob", "lf", "exitfirst", "collectonly")
     return args == [root] and not any(config.getoption(o, default=None) for o in narrowed)
 
 
