@@ -205,3 +205,30 @@ def test_cli_run_on_gpu_plan_without_gpus_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert "the plan needs 8 GPU (A100-80GB)" in err and "hint:" in err and "Traceback" not in err
+
+
+def test_a_gpu_plan_fails_before_its_data_is_built_unless_it_runs_on_a_cluster(tmp_path, monkeypatch):
+    """The local-GPU check comes first: the job never builds its prompts (a large synthetic source took a
+    minute) nor starts Ray; with --ray-address the cluster's own check decides (after connecting)."""
+    import torch
+
+    from rlhfc.runtime import job as job_mod
+
+    from .conftest import compile_job
+
+    src = tmp_path / "gpu.rlhf"
+    with open(PROGRAM) as fh:
+        text = fh.read()
+    assert "cluster local { devices = cpu:2 }" in text
+    src.write_text(text.replace("cluster local { devices = cpu:2 }",
+                                'cluster c { gpu = "A100-80GB"; nodes = 1; gpus_per_node = 1 }'))
+    job_dir = compile_job(str(src), str(tmp_path / "job"))
+    built = []
+    real = job_mod.prompt_source_from_spec
+    monkeypatch.setattr(job_mod, "prompt_source_from_spec", lambda spec: built.append(spec) or real(spec))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(JobError, match=r"the plan needs 1 GPU \(A100-80GB\) but this machine has 0"):
+        job_mod.Job(job_dir, out=str(tmp_path / "run"))
+    assert built == [] and not os.path.exists(tmp_path / "run")
+    job_mod.Job(job_dir, out=str(tmp_path / "run"), ray_address="ray://elsewhere:10001")   # no local check
+    assert built   # it went on to build its data

@@ -74,7 +74,6 @@ class Cluster:
         """Start (or connect to) Ray, check resources, reserve the placement group, create the workers."""
         ray = import_ray()
         os.makedirs(self.out, exist_ok=True)
-        check_local_gpus(self.plan, self.ray_address)   # before a local Ray is started for nothing
         self._connect(ray)
         self.check_resources(ray)
         self.pg = self._reserve(ray)
