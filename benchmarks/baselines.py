@@ -28,10 +28,10 @@ from rlhfc.cost.baselines import SYSTEMS  # noqa: E402
 
 PROGRAM = """
 cluster c {{ gpu = "{gpu}"; nodes = {nodes}; gpus_per_node = 8 }}
-model actor  = llama(size = {actor}) trainable
-model critic = llama(size = {critic}) head = value trainable
+model actor  = {actor} trainable
+model critic = {critic} head = value trainable
 model ref    = copy(actor) frozen
-model reward = llama(size = {critic}) head = score frozen
+model reward = {critic} head = score frozen
 data prompts = synthetic(count = 100000, min_len = {prompt}, max_len = {prompt})
 pipeline ppo(batch = {batch}) {{
   roll     = actor.generate(prompts, max_new_tokens = {response}, temperature = 1.0)
@@ -72,28 +72,20 @@ OPENRLHF_PUBLISHED = [
 
 
 #: DeepSpeed-Chat's step-3 (PPO) program as its blog measured it (blogs/deepspeed-chat/README.md in DeepSpeed,
-#: Tables 1 and 2): an OPT actor (and its frozen copy), OPT-350M critic and reward; 1024 prompts of 256 tokens
-#: a step, 256 generated; one PPO epoch over 131.9k prompts. OPT is GPT-2's layer shape (plain MLP of 4h,
-#: learned positions, tied head) at OPT's published sizes.
-DSCHAT_PROGRAM = """
-cluster c {{ gpu = "{gpu}"; nodes = {nodes}; gpus_per_node = 8 }}
-model actor  = gpt2({actor}) trainable
-model critic = gpt2({small}) head = value trainable
-model ref    = copy(actor) frozen
-model reward = gpt2({small}) head = score frozen
-data prompts = synthetic(count = 1024, min_len = 256, max_len = 256)
-pipeline ppo(batch = 1024) {{
-  roll     = actor.generate(prompts, max_new_tokens = 256, temperature = 1.0)
-  logp     = actor.logprobs(roll)
-  ref_logp = ref.logprobs(roll)
-  values   = critic.values(roll)
-  scores   = reward.score(roll)
-  adv, ret = gae(scores, values, logp, ref_logp, gamma = 1.0, lam = 0.95, kl_coef = 0.1)
-  actor.train(ppo_clip(roll, logp, adv, clip = 0.2), lr = 1e-6, epochs = 1, minibatches = 1)
-  critic.train(value_loss(roll, values, ret, clip = 0.2), lr = 5e-6, epochs = 1, minibatches = 1)
-}}
-run {{ steps = 10; seed = 0; optimize = O2 }}
-"""
+#: Tables 1 and 2): :data:`PROGRAM` with an OPT actor (and its frozen copy), OPT-350M critic and reward, 1024
+#: prompts of 256 tokens a step, 256 generated, one update a step; 131.9k prompts in all. OPT is GPT-2's layer
+#: shape (plain MLP of 4h, learned positions, tied head) at OPT's published sizes.
+
+def llama_program(cfg: dict, **more) -> str:
+    """:data:`PROGRAM` with llama models of the configuration's sizes (``actor``, ``critic``)."""
+    return PROGRAM.format(**{**cfg, **more, "actor": f"llama(size = {cfg['actor']})",
+                             "critic": f"llama(size = {cfg['critic']})"})
+
+
+def dschat_program(gpu: str, nodes: int, actor: str) -> str:
+    return PROGRAM.format(gpu=gpu, nodes=nodes, actor=f"gpt2({OPT[actor]})", critic=f"gpt2({OPT['350M']})",
+                          prompt=256, response=256, batch=1024, minibatches=1)
+
 
 #: OPT's published shapes (Zhang et al. 2022, Table 1), as gpt2(...) fields
 OPT = {
@@ -132,14 +124,14 @@ def dschat_table() -> None:
     step its blog's hours give."""
     print(f"{'configuration':<18}{'rlhfc':>9}{'dschat':>9}{'published':>11}  dschat vs published")
     for label, gpu, nodes, actor, hours in DSCHAT_PUBLISHED:
-        text = DSCHAT_PROGRAM.format(gpu=gpu, nodes=nodes, actor=OPT[actor], small=OPT["350M"])
+        text = dschat_program(gpu, nodes, actor)
         t = {n: predict(text, None if n == "rlhfc" else f"baseline:{n}") for n in ("rlhfc", "dschat")}
         pub = hours * 3600 / DSCHAT_STEPS
         print(f"{label:<18}{t['rlhfc']:>8.0f}s{t['dschat']:>8.0f}s{pub:>10.0f}s  {(t['dschat'] / pub - 1) * 100:>+8.0f} %",
               flush=True)
     print("\nphases of the dschat plan beside the seconds Figure 6's rates give (A100-80GB):")
     for size, gpus, gen_rate, train_rate in DSCHAT_FIGURE6:
-        text = DSCHAT_PROGRAM.format(gpu="A100-80GB", nodes=gpus // 8, actor=OPT[size], small=OPT["350M"])
+        text = dschat_program("A100-80GB", gpus // 8, size)
         costs = plan_of(text, "baseline:dschat").costs
         gen = sum(costs[k].time_s for k in ("roll", "logp", "ref_logp", "values", "scores"))
         train = costs["actor_train"].time_s + costs["critic_train"].time_s
@@ -155,7 +147,7 @@ def openrlhf_table() -> None:
     print(f"{'configuration':<10}{'rlhfc':>9}{'dschat':>9}{'openrlhf':>10}  openrlhf vs published  dschat/openrlhf "
           "predicted vs published")
     for label, cfg, ds_pub, orl_pub in OPENRLHF_PUBLISHED:
-        text = PROGRAM.format(**cfg, prompt=1024, response=1024, batch=1024, minibatches=8)
+        text = llama_program(cfg, prompt=1024, response=1024, batch=1024, minibatches=8)
         t = {n: predict(text, None if n == "rlhfc" else f"baseline:{n}") for n in ("rlhfc", "dschat", "openrlhf")}
         ratio, pub = t["dschat"] / t["openrlhf"], ds_pub / orl_pub
         print(f"{label:<10}{t['rlhfc']:>8.0f}s{t['dschat']:>8.0f}s{t['openrlhf']:>9.0f}s  "
@@ -195,7 +187,7 @@ def main() -> None:
     print(f"{'configuration':<26}" + "".join(f"{n:>18}" for n in names) + "   verl vs dschat/openrlhf/nemo")
     for label, cfg in configs:
         t0 = time.perf_counter()
-        text = PROGRAM.format(**cfg)
+        text = llama_program(cfg)
         times = {n: predict(text, None if n == "rlhfc" else n) for n in names}
         base = times["rlhfc"]
         cells = "".join(f"{times[n]:>9.1f}s {times[n] / base:>5.2f}x " for n in names)
