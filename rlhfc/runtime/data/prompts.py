@@ -39,6 +39,8 @@ import random
 import string
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from rlhfc.runtime.errors import JobError
 
 __all__ = ["DataError", "PromptSource", "SyntheticPrompts", "JsonlPrompts", "TablePrompts", "prompt_source_from_spec", "prompt_parts",
@@ -190,8 +192,6 @@ def _below(rng: random.Random, n: int, count: int) -> list[int]:
     ``n`` (CPython's ``_randbelow_with_getrandbits``); ``getrandbits(32 * m)`` returns the next ``m`` words,
     the first drawn in the lowest bits. Words drawn past the last kept one leave ``rng`` further on than
     ``choice`` would: only for a generator used for nothing after."""
-    import numpy as np
-
     if n > 2 ** 32:
         return [rng.randrange(n) for _ in range(count)]
     shift = 32 - n.bit_length()
