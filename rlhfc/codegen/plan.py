@@ -16,6 +16,7 @@ import dataclasses
 import os
 
 from rlhfc.contract import plan as contract
+from rlhfc.contract.engines import rollout_traits
 from rlhfc.contract.plugins import recorded
 from rlhfc.ir import Module, Symbol, plan, print_module
 from rlhfc.ir.verify_fields import rollout_readers, tokenizer_key
@@ -69,13 +70,44 @@ def placement(module: Module) -> contract.PlacementPlan:
     gpu = c.device != "cpu"
     bundles = tuple(({"CPU": float(c.per_node), "GPU": float(c.per_node)} if gpu else {"CPU": float(c.per_node)})
                     for _ in range(c.nodes))
+    placed = plan.workers(module)
+    shared = processes(module, placed)
     workers = {w.name: contract.WorkerPlan(
         model=w.model, mesh=w.mesh.pair(), bundle=w.node, num_cpus=0.0 if gpu else float(w.share),
         num_gpus=float(w.share) if gpu else 0.0, threads=1 if gpu else w.threads, cores=tuple(w.cores),
         ranks=w.ranks, dp=w.dp, tp=w.tp, pp=w.pp, trainer=w.trainer, engine=plan.model_engine(module, w.model),
-        gpu_memory_utilization=_gpu_memory(module, w.model), offload=_offload(module, key))
-        for key, w in plan.workers(module).items()}
+        gpu_memory_utilization=_gpu_memory(module, w.model), offload=_offload(module, key), process=shared.get(key))
+        for key, w in placed.items()}
     return contract.PlacementPlan("PACK" if c.nodes == 1 else "STRICT_SPREAD", bundles, workers)
+
+
+def processes(module: Module, placed: dict) -> dict:
+    """Which workers share a process (:mod:`rlhfc.runtime.worker.host`): on a CPU cluster, the one-process
+    workers on the same cores with the same threads, whose train backend and rollout engine both may share one
+    (their traits' ``shares_process``), with no dropout (it draws from the process's random generator) and
+    no collective weight sync (its two ranks would be one process). Each worker process costs a start-up
+    (importing torch and transformers: ~8 CPU-seconds on the 2-core VM of docs/benchmarks.md), a shared
+    process pays it once; stages of the models it hosts still run at the same time, one thread each.
+    Answers ``{(model, mesh): process name}`` for the workers that share one (at least two per process); the
+    name is the hosted workers' names joined by ``+``. ``run { processes = own }`` keeps a process per worker;
+    so do GPU clusters (untested on CUDA here; docs/runtime.md)."""
+    if module.cluster.device != "cpu" or module.run.processes == "own":
+        return {}
+    collective = {s.target for s in module.graph.stages
+                  if (sy := plan.Sync.of(s)) is not None and sy.transport == "collective"}
+    groups: dict[tuple, list] = {}
+    for key, w in placed.items():
+        m = module.models[w.model]
+        if (w.ranks == 1 and not m.dropout and w.model not in collective
+                and plan.backend_traits(w.trainer).shares_process
+                and rollout_traits(plan.model_engine(module, w.model)).shares_process):
+            groups.setdefault((w.node, tuple(w.cores), w.threads), []).append(key)
+    out = {}
+    for keys in groups.values():
+        if len(keys) > 1:
+            name = "+".join(placed[k].name for k in keys)
+            out.update({k: name for k in keys})
+    return out
 
 
 def _offload(module: Module, key) -> bool:

@@ -33,11 +33,14 @@ class RolloutTraits:
     ``install`` how to get it. ``auto``: ``rollout = auto`` may choose it for a stage the cost model prices
     faster on it. ``title``: how messages name it (``vLLM``). ``driver_env``: environment variables of the driver
     the engine reads in its workers, forwarded with its rollout options (``options["env"]``: a Ray worker's
-    environment is the one its Ray started with, on another node none of the driver's)."""
+    environment is the one its Ray started with, on another node none of the driver's). ``shares_process``: its
+    workers may share one process with other models' (:mod:`rlhfc.runtime.worker.host`) — it keeps no state of
+    the process's own and runs in the calling thread (an engine that starts a runtime of its own does not)."""
 
     name: str
     runtime: str
     title: str = ""
+    shares_process: bool = False
     trainer_numerics: bool = True
     own_weights: bool = False
     head_sizes: tuple[int, ...] | None = None
@@ -57,7 +60,8 @@ class TrainTraits:
     the factors whose product divides the weights each rank holds (FSDP2 shards over dp; megatron over tp and
     pp). ``packs_rows``: its forwards and training may run an unpadded batch as length groups (a data-parallel
     rank must run as many forwards as the others, so FSDP's ranks do not). ``precisions``: the arithmetic it
-    runs. ``lora``: whether it trains LoRA adapters. ``package``/``install``: the import it needs.
+    runs. ``shares_process``: a one-process backend whose workers may share a process with other models'
+    (:mod:`rlhfc.runtime.worker.host`). ``lora``: whether it trains LoRA adapters. ``package``/``install``: the import it needs.
     ``auto_rank``: ``trainer = auto`` picks, for a layout, the backend of lowest rank among those whose
     ``dims`` hold every factor above 1 (torch 0, fsdp 1, megatron 2). ``solo``: the backend a one-rank layout
     runs on instead (FSDP needs no sharding on one rank: torch). ``hf_models``: whether it trains a model loaded
@@ -69,6 +73,7 @@ class TrainTraits:
     dims: frozenset = frozenset()
     shards: frozenset = frozenset()
     packs_rows: bool = True
+    shares_process: bool = False
     precisions: tuple[str, ...] = ("fp32", "bf16")
     lora: bool = False
     package: str | None = None
@@ -143,13 +148,15 @@ DEFAULT_ROLLOUT = "torch"
 DEFAULT_TRAINER = "torch"
 
 # -- the built-in engines ------------------------------------------------------------------------------------
-register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout.base:TorchDecoder", title="torch"))
+register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout.base:TorchDecoder", title="torch",
+                               shares_process=True))
 register_rollout(RolloutTraits(
     "vllm", "rlhfc.runtime.rollout.vllm:VllmRollout", title="vLLM", trainer_numerics=False, own_weights=True,
     head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256), top_p_zero=False, package="vllm",
     install=EXTRA_INSTALL.format(extra="vllm"), auto=True, driver_env=("RLHFC_VLLM_CACHE",)))
 
-register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.train.backend:TrainBackend", title="torch", lora=True))
+register_train(TrainTraits(DEFAULT_TRAINER, "rlhfc.runtime.train.backend:TrainBackend", title="torch", lora=True,
+                           shares_process=True))
 register_train(TrainTraits("fsdp", "rlhfc.runtime.train.fsdp:FsdpBackend", title="FSDP2", dims=frozenset({"dp"}),
                            shards=frozenset({"dp"}), packs_rows=False, auto_rank=1, solo=DEFAULT_TRAINER))
 register_train(TrainTraits("megatron", "rlhfc.runtime.train.megatron:MegatronBackend", title="megatron-core",

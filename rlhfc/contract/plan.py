@@ -167,6 +167,7 @@ class RunPlan:
     log_samples: int = 4
     rollout: str = "torch"
     staleness: int | None = None
+    processes: str = "shared"
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,9 @@ class WorkerPlan:
     share; its torch ``threads`` and pinned ``cores``; its layout (``ranks`` = dp·tp·pp processes) and the
     registered ``trainer`` backend and rollout ``engine`` that run it (:mod:`rlhfc.contract.engines`);
     ``gpu_memory_utilization``: a CUDA rollout engine's share of its GPU, as the compiler priced it;
-    ``offload``: it trains with its optimizer state and step on the host (the ``offload`` pass)."""
+    ``offload``: it trains with its optimizer state and step on the host (the ``offload`` pass);
+    ``process``: the name of the process it shares with the other workers of the same ``process``
+    (:mod:`rlhfc.runtime.worker.host`), None for a process (or ``ranks`` processes) of its own."""
 
     model: str
     mesh: tuple[int, int]
@@ -237,6 +240,7 @@ class WorkerPlan:
     engine: str
     gpu_memory_utilization: float | None = None
     offload: bool = False
+    process: str | None = None
 
 
 @dataclass(frozen=True)

@@ -317,6 +317,10 @@ def _check_field_names(f: _Fields, value, prompt_field) -> None:
 RESERVED_FIELDS = ("prompt", "response", "prompts", "responses")
 
 
+#: ``run { processes = ... }``
+PROCESSES = ("shared", "own")
+
+
 def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
     """Check the run settings; False if anything was reported."""
     f = _Fields(r, "run settings", sink)
@@ -349,6 +353,11 @@ def check_run(r: RunConfig, sink: DiagnosticSink) -> bool:
         f.error("rollout", f"rollout must be one of {', '.join(rollouts())}, got {_name(r.rollout)}",
                 " ".join(filter(None, [did_you_mean(str(r.rollout), rollouts()),
                                        "torch decodes in rlhfc's own loop; vllm runs a vLLM engine; auto lets the cost model pick per model"])))
+    if r.processes not in PROCESSES:
+        f.error("processes", f"processes must be one of {', '.join(PROCESSES)}, got {_name(r.processes)}",
+                " ".join(filter(None, [did_you_mean(str(r.processes), PROCESSES),
+                                       "shared: colocated models that can share a worker process do (one start-up); "
+                                       "own: every model's worker runs in a process of its own"])))
     mods = r.reward_modules
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         f.error("reward_modules", f"reward_modules must be a list of module names, got {show(mods)}",

@@ -421,9 +421,18 @@ class Job:
                                       "memory check expected it to fit, so its cost model underestimated this stage: "
                                       "recompile with a smaller cluster memory = \"...\" (then recompute keeps less)")
         if isinstance(exc, ray.exceptions.RayActorError):
-            return self._stage_failed(stage, f"its worker died ({type(exc).__name__})")
+            return self._stage_failed(stage, f"its worker died ({type(exc).__name__}{self._shared_by(stage)})")
         log = self._log_error(stage, exc)
         return self._stage_failed(stage, f"{type(cause).__name__}: {cause}" + (f" (traceback in {log})" if log else ""))
+
+    def _shared_by(self, stage: str | None = None, worker: str | None = None) -> str:
+        """For a stage (or a worker) whose worker shares its process with others (rlhfc.runtime.worker.host):
+        which workers that process hosted, all gone with it."""
+        info = self.plan.graph.stages_by_name.get(stage) if stage else None
+        model = info.target if info is not None else None
+        shared = sorted({w.process for name, w in self.plan.placement.workers.items()
+                         if w.process and (name == worker or (model is not None and w.model == model))})
+        return "".join(f"; its process hosted {', '.join(p.split('+'))}" for p in shared)
 
     def _log_error(self, stage: str, exc: Exception) -> str | None:
         """Append the remote traceback of a failed stage to ``OUT/errors.log`` (the console gets one line)."""
@@ -512,7 +521,7 @@ class Job:
             ray = _ray()
             cause = exc.cause
             if isinstance(cause, ray.exceptions.RayActorError):
-                why = f"its worker died ({type(cause).__name__})"
+                why = f"its worker died ({type(cause).__name__}{self._shared_by(worker=exc.worker)})"
             else:
                 inner = getattr(cause, "cause", None) or cause
                 log = self._log_error("checkpoint", cause) if isinstance(cause, ray.exceptions.RayTaskError) else None

@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfc.cli import main as cli
+from rlhfc.contract.plan import load_plan
 from rlhfc.runtime.driver import checkpoint
 from rlhfc.runtime.driver import cluster as cluster_mod
 from rlhfc.runtime.job import JobError, run_job
@@ -53,16 +54,28 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> Path:
-    """tiny_ppo compiled at -O1, STEPS steps, a checkpoint after each."""
+def _compiled(tmp_path_factory, processes: str) -> Path:
+    """tiny_ppo compiled at -O1, STEPS steps, a checkpoint after each; its colocated models sharing one process
+    (``shared``, the default) or each in its own (``own``)."""
     tmp = tmp_path_factory.mktemp("faults")
     text = (HERE / "tiny_ppo.rlhf").read_text().replace(
-        "run { steps = 4; seed = 3; checkpoint_every = 2 }", f"run {{ steps = {STEPS}; seed = 3; checkpoint_every = 1 }}")
+        "run { steps = 4; seed = 3; checkpoint_every = 2 }",
+        f"run {{ steps = {STEPS}; seed = 3; checkpoint_every = 1; processes = {processes} }}")
     program = tmp / "faults.rlhf"
     program.write_text(text)
     assert cli(["compile", str(program), "-O1", "--emit", "job", "-o", str(tmp / "job")]) == 0
     return tmp / "job"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    return _compiled(tmp_path_factory, "shared")
+
+
+@pytest.fixture(scope="module")
+def own_job(tmp_path_factory) -> Path:
+    """The same job with a process per model: each kind of worker can die alone."""
+    return _compiled(tmp_path_factory, "own")
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +167,13 @@ KILLS = [(1, "actor", "stage %roll (generate on model 'actor')"),
 
 
 @pytest.mark.slow
-def test_each_kind_of_worker_killed_then_resumed_matches_the_uninterrupted_run(job, step, reference, reference_samples,
-                                                                               tmp_path,
+def test_each_kind_of_worker_killed_then_resumed_matches_the_uninterrupted_run(own_job, step, reference,
+                                                                               reference_samples, tmp_path,
                                                                                ray_temp_removed):
-    out = tmp_path / "run"
+    """On a process per model; the uninterrupted reference ran its models in one shared process, so the end
+    also shows the two train alike, kills and resumes included."""
+    job, out = own_job, tmp_path / "run"
+    assert {w.process for w in load_plan(str(job / "plan.json")).placement.workers.values()} == {None}
     for n, (at, worker, stage) in enumerate(KILLS):
         def killing(job_, w, at=at, worker=worker):
             if job_.step == at:

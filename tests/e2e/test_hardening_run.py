@@ -237,7 +237,9 @@ def test_worker_dying_in_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pa
 
     import ray
 
-    job = _job(tmp_path, _program(tmp_path, "every", 3, 1), "job")
+    # a process per model (run { processes = own }): here the critic's process dies, not the one it shares
+    job = _job(tmp_path, _program(tmp_path, "every", 3, 1, "checkpoint_every = 1 }",
+                                  "checkpoint_every = 1; processes = own }"), "job")
     spec = importlib.util.spec_from_file_location("every_main", job / "main.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -23,6 +23,7 @@ from rlhfc.runtime.errors import JobError
 
 from rlhfc.runtime.train.backend import open_store
 from rlhfc.runtime.worker.base import ModelWorker
+from rlhfc.runtime.worker.host import MAX_CALLS, HostedRank, ModelHost
 
 from .group import WorkerGroup
 from .hygiene import check_worker_code, remove_ray_temp
@@ -142,6 +143,7 @@ class Cluster:
 
         gpu = self.plan.cluster.gpu
         refs = {}
+        hosts = self._hosts(ray)
         for name, w in self.plan.placement.workers.items():
             model = self.plan.models[w.model]
             check_backend(w, self.plan.run.precision)
@@ -158,6 +160,12 @@ class Cluster:
                           trainer=w.trainer)
             if w.offload:   # its optimizer state and step on the host (rlhfc.runtime.train.offload)
                 common["offload"] = True
+            if w.process is not None:   # a process shared with other models (rlhfc.runtime.worker.host)
+                host = hosts[w.process]
+                self.workers[name] = WorkerGroup(name, [HostedRank(host, name, w.model)], model=w.model)
+                refs[name] = host.add.remote(name, args, dict(threads=w.threads, cores=list(w.cores) or None,
+                                                              **common))
+                continue
             if not train_traits(w.trainer).dims:   # one process
                 actor_cls = ray.remote(num_cpus=w.num_cpus, num_gpus=w.num_gpus, max_restarts=0)(ModelWorker)
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
@@ -175,6 +183,23 @@ class Cluster:
             self.workers[name] = group
             refs[name] = group.ready.remote()   # the health check: every rank has built its model
         return refs
+
+    def _hosts(self, ray) -> dict[str, Any]:
+        """One :class:`ModelHost` actor per shared ``process`` of the placement, holding the Ray resources of
+        every worker it hosts (they share a bundle and its cores)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        members: dict[str, list[WorkerPlan]] = {}
+        for w in self.plan.placement.workers.values():
+            if w.process is not None:
+                members.setdefault(w.process, []).append(w)
+        hosts = {}
+        for process, ws in members.items():
+            where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=ws[0].bundle)
+            host_cls = ray.remote(num_cpus=sum(w.num_cpus for w in ws), num_gpus=sum(w.num_gpus for w in ws),
+                                  max_restarts=0, max_concurrency=MAX_CALLS)(ModelHost)
+            hosts[process] = host_cls.options(scheduling_strategy=where).remote(list(ws[0].cores) or None)
+        return hosts
 
     def shutdown(self) -> None:
         """Stop Ray if this job started it and remove its temporary folder (also after a Ray that failed to

@@ -59,8 +59,8 @@ class WorkerGroup:
         """Kill every rank's process (tests use it to simulate a dead worker)."""
         import ray
 
-        for actor in self.ranks:
-            ray.kill(actor, no_restart=no_restart)
+        for actor in self.ranks:   # a model hosted with others (HostedRank): its host process dies
+            ray.kill(getattr(actor, "host", actor), no_restart=no_restart)
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.name!r}, model={self.model!r}, ranks={len(self.ranks)})"

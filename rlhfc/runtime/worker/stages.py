@@ -20,11 +20,14 @@ from .trace import recorded
 
 @contextlib.contextmanager
 def call_threads(own: int, threads: int | None):
-    """Run the body with ``threads`` torch threads (the worker's ``own`` count when None), then restore."""
-    if threads is None or int(threads) == torch.get_num_threads():
+    """Run the body with ``threads`` torch threads (the worker's ``own`` count when None), then restore.
+    The count is the calling thread's: in a process hosting several models (:mod:`.host`) another model's
+    call may have left this thread at its own count."""
+    want = max(1, int(own if threads is None else threads))
+    if want == torch.get_num_threads():
         yield
         return
-    torch.set_num_threads(max(1, int(threads)))
+    torch.set_num_threads(want)
     try:
         yield
     finally:
