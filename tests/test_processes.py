@@ -93,3 +93,15 @@ def test_a_collective_weight_sync_keeps_its_pair_apart(transport, apart):
     placed = {k: w for k, w in plan.workers(module).items()}
     shared = processes(module, placed)
     assert (all(k[0] != "actor" for k in shared)) is apart
+
+
+def test_explain_says_which_workers_share_a_process(tmp_path, capsys):
+    from rlhfc.cli import main as cli
+
+    assert cli(["explain", TINY, "-O3"]) == 0
+    text = capsys.readouterr().out
+    assert "  actor: dp1 tp1 pp1 · torch · 1 process (device 0)" in text
+    assert "  ref: dp1 tp1 pp1 · torch · 1 process shared with critic, reward (device 1)" in text
+    assert cli(["explain", TINY, "-O3", "--format", "json", "-o", str(tmp_path / "e.json")]) == 0
+    rows = {r["worker"]: r for r in __import__("json").loads((tmp_path / "e.json").read_text())["workers"]}
+    assert rows["actor"]["process"] is None and rows["critic"]["process"] == "ref+critic+reward"

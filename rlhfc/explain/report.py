@@ -172,17 +172,26 @@ def search_summary(report: Report) -> str | None:
 
 def worker_rows(module: Module) -> list[dict]:
     """What the job runs, per worker (:func:`rlhfc.ir.plan.workers`, as ``plan.json`` says it): its name,
-    model, devices, the resolved trainer, the layout and the processes (``ranks``)."""
+    model, devices, the resolved trainer, the layout, the processes (``ranks``) and the process it shares with
+    other workers (``process``, :func:`rlhfc.codegen.plan.processes`; None for its own)."""
+    from rlhfc.codegen.plan import processes
+
+    placed = workers(module)
+    shared = processes(module, placed)
     return [{"worker": w.name, "model": w.model, "mesh": {"first": w.mesh.first, "count": w.mesh.count},
-             "trainer": w.trainer, "dp": w.dp, "tp": w.tp, "pp": w.pp, "ranks": w.ranks}
-            for w in workers(module).values()]
+             "trainer": w.trainer, "dp": w.dp, "tp": w.tp, "pp": w.pp, "ranks": w.ranks,
+             "process": shared.get(key)}
+            for key, w in placed.items()]
 
 
 def worker_text(row: dict) -> str:
-    """``actor: dp2 tp1 pp1 · fsdp · 2 processes (devices 0-1)``"""
+    """``actor: dp2 tp1 pp1 · fsdp · 2 processes (devices 0-1)``; ``ref: ... · 1 process, shared with actor,
+    critic (devices 0-1)``"""
     m = row["mesh"]
     devices = f"device {m['first']}" if m["count"] == 1 else f"devices {m['first']}-{m['first'] + m['count'] - 1}"
     procs = f"{row['ranks']} process{'es' if row['ranks'] != 1 else ''}"
+    if row.get("process"):
+        procs += " shared with " + ", ".join(n for n in row["process"].split("+") if n != row["worker"])
     return f"{row['worker']}: dp{row['dp']} tp{row['tp']} pp{row['pp']} · {row['trainer']} · {procs} ({devices})"
 
 
