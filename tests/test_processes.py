@@ -1,13 +1,14 @@
 """Which workers share a process (rlhfc.codegen.plan.processes; the runtime's side: tests/runtime/test_host.py).
 
-On a CPU cluster the one-process workers on the same cores with the same threads share one, unless their
-engine or trainer keeps process-wide state, a model keeps dropout, or a collective weight sync joins two of
-them; ``run { processes = own }`` and GPU clusters keep a process per worker.
+On a CPU cluster the one-process workers on the same cores with the same threads whose stages never run at the
+same time share one, unless their engine or trainer keeps process-wide state, a model keeps dropout, or a
+collective weight sync joins two of them; ``run { processes = own }`` and GPU clusters keep a process per worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 
@@ -17,10 +18,16 @@ from rlhfc.codegen.plan import placement, processes
 from rlhfc.contract import engines
 from rlhfc.frontend import load_file
 from rlhfc.ir import plan, print_module
+from rlhfc.ir.schedule import concurrent_workers
 from rlhfc.passes import PassManager, pipeline_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "e2e", "tiny_ppo.rlhf")
+
+
+def _program(path: str, level: str):
+    module, _, _ = load_file(path)
+    return PassManager(pipeline_for(level)).run(module)
 
 
 def _module(level: str = "O0", run: str = "run { steps = 4; seed = 3; checkpoint_every = 2 }"):
@@ -36,22 +43,34 @@ def _shared(module) -> dict[str, str | None]:
     return {name: w.process for name, w in placement(module).workers.items()}
 
 
-def test_colocated_models_share_one_process_at_O0_and_O2():
-    for level in ("O0", "O2"):
+def test_colocated_models_share_one_process_at_O0_and_O1():
+    """The driver awaits every stage before the next: no two models' stages run at the same time."""
+    for level in ("O0", "O1"):
         assert set(_shared(_module(level)).values()) == {"actor+ref+critic+reward"}, level
 
 
+def test_models_whose_stages_run_at_the_same_time_keep_apart():
+    """-O2 streams tiny_ppo's forwards beside its generation and trains actor and critic together: every pair of
+    its models runs at the same time somewhere, so each keeps its own process (one interpreter each). The
+    README's ppo_tiny at -O2 runs the actor's and the reference's stages apart: they share one."""
+    assert set(_shared(_module("O2")).values()) == {None}
+    module = _program(os.path.join(ROOT, "examples", "ppo_tiny.rlhf"), "O2")
+    together = concurrent_workers(module)
+    assert frozenset(("actor", "ref")) not in together and frozenset(("actor", "critic")) in together
+    assert _shared(module) == {"actor": "actor+ref", "ref": "actor+ref", "critic": None, "reward": None}
+
+
 def test_workers_on_other_cores_keep_apart():
-    """-O3 gives the actor core 0 (one thread) and the three forward models core 1: two processes."""
-    module = _module("O3")
-    cores = {name: w.cores for name, w in placement(module).workers.items()}
-    assert cores["actor"] != cores["ref"]
-    shared = _shared(module)
-    assert shared["actor"] is None and {shared[m] for m in ("ref", "critic", "reward")} == {"ref+critic+reward"}
+    module = _module("O0")
+    placed = plan.workers(module)
+    key = {w.name: k for k, w in placed.items()}
+    placed[key["reward"]] = dataclasses.replace(placed[key["reward"]], cores=(1,), threads=1)
+    shared = processes(module, placed)
+    assert key["reward"] not in shared and set(shared.values()) == {"actor+ref+critic"}
 
 
 def test_processes_own_keeps_a_process_per_worker_and_prints_in_the_ir():
-    module = _module("O2", "run { steps = 4; seed = 3; processes = own }")
+    module = _module("O1", "run { steps = 4; seed = 3; processes = own }")
     assert set(_shared(module).values()) == {None}
     assert 'processes = "own"' in print_module(module)
     assert "processes" not in print_module(_module("O2"))   # the default is not printed
@@ -98,10 +117,11 @@ def test_a_collective_weight_sync_keeps_its_pair_apart(transport, apart):
 def test_explain_says_which_workers_share_a_process(tmp_path, capsys):
     from rlhfc.cli import main as cli
 
-    assert cli(["explain", TINY, "-O3"]) == 0
+    program = os.path.join(ROOT, "examples", "ppo_tiny.rlhf")
+    assert cli(["explain", program, "-O2"]) == 0
     text = capsys.readouterr().out
-    assert "  actor: dp1 tp1 pp1 · torch · 1 process (device 0)" in text
-    assert "  ref: dp1 tp1 pp1 · torch · 1 process shared with critic, reward (device 1)" in text
-    assert cli(["explain", TINY, "-O3", "--format", "json", "-o", str(tmp_path / "e.json")]) == 0
-    rows = {r["worker"]: r for r in __import__("json").loads((tmp_path / "e.json").read_text())["workers"]}
-    assert rows["actor"]["process"] is None and rows["critic"]["process"] == "ref+critic+reward"
+    assert "  actor: dp1 tp1 pp1 · torch · 1 process shared with ref (devices 0-1)" in text
+    assert "  critic: dp1 tp1 pp1 · torch · 1 process (devices 0-1)" in text
+    assert cli(["explain", program, "-O2", "--format", "json", "-o", str(tmp_path / "e.json")]) == 0
+    rows = {r["worker"]: r for r in json.loads((tmp_path / "e.json").read_text())["workers"]}
+    assert rows["critic"]["process"] is None and rows["ref"]["process"] == "actor+ref"

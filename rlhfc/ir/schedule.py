@@ -220,17 +220,10 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     call, when fewer than the worker's own) and the simulator prices the same numbers. Empty on GPUs."""
     if module.cluster.device != "cpu":
         return {}
-    schedule = schedule or build_schedule(module)
-    ws = plan.workers(module)
-    on = [(e, ws[plan.worker_key(module, e.stage)]) for e in schedule.launch_order()
-          if e.kind in ("remote", "stream", "in_stream", "ahead") and plan.on_worker(module, e.stage)]
     out = {}
-    for e, w in on:
+    for e, w, beside in _concurrent(module, schedule or build_schedule(module)):
         mine = set(w.devices)
-        # a generate running ahead overlaps every stage of the step before it on another worker, those
-        # launched after it in the step included: they train on the rollout it made a step earlier
-        beside = {v.name for f, v in on if v.name != w.name and mine & set(v.devices)
-                  and ((f.name not in e.after and e.name not in f.after) or "ahead" in (e.kind, f.kind))}
+        beside = {v.name for v in beside if mine & set(v.devices)}
         out[e.name] = w.threads if w.ranks > 1 else max(1, w.threads // (1 + len(beside)))
         cap = plan.threads_cap(e.stage)   # the threads pass: fewer measured faster
         if cap is not None and w.ranks == 1:
@@ -238,4 +231,24 @@ def stage_threads(module: Module, schedule: Schedule | None = None) -> dict[str,
     return out
 
 
-__all__ = ["Entry", "Refill", "Schedule", "build_schedule", "stage_threads"]
+def _concurrent(module: Module, schedule: Schedule) -> list[tuple[Entry, "plan.Worker", list]]:
+    """Each worker stage of the schedule, its worker, and the other workers whose stages may run at the same
+    time as it: those of the stages neither side of the schedule has awaited before launching the other (an
+    overlap group's members, a stream's generate and its consumers, a future still in flight), and for a
+    generate running ahead (asynchronous rollout) every stage of another worker."""
+    ws = plan.workers(module)
+    on = [(e, ws[plan.worker_key(module, e.stage)]) for e in schedule.launch_order()
+          if e.kind in ("remote", "stream", "in_stream", "ahead") and plan.on_worker(module, e.stage)]
+    return [(e, w, [v for f, v in on if v.name != w.name
+                    and ((f.name not in e.after and e.name not in f.after) or "ahead" in (e.kind, f.kind))])
+            for e, w in on]
+
+
+def concurrent_workers(module: Module, schedule: Schedule | None = None) -> set[frozenset[str]]:
+    """The pairs of workers (by name) some of whose stages may run at the same time in a step (see
+    :func:`_concurrent`): at -O0, where the driver awaits every stage before the next, none."""
+    return {frozenset((w.name, v.name)) for _, w, beside in _concurrent(module, schedule or build_schedule(module))
+            for v in beside}
+
+
+__all__ = ["Entry", "Refill", "Schedule", "build_schedule", "concurrent_workers", "stage_threads"]

@@ -3,18 +3,18 @@
 A worker process pays its start-up once: importing torch and transformers and building a model's classes
 takes ~8 CPU-seconds per process on the 2-core VM of ``docs/benchmarks.md`` — 20 of a tiny four-model
 job's 33 seconds were its four processes starting. Colocated models that run in the torch engines keep no
-state of their process's own, so the compiler places them in one process (verl's hybrid-engine worker
-does the same): :class:`ModelHost` is that process, a Ray actor holding one
-:class:`~rlhfc.runtime.worker.base.ModelWorker` per hosted model.
+state of their process's own, so where their stages never run at the same time the compiler places them in
+one process (verl's hybrid-engine worker does the same): :class:`ModelHost` is that process, a Ray actor
+holding one :class:`~rlhfc.runtime.worker.base.ModelWorker` per hosted model.
 
 What a process of its own guarantees, a host keeps:
 
 * **each model's calls run one at a time, in the order the driver made them**, as an actor's do: the
   driver's handle (:class:`HostedRank`) numbers each model's calls, and the host runs call ``k`` of a
   model only after its call ``k - 1`` finished;
-* **calls of different models run at the same time** (a threaded actor, one thread per call), so stages
-  the plan overlaps (parallel forwards, a stream's consumers beside its generation, asynchronous
-  rollout) still overlap and nothing waits on a call queued behind it;
+* **calls of different models may run at the same time** (a threaded actor, one thread per call), so
+  nothing waits on a call queued behind it (the plan keeps models whose stages overlap in processes of
+  their own: one interpreter would serialise their Python, 15 % slower steps measured);
 * **arguments resolve in that order**: a call's ``ObjectRef`` arguments travel unresolved and are
   fetched once its turn came (a failed upstream stage fails the call as it would fail the actor's);
 * each call runs with its own torch threads and the host's cores (both are per thread on Linux).
