@@ -9,7 +9,8 @@
   decode batch once this fraction of the batch has finished; the cost model prices the live rows by it.
 * :func:`op_key` — the name a block's k-th call of an aten op has in a recompute decision
   (``mm.default#3``): the recompute pass writes these names, the runtime's selective checkpoint counts them.
-* :func:`tool_call_format` — which tool-call format a chat template writes (``hermes`` or ``json``): the
+* :func:`tool_call_format` — which tool-call format a chat template writes (``hermes``, ``json`` or
+  ``mistral``): the
   compiler checks a ``chat = true`` generate with tools has one, the runtime parses the policy's calls by it.
 * :func:`tokenizer_fingerprint` — which tokenizer a Hugging Face folder holds, by content: models whose
   folders hold the same tokenizer exchange token ids (the verifier's check, the runtime's rollouts), wherever
@@ -32,7 +33,11 @@ def tool_call_format(template: str) -> str | None:
     """The tool-call format chat template ``template`` writes: ``hermes`` (Qwen 2.5/3, Hermes:
     ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the assistant's turn, several a turn), ``json``
     (Llama 3.1-3.3: the assistant's turn is ``{"name": ..., "parameters": ...}``, one call, results as
-    ``ipython`` turns), or None (neither)."""
+    ``ipython`` turns), ``mistral`` (Mistral 7B v0.3, Nemo, Small: ``[TOOL_CALLS] [{"name": ..., "arguments":
+    ..., "id": ...}, ...]`` in the assistant's turn, results as ``[TOOL_RESULTS] ... [/TOOL_RESULTS]`` naming the
+    call's id), or None (none of them)."""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     if "<tool_call>" in template:
         return "hermes"
     if '"parameters"' in template and "ipython" in template:

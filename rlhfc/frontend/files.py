@@ -132,10 +132,11 @@ def tool_template_problem(folder: str | None, model: str) -> tuple[str, str] | N
     if tool_call_format(chat_template_text(folder)) is not None:
         return None
     return (f"the chat template of model '{model}' has no tool-call format rlhfc reads (it writes neither "
-            "<tool_call>...</tool_call> nor {\"name\": ..., \"parameters\": ...} calls with ipython results)",
-            "a chat = true generate with tools needs a template with Hermes-style tool calls (Qwen 2.5/3, Hermes) "
-            "or Llama 3.1-3.3's JSON calls; drop chat to use the plain-text convention (docs/language.md, tool "
-            "and env)")
+            "<tool_call>...</tool_call> nor {\"name\": ..., \"parameters\": ...} calls with ipython results "
+            "nor [TOOL_CALLS] calls)",
+            "a chat = true generate with tools needs a template with Hermes-style tool calls (Qwen 2.5/3, Hermes), "
+            "Llama 3.1-3.3's JSON calls or Mistral's [TOOL_CALLS]; drop chat to use the plain-text convention "
+            "(docs/language.md, tool and env)")
 
 
 def _tokenizer_size(folder: str) -> int | None:

@@ -165,8 +165,9 @@ class HFTokenizer:
         assistant turn: the template's rendering of the conversation with and without them, cut at the
         assistant turn's EOS."""
         tools = [m for m in messages if m.get("role") == "tool"]
-        if tools:
-            calls = [{"type": "function", "function": {"name": m.get("name", "tool"), "arguments": {}}} for m in tools]
+        if tools:   # the assistant turn that made the calls (by their ids, where the template names them)
+            calls = [{"type": "function", "function": {"name": m.get("name", "tool"), "arguments": {}},
+                      **({"id": m["tool_call_id"]} if "tool_call_id" in m else {})} for m in tools]
             before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": calls}]
         else:
             before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]

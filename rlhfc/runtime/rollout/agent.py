@@ -13,8 +13,9 @@ for another turn ends.
 ``chat = true`` on an HF model whose template writes tool calls) the prompt is the template's user turn with
 the tools' schemas, a call is what the template writes for one — Hermes' (Qwen 2.5/3, Hermes)
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the policy's turn, several a turn, or Llama
-3.1-3.3's whole turn ``{"name": ..., "parameters": ...}``, one a turn (:func:`rlhfc.contract.rules.tool_call_format`
-tells which from the template) — and a result is appended as the tokens the template writes for a ``tool`` message (an
+3.1-3.3's whole turn ``{"name": ..., "parameters": ...}``, one a turn, or Mistral's (7B v0.3, Nemo, Small)
+``[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": ...}, ...]``, several a turn, each result naming its call's
+id (:func:`rlhfc.contract.rules.tool_call_format` tells which from the template) — and a result is appended as the tokens the template writes for a ``tool`` message (an
 environment's observation: a ``user`` message) through the opening of the next assistant turn — computed from
 the template, never by re-tokenizing the conversation. Otherwise, **the plain-text convention** (any tokenizer): a
 policy turn ends at EOS or at its turn budget. A turn whose text, leading spaces stripped, is a declared
@@ -115,7 +116,27 @@ class PlainText:
 
     def results(self, outputs: Sequence[tuple[str, str]], tokenizer) -> list[int]:
         """The tokens of a turn's tool results ``[(tool, text)]``, in call order."""
-        return [i for name, text in outputs for i in self.observe(text, tokenizer, name)]
+        return [i for name, text, *_ in outputs for i in self.observe(text, tokenizer, name)]
+
+
+#: what opens Mistral's tool calls in a policy turn
+MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def mistral_call_id(given: Any, name: str, arguments: Any, k: int) -> str:
+    """The id a Mistral tool result names: the call's own when it is nine letters and digits (what Mistral's
+    templates accept), else nine drawn from the call itself (its name, arguments and place in the turn), so the
+    same call always gets the same id."""
+    if isinstance(given, str) and _MISTRAL_ID.fullmatch(given):
+        return given
+    n = zlib.crc32(json.dumps([name, arguments, k, given], sort_keys=True, default=str).encode())
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    for _ in range(9):
+        n, r = divmod(n * 2654435761 + 97, 36)
+        out += digits[r]
+    return out
 
 
 #: a Hermes-style tool call in a policy turn
@@ -139,7 +160,8 @@ class ChatTemplate:
     template's ``tools`` argument takes them (:func:`tool_schema`)."""
 
     schemas: tuple = ()
-    #: the template's call format (:func:`rlhfc.contract.rules.tool_call_format`): ``hermes`` or ``json``
+    #: the template's call format (:func:`rlhfc.contract.rules.tool_call_format`): ``hermes``, ``json`` or
+    #: ``mistral``
     style: str = "hermes"
 
     @classmethod
@@ -154,9 +176,25 @@ class ChatTemplate:
         return tokenizer.chat_ids([{"role": "user", "content": content}], tools=list(self.schemas)), []
 
     def parse(self, ids: Sequence[int], tokenizer, tools: Iterable[str]) -> list[tuple[str, str]]:
-        """Every well-formed call of a declared tool in the turn, in order (one that is not JSON, or names no
-        declared tool, is left out; none: the turn is an answer)."""
+        """Every well-formed call of a declared tool in the turn, in order, as ``(tool, argument)`` — ``(tool,
+        argument, id)`` in Mistral's format (:func:`mistral_call_id`) — (one that is not JSON, or names no declared
+        tool, is left out; none: the turn is an answer)."""
         names, out = set(tools), []
+        if self.style == "mistral":   # [TOOL_CALLS] then a JSON list of calls (or one call), each with its id
+            text = tokenizer.decode(ids, keep_special=True)
+            at = text.find(MISTRAL_CALLS)
+            if at < 0:
+                return out
+            try:
+                calls, _ = json.JSONDecoder().raw_decode(text[at + len(MISTRAL_CALLS):].lstrip())
+            except ValueError:
+                return out
+            for k, call in enumerate(calls if isinstance(calls, list) else [calls]):
+                name = call.get("name") if isinstance(call, dict) else None
+                if name in names:
+                    arguments = call.get("arguments", call.get("parameters", ""))
+                    out.append((name, _argument(arguments), mistral_call_id(call.get("id"), name, arguments, k)))
+            return out
         if self.style == "json":   # Llama 3.x: the turn is one JSON call (after <|python_tag|> if written)
             text = tokenizer.decode(ids).strip()
             text = text[len("<|python_tag|>"):].lstrip() if text.startswith("<|python_tag|>") else text
@@ -184,9 +222,11 @@ class ChatTemplate:
         return self.results([(who, text)], tokenizer)
 
     def results(self, outputs: Sequence[tuple[str, str]], tokenizer) -> list[int]:
-        """A turn's tool results as the template writes them: one ``tool`` message each, then the next assistant
-        turn's opening."""
-        return tokenizer.chat_suffix([{"role": "tool", "name": name, "content": text} for name, text in outputs])
+        """A turn's tool results ``[(tool, text)]`` (``[(tool, text, call id)]`` where the format names calls by
+        id) as the template writes them: one ``tool`` message each, then the next assistant turn's opening."""
+        return tokenizer.chat_suffix([{"role": "tool", "name": name, "content": text,
+                                       **({"tool_call_id": more[0]} if more else {})}
+                                      for name, text, *more in outputs])
 
 
 def tool_schema(name: str, path: str, function: str) -> dict:
@@ -292,7 +332,7 @@ class AgentLoop:
                 break
             budgets = [min(self.turn_tokens, width - len(trajs[i].tokens)) for i in live]
             rows = [list(trajs[i].prompt_ids) + trajs[i].tokens for i in live]
-            calls: dict[int, list[tuple[str, str]]] = {}   # trajectory -> its turn's calls, in order
+            calls: dict[int, list[tuple]] = {}   # trajectory -> its turn's calls (tool, argument[, id]), in order
             for item in decode(rows, budgets=budgets, resumed=[len(trajs[i].tokens) for i in live],
                                row_keys=[keys[i] for i in live]):
                 if isinstance(item, PartialSample):   # no stop_after here: every row finishes its turn
@@ -331,7 +371,7 @@ class AgentLoop:
             t0 = time.perf_counter()
             by_tool: dict[str, list[tuple[int, int, str]]] = {}   # each tool's calls of the turn: one batch
             for i, found in calls.items():
-                for k, (name, arg) in enumerate(found):
+                for k, (name, arg, *_) in enumerate(found):
                     by_tool.setdefault(name, []).append((i, k, arg))
             got: dict[tuple[int, int], Any] = {}
             for name, todo in by_tool.items():
@@ -340,13 +380,13 @@ class AgentLoop:
             for i, found in calls.items():
                 t = trajs[i]
                 outputs = []
-                for k, (name, _) in enumerate(found):
+                for k, (name, _, *call_id) in enumerate(found):
                     result = got[(i, k)]
                     t.calls += 1
                     t.errors += result.kind == "error"
                     t.timeouts += result.kind == "timeout"
-                    outputs.append((name, result.output))
-                self._observe(t, self.format.results(outputs, tokenizer), width, "+".join(n for n, _ in found))
+                    outputs.append((name, result.output, *call_id))
+                self._observe(t, self.format.results(outputs, tokenizer), width, "+".join(n for n, *_ in found))
             seconds += time.perf_counter() - t0
         return trajs, seconds
 
