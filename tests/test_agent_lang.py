@@ -38,8 +38,8 @@ def test_the_plan_and_the_driver_carry_them(tmp_path):
     emit_job(module, str(tmp_path / "job"), source_path=EXAMPLE, opt_level="O2", passes=PIPELINES["O2"])
     with open(tmp_path / "job" / "plan.json") as fh:
         tools = json.load(fh)["tools"]
-    assert tools == {"lookup": {"fn": "agent_lookup:Lookup", "timeout": 2.0, "memory_mb": 256, "max_output": 1024,
-                                "kind": "env"}}
+    assert tools == {"lookup": {"fn": "agent_lookup:Lookup", "timeout": 10.0, "memory_mb": 512, "max_output": 1024,
+                                "kind": "env"}}   # an environment's default limits (ENV_DEFAULTS)
     code = open(tmp_path / "job" / "main.py").read()
     assert "env=job.env('lookup'), max_turns=2, turn_tokens=1" in code
     assert "scores = job.compute('scores', compute.env_reward, traj)" in code
@@ -111,3 +111,26 @@ def test_an_environment_class_without_step_is_a_located_error(tmp_path):
     with pytest.raises(CompileError) as exc:
         compile_source(text, str(tmp_path / "prog.rlhf"))
     assert "environment class 'envs:Game' has no method 'step'" in str(exc.value)
+
+
+def test_an_environments_limits_round_trip_and_other_settings_are_located_errors(tmp_path):
+    """``env NAME = python("module:Class", timeout = T, memory = M)``: the limits of its sandboxed process, printed
+    in the IR only where not the defaults, carried by the plan; ``max_output`` (a tool's) is refused, located."""
+    import shutil
+
+    shutil.copy(os.path.join(ROOT, "examples", "agent_lookup.py"), tmp_path / "agent_lookup.py")
+    shutil.copy(os.path.join(ROOT, "examples", "agent_tiny.jsonl"), tmp_path / "agent_tiny.jsonl")
+    base = open(EXAMPLE).read()
+    limited = base.replace('python("agent_lookup:Lookup")', 'python("agent_lookup:Lookup", timeout = 3, memory = 1G)')
+    module = compile_source(limited, str(tmp_path / "limited.rlhf"))[0]
+    ir = print_module(module)
+    assert 'env @lookup {fn = "agent_lookup:Lookup", timeout = 3.0, memory_mb = 1000}' in ir
+    assert parse_ir(ir).tools == module.tools
+    default = print_module(compile_source(base, str(tmp_path / "default.rlhf"))[0])
+    assert 'env @lookup {fn = "agent_lookup:Lookup"}' in default
+    bad = base.replace('python("agent_lookup:Lookup")', 'python("agent_lookup:Lookup", max_output = 10)')
+    with pytest.raises(CompileError) as exc:
+        compile_source(bad, str(tmp_path / "bad.rlhf"))
+    text = str(exc.value)
+    assert "bad.rlhf:14:44: error: python() of environment 'lookup' has no setting 'max_output'" in text
+    assert "settings: timeout (seconds per reset or step), memory (e.g. 512M)" in text

@@ -500,12 +500,13 @@ class Declarations:
             tool.field_locs["fn"] = c.args[0].loc
             ok = True
             for kw in c.kwargs:
-                if env:
-                    self.sink.error(f"python() of environment '{d.name}' takes no settings", kw.loc,
-                                    "an environment runs in the generating worker: no sandbox limits apply")
+                key = {"memory": "memory_mb"}.get(kw.name, kw.name)
+                if env and key not in ("timeout", "memory_mb"):
+                    self.sink.error(f"python() of environment '{d.name}' has no setting '{kw.name}'", kw.loc,
+                                    did_you_mean(kw.name, ("timeout", "memory")) or
+                                    "settings: timeout (seconds per reset or step), memory (e.g. 512M)")
                     ok = False
                     continue
-                key = {"memory": "memory_mb"}.get(kw.name, kw.name)
                 if key not in ("timeout", "memory_mb", "max_output"):
                     self.sink.error(f"python() of tool '{d.name}' has no setting '{kw.name}'", kw.loc,
                                     did_you_mean(kw.name, ("timeout", "memory", "max_output")) or
@@ -522,7 +523,7 @@ class Declarations:
                     value = int(lit.value) if lit.kind == "int" else None
                 low = {"timeout": 0.01, "memory_mb": 16, "max_output": 1}[key]
                 if value is None or value < low:
-                    self.sink.error(f"tool setting '{kw.name}' must be {'a number of seconds' if key == 'timeout' else 'a size such as 256M' if key == 'memory_mb' else 'an integer'} "
+                    self.sink.error(f"{'environment' if env else 'tool'} setting '{kw.name}' must be {'a number of seconds' if key == 'timeout' else 'a size such as 256M' if key == 'memory_mb' else 'an integer'} "
                                     f"of at least {low if key != 'memory_mb' else '16M'}, got {lit.value!r}", lit.loc,
                                     {"timeout": "timeout = 2", "memory_mb": "memory = 256M",
                                      "max_output": "max_output = 1024"}[key])

@@ -168,6 +168,8 @@ class DataSource:
 
 #: a tool's settings in IR text order, with their defaults (``fn`` has none)
 TOOL_DEFAULTS = {"timeout": 2.0, "memory_mb": 256, "max_output": 1024}
+#: an environment's limits when its declaration states none: each reset/step's seconds, its process's memory
+ENV_DEFAULTS = {"timeout": 10.0, "memory_mb": 512}
 
 
 @dataclass
@@ -177,24 +179,32 @@ class Tool:
     module the run block allows), each call in a sandboxed process of its own with ``timeout`` seconds of
     wall clock, ``memory_mb`` of address space and its result cut to ``max_output`` characters.
 
-    ``kind = "env"``: an environment (``env game = python("envs:Game")``): ``fn`` names a class, one
-    instance per trajectory, ``reset(record) -> observation`` and ``step(action) -> (observation, reward,
-    done)``, run in the generating worker's process (the program's own code, as its reward rules are); the
-    limits do not apply to it."""
+    ``kind = "env"``: an environment (``env game = python("envs:Game", timeout = 10, memory = 512M)``): ``fn``
+    names a class, one instance per trajectory, ``reset(record) -> observation`` and ``step(action) ->
+    (observation, reward, done)``, the instances held by a sandboxed process of their own
+    (:class:`rlhfc.runtime.rollout.sandbox.EnvSandbox`) with ``timeout`` seconds per call and ``memory_mb`` of
+    memory (:data:`ENV_DEFAULTS` when not stated; ``max_output`` does not apply)."""
 
     name: str
     fn: str
     kind: str = "tool"
-    timeout: float = 2.0
-    memory_mb: int = 256
+    timeout: float | None = None
+    memory_mb: int | None = None
     max_output: int = 1024
     loc: Loc | None = None
     ir_loc: Loc | None = field(default=None, compare=False, repr=False)
     field_locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self):
+        defaults = ENV_DEFAULTS if self.kind == "env" else TOOL_DEFAULTS
+        if self.timeout is None:
+            self.timeout = defaults["timeout"]
+        if self.memory_mb is None:
+            self.memory_mb = defaults["memory_mb"]
+
     def attrs(self) -> dict:
-        if self.kind == "env":
-            return {"fn": self.fn}
+        if self.kind == "env":   # its limits printed where not the defaults
+            return {"fn": self.fn, **{k: getattr(self, k) for k, v in ENV_DEFAULTS.items() if getattr(self, k) != v}}
         return {"fn": self.fn, "timeout": self.timeout, "memory_mb": self.memory_mb, "max_output": self.max_output}
 
 

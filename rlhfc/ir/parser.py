@@ -20,7 +20,7 @@ from importlib import resources
 from lark import Lark, Token, Transformer, Tree
 from lark.exceptions import UnexpectedInput, VisitError
 
-from .core import (DATA_OPTIONS, RUN_KEYS, TOOL_DEFAULTS, Cluster, DataSource, Graph, Model, Module, RunConfig,
+from .core import (DATA_OPTIONS, ENV_DEFAULTS, RUN_KEYS, TOOL_DEFAULTS, Cluster, DataSource, Graph, Model, Module, RunConfig,
                    Stage, Symbol, Tool, Value, VersionEdge)
 from .diagnostics import CompileError, Diagnostic, Loc, did_you_mean
 from .larkdiag import syntax_diagnostic
@@ -242,7 +242,7 @@ class _Builder:
 
     def tool(self, tree, kind: str) -> Tool:
         sym, attrs, loc = tree.children
-        keys = ("fn",) if kind == "env" else ("fn", *TOOL_DEFAULTS)
+        keys = ("fn", *ENV_DEFAULTS) if kind == "env" else ("fn", *TOOL_DEFAULTS)
         for k in attrs:
             if k not in keys:
                 raise _Fail(f"unknown {kind} setting '{k}'", attrs.key_tokens[k],

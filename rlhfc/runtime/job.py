@@ -156,8 +156,8 @@ class Job:
 
     def env(self, name: str) -> dict:
         """The spec of the plan's environment ``name`` for a multi-turn generate (:meth:`_tool_file`)."""
-        _, path, cls = self._tool_file(name, "env")
-        return {"name": name, "path": path, "cls": cls}
+        tool, path, cls = self._tool_file(name, "env")
+        return {"name": name, "path": path, "cls": cls, "timeout": tool.timeout, "memory_mb": tool.memory_mb}
 
     def _tool_file(self, name: str, kind: str):
         """(the plan's tool or environment ``name``, its module's file, the function or class): the module found

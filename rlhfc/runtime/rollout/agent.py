@@ -35,11 +35,8 @@ turn re-prefills each row's prompt and trajectory so far (the KV cache is not ke
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import os
 import re
-import sys
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -258,30 +255,16 @@ ENV_TURN_REWARDS = "@env_turn_rewards"
 TURNS = "@turns"
 
 
-def load_env(path: str, cls: str) -> Callable[[], Any]:
-    """The environment class ``cls`` of the ``.py`` file ``path`` (the program's own code, loaded by path as its
-    reward rules are)."""
-    name = f"_rlhfc_env_{zlib.crc32(os.path.abspath(path).encode()):08x}"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        folder = os.path.dirname(os.path.abspath(path))
-        if folder not in sys.path:
-            sys.path.append(folder)   # its own helper modules (last: it never shadows an installed module)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:   # noqa: BLE001 - the program's own code
-            raise EnvError(f"loading environment module {path} raised {type(exc).__name__}: {exc}") from None
-        sys.modules[name] = module
-    found = getattr(module, cls, None)
-    if not isinstance(found, type):
-        raise EnvError(f"environment module {path} has no class '{cls}'")
-    return found
-
 
 class EnvError(RuntimeError):
-    """An environment's ``reset`` or ``step`` raised (the program's own code: the run stops naming it)."""
+    """An environment's ``reset`` or ``step`` raised, timed out or killed its process (the program's own code: the
+    run stops naming it)."""
+
+
+def _env_failure(exc: Exception) -> str:
+    """What went wrong in an environment's call: its sandbox's account (which names the exception, a timeout or
+    the process's death), else the exception."""
+    return str(exc) if type(exc).__name__ == "EnvCallError" else f"{type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -301,8 +284,27 @@ class AgentLoop:
         try:
             return getattr(env, method)(arg)
         except Exception as exc:   # noqa: BLE001 - the program's own code: named, with the sample's prompt
-            raise EnvError(f"environment '{self.env_name}' raised in {method}() for prompt {prompt!r}: "
-                           f"{type(exc).__name__}: {exc}") from None
+            raise EnvError(f"environment '{self.env_name}' failed in {method}() for prompt {prompt!r}: "
+                           f"{_env_failure(exc)}") from None
+
+    def _env_calls(self, calls: list[tuple]) -> list:
+        """``env.method(arg)`` for each ``(env, method, arg, prompt)``, in order: in one exchange where the
+        instances are a sandbox's (their ``batch``), else one by one; the first that failed stops the run."""
+        batch = getattr(calls[0][0], "batch", None) if calls else None
+        if batch is None:
+            return [self._env_call(env, method, arg, prompt) for env, method, arg, prompt in calls]
+        outs = batch([(env, method, arg) for env, method, arg, _ in calls])
+        for (_, method, _, prompt), out in zip(calls, outs):
+            if isinstance(out, Exception):
+                raise EnvError(f"environment '{self.env_name}' failed in {method}() for prompt {prompt!r}: "
+                               f"{_env_failure(out)}")
+        return outs
+
+    def _env_new(self):
+        try:
+            return self.env()
+        except Exception as exc:   # noqa: BLE001 - the program's own code, or its sandbox not starting
+            raise EnvError(f"environment '{self.env_name}' could not make an instance: {_env_failure(exc)}") from None
 
     def run(self, decode: Callable[..., Iterable[FinishedSample | PartialSample]], prompts: Sequence[Sequence[int]],
             *, width: int, keys: Sequence[int], tokenizer, want_logprobs: bool,
@@ -313,15 +315,13 @@ class AgentLoop:
         each row's data record (``{"prompt": text, **fields}``), what an environment's ``reset`` gets.
         Returns the trajectories and the seconds spent waiting for tools."""
         seconds = 0.0
-        envs, firsts = [], []
-        for i in range(len(prompts)):
-            record = records[i] if i < len(records) else {}
-            obs = ""
-            if self.env is not None:
-                env = self.env()
-                envs.append(env)
-                got = self._env_call(env, "reset", dict(record), record.get("prompt", ""))
-                obs = "" if got is None else str(got)
+        records = [records[i] if i < len(records) else {} for i in range(len(prompts))]
+        envs = [self._env_new() for _ in prompts] if self.env is not None else []
+        firsts = []
+        observed = self._env_calls([(env, "reset", dict(r), r.get("prompt", "")) for env, r in zip(envs, records)])
+        for i, record in enumerate(records):
+            got = observed[i] if envs else None
+            obs = "" if got is None else str(got)
             firsts.append(self.format.prompt(prompts[i], record.get("prompt", ""), obs, tokenizer))
         trajs = [Trajectory(tuple(ids)) for ids, _ in firsts]
         for t, (_, first) in zip(trajs, firsts):
@@ -333,6 +333,7 @@ class AgentLoop:
             budgets = [min(self.turn_tokens, width - len(trajs[i].tokens)) for i in live]
             rows = [list(trajs[i].prompt_ids) + trajs[i].tokens for i in live]
             calls: dict[int, list[tuple]] = {}   # trajectory -> its turn's calls (tool, argument[, id]), in order
+            acts: list[tuple[int, str, bool]] = []   # (trajectory, its action, room for more) in finishing order
             for item in decode(rows, budgets=budgets, resumed=[len(trajs[i].tokens) for i in live],
                                row_keys=[keys[i] for i in live]):
                 if isinstance(item, PartialSample):   # no stop_after here: every row finishes its turn
@@ -349,25 +350,30 @@ class AgentLoop:
                 text = tokenizer.decode(new)
                 found = self.format.parse(new, tokenizer, self.tools) if self.tools else []
                 room = width - len(t.tokens) > 0
-                if not found and envs:   # the turn is the environment's action
-                    out = self._env_call(envs[i], "step", text, records[i].get("prompt", ""))
-                    obs, reward, done = out if isinstance(out, tuple) and len(out) == 3 else (None, None, None)
-                    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                        raise EnvError(f"environment '{self.env_name}': step() must return (observation, reward, "
-                                       f"done) with a number for reward, got {out!r}")
-                    t.reward += float(reward)
-                    t.rewards.append(float(reward))
-                    t.turn_rewards.append((max(len(t.tokens) - 1, 0), float(reward)))
-                    if done or turn + 1 == self.max_turns or not room:
-                        t.done = True
-                    else:
-                        self._observe(t, self.format.observe("" if obs is None else str(obs), tokenizer, "env"),
-                                      width, "env")
+                if not found and envs:   # the turn is the environment's action (stepped with the turn's others)
+                    acts.append((i, text, room))
                     continue
                 if not found or turn + 1 == self.max_turns or not room:
                     t.done = True
                     continue
                 calls[i] = found
+            # the turn's environment steps, in the order the rows finished it (one exchange with a sandbox)
+            outs = self._env_calls([(envs[i], "step", text, records[i].get("prompt", "")) for i, text, _ in acts])
+            for (i, _, room), out in zip(acts, outs):
+                t = trajs[i]
+                out = tuple(out) if isinstance(out, list) else out
+                obs, reward, done = out if isinstance(out, tuple) and len(out) == 3 else (None, None, None)
+                if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+                    raise EnvError(f"environment '{self.env_name}': step() must return (observation, reward, "
+                                   f"done) with a number for reward, got {out!r}")
+                t.reward += float(reward)
+                t.rewards.append(float(reward))
+                t.turn_rewards.append((max(len(t.tokens) - 1, 0), float(reward)))
+                if done or turn + 1 == self.max_turns or not room:
+                    t.done = True
+                else:
+                    self._observe(t, self.format.observe("" if obs is None else str(obs), tokenizer, "env"),
+                                  width, "env")
             t0 = time.perf_counter()
             by_tool: dict[str, list[tuple[int, int, str]]] = {}   # each tool's calls of the turn: one batch
             for i, found in calls.items():

@@ -44,6 +44,20 @@ its stdout (``{"results": [{"output", "kind", "seconds"}, ...]}``; at start ``{"
 sandbox closed, or its caller killed outright) the zygote removes the temp root and ends. A zygote that dies is
 restarted by the next call (which runs its batch again); one that dies 3 times in one call is a
 :class:`ToolSandboxError`.
+
+**Environments** (:class:`EnvSandbox`) are stateful — one instance per trajectory, ``reset`` then ``step`` after
+``step`` — so they do not fork per call: ``python <this file> --env <json>`` loads the class and confines
+*itself* as a call is confined (its own working folder, the same audit hooks, RLIMIT_AS = its size with the
+class loaded + ``memory_mb``, RLIMIT_FSIZE, no core files, stdin its requests), holds the instances, and answers
+one JSON line per request line: ``{"ops": [[op, id, method, arg], ...]}`` -> ``{"answers": [...]}``, in order,
+each ``{"value": ...}`` or ``{"error": "Type: message", "type": "Type"}`` (ops: ``new`` makes instance ``id``,
+``call`` runs its ``method(arg)``, ``clear`` drops every instance) — a rollout's resets or a turn's steps in one
+round trip. Each call has ``timeout`` seconds of wall clock
+(a SIGALRM in the process raises ``TimeoutError`` in it; no CPU limit: the process lives for the run); a
+process silent past every call's time and a grace is killed. Its values cross as JSON (an observation a string, a reward a
+number, ``done`` a boolean; a record's fields as read from the data file). An environment that raises, runs
+out of memory, is refused something or kills its process makes the call raise, naming what happened: the
+generating worker stops the run naming the environment (:class:`rlhfc.runtime.rollout.agent.EnvError`).
 """
 
 from __future__ import annotations
@@ -350,6 +364,200 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return "?"
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """An environment of the program: class ``cls`` in the file at ``path``; ``timeout``: wall-clock seconds of
+    each ``reset``/``step`` (and of building an instance); ``memory_mb``: what its process may map on top of
+    its size with the class loaded."""
+
+    name: str
+    path: str
+    cls: str
+    timeout: float = 10.0
+    memory_mb: int = 512
+
+    def __post_init__(self):
+        if not (self.timeout > 0 and self.memory_mb > 0):
+            raise ValueError(f"environment {self.name!r}: timeout and memory_mb must be positive")
+
+
+class EnvCallError(RuntimeError):
+    """What an environment's call raised in its sandbox (``kind``: the exception's type name there, or
+    ``TimeoutError``/``ProcessDied``)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class EnvSandbox:
+    """The process holding an environment's instances (module docstring). ``new()`` gives an instance's handle
+    (made in the process with its first call), whose ``reset(record)`` and ``step(action)`` run there;
+    :meth:`batch` runs many calls in one exchange, in order (a rollout's resets, a turn's steps: one round trip
+    instead of one per row); ``clear()`` drops every instance (after a rollout); ``close()`` ends the process
+    and removes its folder. A process that died or timed out is started again by the next call; the instances
+    it held are gone (their calls raise)."""
+
+    def __init__(self, spec: EnvSpec, root: str | None = None):
+        self.spec = spec
+        self.path = os.path.abspath(spec.path)
+        self._lock = threading.Lock()
+        self._buf = bytearray()
+        self._live = _Live()
+        self._epoch = 0   # bumped at each start: handles of an earlier process are stale
+        self._made = 0
+        if root:
+            os.makedirs(root, exist_ok=True)
+        self._root = tempfile.mkdtemp(prefix=f"rlhfc-env-{''.join(c for c in spec.name if c.isalnum())[:20]}-",
+                                      dir=root or None)
+        self._finalizer = weakref.finalize(self, _cleanup, self._live, self._root, os.getpid())
+
+    def new(self) -> "_EnvHandle":
+        with self._lock:
+            if self._live.proc is None or self._live.proc.poll() is not None:
+                self._start()
+            self._made += 1
+            return _EnvHandle(self, self._made, self._epoch)
+
+    def batch(self, calls: list[tuple["_EnvHandle", str, object]]) -> list:
+        """Run ``handle.method(arg)`` for each call, in order, in one exchange; each result is the call's value or
+        the :class:`EnvCallError` it raised (a process killed past its time or dead fails the calls it had not
+        answered)."""
+        if not calls:
+            return []
+        with self._lock:
+            ops = []
+            for handle, method, arg in calls:
+                if handle.epoch != self._epoch or self._live.proc is None or self._live.proc.poll() is not None:
+                    return [EnvCallError("ProcessDied", "the environment's process was restarted since this "
+                                                        "instance was made")] * len(calls)
+                if not handle.made:
+                    ops.append(["new", handle.id, "__init__", None])
+                    handle.made = True
+                ops.append(["call", handle.id, method, arg])
+            answers = self._exchange(ops, calls[0][1])
+        out, pending = [], None
+        for op, answer in zip(ops, answers):
+            failed = EnvCallError(str(answer.get("type", "Error")), str(answer["error"])) if "error" in answer else None
+            if op[0] == "new":
+                pending = failed   # an instance that could not be made fails its call
+                continue
+            out.append(failed or pending or answer.get("value"))
+            pending = None
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            if self._live.proc is not None and self._live.proc.poll() is None:
+                self._exchange([["clear", 0, "clear", None]], "clear")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __del__(self):
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
+
+    def _start(self) -> None:
+        _stop(self._live.proc, grace=0)
+        self._live.proc, self._buf = None, bytearray()
+        self._epoch += 1
+        cfg = {"name": self.spec.name, "path": self.path, "cls": self.spec.cls, "timeout": self.spec.timeout,
+               "memory_mb": self.spec.memory_mb, "root": self._root}
+        with open(os.path.join(self._root, "env.log"), "ab") as log:
+            self._live.proc = subprocess.Popen([sys.executable, _SCRIPT, "--env", json.dumps(cfg)],
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0,
+                                               start_new_session=True)
+        msg = self._answer(START_TIMEOUT, "start")
+        if "error" in msg:
+            self._kill()
+            raise EnvCallError("LoadError", f"cannot load class {self.spec.cls!r} from {self.path}: {msg['error']}")
+
+    def _exchange(self, ops: list, what: str) -> list[dict]:
+        """Send ``ops`` in one request; their answers, in order. The process times each call itself (SIGALRM);
+        past ``timeout`` per call (and a grace) without an answer it is killed."""
+        proc = self._live.proc
+        data = memoryview((json.dumps({"ops": ops}, default=_plain) + "\n").encode())
+        try:
+            while data:
+                data = data[os.write(proc.stdin.fileno(), data):]
+        except OSError:
+            self._kill()
+            return [{"error": "the environment's process is gone", "type": "ProcessDied"}] * len(ops)
+        try:
+            answers = self._answer(self.spec.timeout * len(ops) + ANSWER_GRACE, what).get("answers")
+        except EnvCallError as e:
+            return [{"error": str(e), "type": e.kind}] * len(ops)
+        if not isinstance(answers, list) or len(answers) != len(ops):
+            self._kill()
+            return [{"error": "the environment's process sent a malformed answer", "type": "ProcessDied"}] * len(ops)
+        return answers
+
+    def _answer(self, seconds: float, what: str) -> dict:
+        proc, deadline = self._live.proc, time.monotonic() + seconds
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._kill()
+                    raise EnvCallError("TimeoutError", f"{what}() timed out: no answer within {seconds:g} s (its "
+                                                       "process was killed)")
+                if not sel.select(left):
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    rc = proc.wait()
+                    self._kill()
+                    how = f"signal {-rc} ({_signame(-rc)})" if rc < 0 else f"exit status {rc}"
+                    raise EnvCallError("ProcessDied", f"the environment's process died in {what}() ({how})")
+                self._buf += chunk
+        line, _, rest = bytes(self._buf).partition(b"\n")
+        self._buf = bytearray(rest)
+        try:
+            return json.loads(line)
+        except ValueError:
+            self._kill()
+            raise EnvCallError("ProcessDied", f"the environment's process sent a malformed answer: {line[:200]!r}") \
+                from None
+
+    def _kill(self) -> None:
+        _stop(self._live.proc, grace=0)
+        self._live.proc = None
+
+
+class _EnvHandle:
+    """One environment instance in its sandbox, called as the instance would be (``batch``: many calls of its
+    sandbox's instances in one exchange, :meth:`EnvSandbox.batch`)."""
+
+    def __init__(self, box: EnvSandbox, ident: int, epoch: int):
+        self.box, self.id, self.epoch, self.made = box, ident, epoch, False
+        self.batch = box.batch
+
+    def _one(self, method: str, arg):
+        (out,) = self.box.batch([(self, method, arg)])
+        if isinstance(out, EnvCallError):
+            raise out
+        return out
+
+    def reset(self, record):
+        return self._one("reset", record)
+
+    def step(self, action):
+        out = self._one("step", action)
+        return tuple(out) if isinstance(out, list) else out
+
+
+def _plain(value):
+    """JSON for what an environment gives or gets besides JSON's own types (numpy scalars, tuples of them)."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()
+    raise TypeError(f"an environment's values cross as JSON: {type(value).__name__} is not JSON")
 
 
 # ----------------------------------------------------------------------------------------------- the zygote
@@ -693,7 +901,87 @@ def _describe(e: BaseException, cfg: dict) -> str:
     return f"{type(chain[0]).__name__}: {text}" if text else type(chain[0]).__name__
 
 
+def _serve_env(cfg: dict) -> int:
+    """An environment's process: load the class, confine itself, answer ``{"ready": true}``, then one answer
+    line per request line (module docstring)."""
+    here = os.path.dirname(_SCRIPT)
+    if sys.path and os.path.realpath(sys.path[0] or ".") == os.path.realpath(here):
+        del sys.path[0]
+    answers, requests = os.dup(1), os.dup(0)
+    os.dup2(2, 1)
+    try:
+        cls = _load(cfg["path"], cfg["cls"])
+    except _LoadError as e:
+        _send(answers, {"error": str(e)})
+        return 1
+    folder = tempfile.mkdtemp(prefix="env-", dir=cfg["root"])
+    os.chdir(folder)
+    out = os.open(OUTPUT_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
+    budget = [OUTPUT_FILE_BYTES]
+    sys.stdout, sys.stderr = _CappedOutput(1, budget), _CappedOutput(2, budget)
+    sys.dont_write_bytecode = True
+    gc.collect()
+    with open("/proc/self/statm", "rb") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    memory = mapped + cfg["memory_mb"] * (1 << 20)
+    for which, soft, hard in ((resource.RLIMIT_CORE, 0, 0), (resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT, FILE_SIZE_LIMIT),
+                              (resource.RLIMIT_AS, memory, memory)):
+        now = resource.getrlimit(which)[1]
+        if now != resource.RLIM_INFINITY:
+            soft, hard = min(soft, now), min(hard, now)
+        resource.setrlimit(which, (soft, hard))
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = folder
+    _install_guards(os.path.realpath(folder))
+    _send(answers, {"ready": True})
+    instances: dict[int, object] = {}
+    cfg = {**cfg, "max_output": 500}   # how much of an error's text is kept
+    timeout = float(cfg["timeout"])
+
+    def expired(signum, frame):
+        raise TimeoutError(f"timed out after {timeout:g} s")
+
+    signal.signal(signal.SIGALRM, expired)
+    with os.fdopen(requests, "rb") as stream:
+        for line in stream:
+            replies = []
+            for op, ident, method, arg in json.loads(line)["ops"]:
+                try:
+                    if op == "clear":
+                        instances.clear()
+                        gc.collect()
+                        answer = {"value": None}
+                    else:
+                        signal.setitimer(signal.ITIMER_REAL, timeout)
+                        try:
+                            if op == "new":
+                                instances[ident] = cls()
+                                value = None
+                            else:
+                                value = getattr(instances[ident], method)(arg)
+                        finally:
+                            signal.setitimer(signal.ITIMER_REAL, 0)
+                        answer = {"value": value}
+                        json.dumps(answer, default=_plain)   # a value that is not JSON fails its call here
+                except BaseException as e:  # noqa: BLE001 — the environment's errors go back to the caller
+                    why = _describe(e, cfg)
+                    if isinstance(e, TimeoutError) and str(e).startswith("timed out after"):
+                        why = f"{method}() {e}"
+                    answer = {"error": why, "type": type(e).__name__}
+                replies.append(answer)
+            data = json.dumps({"answers": replies}, default=_plain)
+            payload = memoryview((data + "\n").encode())
+            try:
+                while payload:
+                    payload = payload[os.write(answers, payload):]
+            except BrokenPipeError:
+                break
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--zygote":
-        sys.exit(f"usage: {sys.argv[0]} --zygote <json spec>  (started by rlhfc's ToolSandbox)")
-    sys.exit(_serve(json.loads(sys.argv[2])))
+    if len(sys.argv) != 3 or sys.argv[1] not in ("--zygote", "--env"):
+        sys.exit(f"usage: {sys.argv[0]} --zygote|--env <json spec>  (started by rlhfc's ToolSandbox, EnvSandbox)")
+    sys.exit((_serve if sys.argv[1] == "--zygote" else _serve_env)(json.loads(sys.argv[2])))

@@ -34,9 +34,9 @@ from rlhfc.runtime.models.recompute import apply_recompute
 from rlhfc.runtime.rl.guards import NonFiniteError, check_finite
 from rlhfc.runtime.rl.ppo import proximal_alpha
 from rlhfc.runtime.rollout.agent import (ENV_REWARD, ENV_TURN_REWARDS, TURNS, AgentLoop, ChatTemplate, PlainText,
-                                         load_env, tool_schema)
+                                         tool_schema)
 from rlhfc.runtime.rollout.base import build_rollout
-from rlhfc.runtime.rollout.sandbox import ToolSandbox, ToolSpec
+from rlhfc.runtime.rollout.sandbox import EnvSandbox, EnvSpec, ToolSandbox, ToolSpec
 from rlhfc.runtime.rollout.generation import (
     FinishedSample,
     PartialSample,
@@ -214,9 +214,9 @@ class ModelWorker(TracedWorker):
         world = self.backend.world
         fmt = ChatTemplate.of(self.tokenizer, tuple(tool_schema(t["name"], t["path"], t["function"]) for t in tools)) \
             if chat else PlainText()
+        envs = self._env(env) if env else None
         loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
-                         env=load_env(env["path"], env["cls"]) if env else None, env_name=env["name"] if env else "",
-                         format=fmt)
+                         env=envs.new if envs else None, env_name=env["name"] if env else "", format=fmt)
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
                   logprob_temperature=temperature if logprobs else None,
                   slots=-(-slots // world) if slots else None)
@@ -226,10 +226,15 @@ class ModelWorker(TracedWorker):
                                                 resumed=resumed, row_keys=row_keys, **kw)
             return under_autocast(stream, self.device, self.precision)
 
-        trajs, tool_s = loop.run(decode, [c["prompt_ids"] for c in inputs[lo:hi]], width=max_new_tokens,
-                                 keys=[base + i for i in range(lo, hi)], tokenizer=self.tokenizer,
-                                 want_logprobs=logprobs,
-                                 records=[{"prompt": c["prompt"], **(c.get("fields") or {})} for c in inputs[lo:hi]])
+        try:
+            trajs, tool_s = loop.run(decode, [c["prompt_ids"] for c in inputs[lo:hi]], width=max_new_tokens,
+                                     keys=[base + i for i in range(lo, hi)], tokenizer=self.tokenizer,
+                                     want_logprobs=logprobs,
+                                     records=[{"prompt": c["prompt"], **(c.get("fields") or {})}
+                                              for c in inputs[lo:hi]])
+        finally:
+            if envs is not None:
+                envs.clear()   # the trajectories' instances are done with
         parts = self.backend.gather((trajs, tool_s))
         if parts is None:
             return None
@@ -246,6 +251,17 @@ class ModelWorker(TracedWorker):
                         **({ENV_REWARD: t.reward, ENV_TURN_REWARDS: [list(x) for x in t.turn_rewards]} if env else {})}
                        for f, t in zip(roll.fields, trajs)]
         return roll
+
+    def _env(self, spec: dict) -> EnvSandbox:
+        """The sandboxed process of environment ``spec`` (started at its first instance, kept for the worker's
+        life; its folder in the job's run folder, as the tools')."""
+        envs = self.__dict__.setdefault("_envs", {})
+        key = tuple(sorted(spec.items()))
+        if key not in envs:
+            envs[key] = EnvSandbox(EnvSpec(spec["name"], spec["path"], spec["cls"],
+                                           **{k: spec[k] for k in ("timeout", "memory_mb") if k in spec}),
+                                   root=self.rollout_engine.options.get("tools"))
+        return envs[key]
 
     def _tool(self, spec: dict):
         """The sandbox of tool ``spec`` (started at its first call, kept for the worker's life)."""
