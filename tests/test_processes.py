@@ -1,4 +1,4 @@
-"""Which workers share a process (rlhfc.codegen.plan.processes; the runtime's side: tests/runtime/test_host.py).
+"""Which workers share a process (rlhfc.ir.schedule.shared_processes; the runtime's side: tests/runtime/test_host.py).
 
 On a CPU cluster the one-process workers on the same cores with the same threads whose stages never run at the
 same time share one, unless their engine or trainer keeps process-wide state, a model keeps dropout, or a
@@ -14,11 +14,11 @@ import tempfile
 
 import pytest
 
-from rlhfc.codegen.plan import placement, processes
+from rlhfc.codegen.plan import placement
 from rlhfc.contract import engines
 from rlhfc.frontend import load_file
 from rlhfc.ir import plan, print_module
-from rlhfc.ir.schedule import concurrent_workers
+from rlhfc.ir.schedule import concurrent_workers, shared_processes
 from rlhfc.passes import PassManager, pipeline_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +65,7 @@ def test_workers_on_other_cores_keep_apart():
     placed = plan.workers(module)
     key = {w.name: k for k, w in placed.items()}
     placed[key["reward"]] = dataclasses.replace(placed[key["reward"]], cores=(1,), threads=1)
-    shared = processes(module, placed)
+    shared = shared_processes(module, placed)
     assert key["reward"] not in shared and set(shared.values()) == {"actor+ref+critic"}
 
 
@@ -83,24 +83,24 @@ def test_what_keeps_a_worker_in_a_process_of_its_own(monkeypatch):
 
     # dropout draws from the process's random generator
     monkeypatch.setattr(module.models["ref"], "dropout", True)
-    assert set(processes(module, placed)) == {key["actor"], key["critic"], key["reward"]}
+    assert set(shared_processes(module, placed)) == {key["actor"], key["critic"], key["reward"]}
     monkeypatch.setattr(module.models["ref"], "dropout", False)
 
     # an engine whose traits do not allow it (a runtime of its own, as vLLM's)
     own = dataclasses.replace(engines.rollout_traits("torch"), name="own-runtime", shares_process=False)
     monkeypatch.setitem(engines._ROLLOUT, own.name, own)
     monkeypatch.setattr(module.run, "rollout", own.name)
-    assert set(processes(module, placed)) == {key["ref"], key["critic"], key["reward"]}   # the actor generates
+    assert set(shared_processes(module, placed)) == {key["ref"], key["critic"], key["reward"]}   # the actor generates
     monkeypatch.setattr(module.run, "rollout", "torch")
 
     # a multi-rank group
     placed2 = dict(placed)
     placed2[key["critic"]] = dataclasses.replace(placed[key["critic"]], ranks=2, dp=2)
-    assert key["critic"] not in processes(module, placed2)
+    assert key["critic"] not in shared_processes(module, placed2)
 
     # a GPU cluster
     monkeypatch.setattr(module.cluster, "device", "A100-80GB")
-    assert processes(module, placed) == {}
+    assert shared_processes(module, placed) == {}
 
 
 @pytest.mark.parametrize("transport,apart", [("collective", True), ("object_store", False)])
@@ -108,9 +108,9 @@ def test_a_collective_weight_sync_keeps_its_pair_apart(transport, apart):
     module = _module("O0")
     stage = next(s for s in module.graph.stages if s.op == "generate")
     fake = dataclasses.replace(stage, op="sync", attrs={"to_first": 0, "to_count": 1, "transport": transport})
-    module.graph.stages.append(fake)   # only read by processes(): a sync of the actor's weights
+    module.graph.stages.append(fake)   # only read by shared_processes(): a sync of the actor's weights
     placed = {k: w for k, w in plan.workers(module).items()}
-    shared = processes(module, placed)
+    shared = shared_processes(module, placed)
     assert (all(k[0] != "actor" for k in shared)) is apart
 
 

@@ -16,7 +16,7 @@ from rlhfc.cost.simulator import STEADY_STEPS
 from rlhfc.ir import Module, print_module
 from rlhfc.ir import plan
 from rlhfc.ir.plan import AsyncRollout, async_rollout, overcommit_delta, unset, overlap_group, stream_chunk, workers
-from rlhfc.ir.schedule import build_schedule
+from rlhfc.ir.schedule import build_schedule, shared_processes
 
 
 @dataclass
@@ -173,11 +173,9 @@ def search_summary(report: Report) -> str | None:
 def worker_rows(module: Module) -> list[dict]:
     """What the job runs, per worker (:func:`rlhfc.ir.plan.workers`, as ``plan.json`` says it): its name,
     model, devices, the resolved trainer, the layout, the processes (``ranks``) and the process it shares with
-    other workers (``process``, :func:`rlhfc.codegen.plan.processes`; None for its own)."""
-    from rlhfc.codegen.plan import processes
-
+    other workers (``process``, :func:`rlhfc.ir.schedule.shared_processes`; None for its own)."""
     placed = workers(module)
-    shared = processes(module, placed)
+    shared = shared_processes(module, placed)
     return [{"worker": w.name, "model": w.model, "mesh": {"first": w.mesh.first, "count": w.mesh.count},
              "trainer": w.trainer, "dp": w.dp, "tp": w.tp, "pp": w.pp, "ranks": w.ranks,
              "process": shared.get(key)}

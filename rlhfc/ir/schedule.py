@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhfc.contract.engines import rollout_traits
+
 from . import plan
 from .core import Module, Stage
 
@@ -251,4 +253,45 @@ def concurrent_workers(module: Module, schedule: Schedule | None = None) -> set[
             for v in beside}
 
 
-__all__ = ["Entry", "Refill", "Schedule", "build_schedule", "concurrent_workers", "stage_threads"]
+def shared_processes(module: Module, placed: dict) -> dict:
+    """Which workers share a process (:mod:`rlhfc.runtime.worker.host`): on a CPU cluster, the one-process
+    workers on the same cores with the same threads, whose train backend and rollout engine both may share one
+    (their traits' ``shares_process``), with no dropout (it draws from the process's random generator) and
+    no collective weight sync (its two ranks would be one process) — and whose stages never run at the same
+    time (:func:`concurrent_workers`: at -O0 none do; -O2's streamed and parallel
+    forwards, training launched together, a generate running ahead do). Each worker process costs a start-up
+    (importing torch and transformers: ~8 CPU-seconds on the 2-core VM of docs/benchmarks.md), a shared
+    process pays it once; but stages running at the same time in one process share its Python interpreter:
+    measured at -O2 on the wide point of benchmarks/throughput.py, its steps took 5.38 s shared against
+    4.67 s on a process each (15 % slower), so such workers keep their own.
+    Answers ``{(model, mesh): process name}`` for the workers that share one (at least two per process); the
+    name is the hosted workers' names joined by ``+``. ``run { processes = own }`` keeps a process per worker;
+    so do GPU clusters (untested on CUDA here; docs/runtime.md)."""
+    if module.cluster.device != "cpu" or module.run.processes == "own":
+        return {}
+    collective = {s.target for s in module.graph.stages
+                  if (sy := plan.Sync.of(s)) is not None and sy.transport == "collective"}
+    groups: dict[tuple, list] = {}
+    for key, w in placed.items():
+        m = module.models[w.model]
+        if (w.ranks == 1 and not m.dropout and w.model not in collective
+                and plan.backend_traits(w.trainer).shares_process
+                and rollout_traits(plan.model_engine(module, w.model)).shares_process):
+            groups.setdefault((w.node, tuple(w.cores), w.threads), []).append(key)
+    together = concurrent_workers(module)
+    out = {}
+    for keys in groups.values():
+        processes: list[list] = []   # greedily: each worker joins the first process where none runs beside it
+        for k in keys:
+            home = next((p for p in processes if all(frozenset((placed[k].name, placed[o].name)) not in together
+                                                     for o in p)), None)
+            (home.append(k) if home is not None else processes.append([k]))
+        for p in processes:
+            if len(p) > 1:
+                name = "+".join(placed[k].name for k in p)
+                out.update({k: name for k in p})
+    return out
+
+
+__all__ = ["Entry", "Refill", "Schedule", "build_schedule", "concurrent_workers", "shared_processes",
+           "stage_threads"]

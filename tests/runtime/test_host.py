@@ -102,6 +102,12 @@ def test_streamed_generation_through_the_host_equals_the_worker_in_process(ray_h
 def test_the_process_killed_every_hosted_model_is_gone(ray_session, make_spec):
     ray, w = ray_session, _host(ray_session, make_spec)
     w.critic.kill()
+    for _ in range(600):   # ray.kill is asynchronous: a call sent at once may still reach the process
+        try:
+            ray.get(w.actor.get_version.remote(), timeout=30)   # the actor's calls go to the killed process too
+            time.sleep(0.05)
+        except ray.exceptions.RayActorError:
+            break
     for group in (w.actor, w.critic):
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(group.get_version.remote(), timeout=60)

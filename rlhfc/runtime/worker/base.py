@@ -117,6 +117,9 @@ class ModelWorker(TracedWorker):
         self.sample_gen = torch.Generator().manual_seed(derive_seed(seed, name, "sample"))
         self.train_gen = torch.Generator().manual_seed(derive_seed(seed, name, "train"))
         self.version = 0
+        #: the process-wide generator's state kept for this model while others use the process (:mod:`.host`);
+        #: None: the process is this model's own
+        self.own_rng: torch.Tensor | None = None
         self._stores: dict[str, Any] = {}    # collective sync: rendezvous stores this worker hosts, by key
         self._groups: dict[str, Any] = {}    # collective sync: two-rank process groups, by key
         self.rollout = dict(rollout or {"engine": "torch"})
@@ -126,6 +129,12 @@ class ModelWorker(TracedWorker):
                                                    world=world, store=store, dist_backend=dist_backend, tp=tp, pp=pp,
                                                    **({"offload": True} if offload else {}))
         self.rollout_engine = build_rollout(self.rollout, self)   # what decodes its generate calls
+
+    def global_rng(self) -> torch.Tensor:
+        """This model's state of torch's process-wide generator: the process's own, or (a model sharing its
+        process with others, :mod:`.host`) the state its last stage left, which the host swaps in around each of
+        its stages."""
+        return self.own_rng.clone() if self.own_rng is not None else torch.get_rng_state()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -642,7 +651,7 @@ class ModelWorker(TracedWorker):
         weights = {k: v.contiguous() for k, v in self.backend.full_weights().items()}   # collectives on a group
         opt_tensors, opt_meta = self.backend.optimizer_state()
         tensors = {"rng.sample": self.sample_gen.get_state(), "rng.train": self.train_gen.get_state(),
-                   "rng.torch": torch.get_rng_state(), **opt_tensors}
+                   "rng.torch": self.global_rng(), **opt_tensors}
         meta: dict[str, Any] = {"version": self.version, "name": self.name, "optimizer": opt_meta}
         if self.backend.writes:
             os.makedirs(folder, exist_ok=True)
@@ -661,7 +670,10 @@ class ModelWorker(TracedWorker):
             meta = json.load(fh)
         self.sample_gen.set_state(tensors["rng.sample"])
         self.train_gen.set_state(tensors["rng.train"])
-        torch.set_rng_state(tensors["rng.torch"])
+        if self.own_rng is not None:   # hosted: the process's generator is this model's only during its stages
+            self.own_rng = tensors["rng.torch"].clone()
+        else:
+            torch.set_rng_state(tensors["rng.torch"])
         self.version = int(meta["version"])
         opt = meta.get("optimizer")
         if opt is not None:

@@ -19,20 +19,25 @@ What a process of its own guarantees, a host keeps:
   fetched once its turn came (a failed upstream stage fails the call as it would fail the actor's);
 * each call runs with its own torch threads and the host's cores (both are per thread on Linux).
 
-A model's worker keeps its own random generators (sampling, training); the process-global torch seed is
-drawn from by no stage, which is why models with dropout (which draws from it) keep a process of their
-own, as do engines that start a runtime of their own (vLLM) and multi-rank groups
-(:func:`rlhfc.codegen.plan.processes` decides).
+A model's worker keeps its own random generators (sampling, training), and its state of torch's
+process-wide generator is swapped in around each of its stages and kept between them (saved and restored by
+its checkpoints as in a process of its own). Models with dropout (which draws from that generator while
+training) still keep a process of their own, as do engines that start a runtime of their own (vLLM) and
+multi-rank groups
+(:func:`rlhfc.ir.schedule.shared_processes` decides).
 
 Nothing here imports compiler code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
 from typing import Any
+
+import torch
 
 from .base import ModelWorker
 
@@ -71,6 +76,7 @@ class ModelHost:
         self._pin()
         with self.building:
             self.workers[name] = worker = ModelWorker(*args, **kwargs)
+            worker.own_rng = torch.get_rng_state()   # what its own process would hold: the seed it set
         with self.turn:
             self.done[name] = 0
             self.turn.notify_all()
@@ -93,7 +99,8 @@ class ModelHost:
         try:
             self._pin()
             args, kwargs = _resolve(ray, args, kwargs)
-            return getattr(self.workers[name], method)(*args, **kwargs)
+            with self._random_state(name, method):
+                return getattr(self.workers[name], method)(*args, **kwargs)
         finally:
             self._finish(name)
 
@@ -106,9 +113,25 @@ class ModelHost:
         try:
             self._pin()
             args, kwargs = _resolve(ray, args, kwargs)
-            yield from getattr(self.workers[name], method)(*args, **kwargs)
+            with self._random_state(name, method):
+                yield from getattr(self.workers[name], method)(*args, **kwargs)
         finally:
             self._finish(name)
+
+    @contextlib.contextmanager
+    def _random_state(self, name: str, method: str):
+        """Around a stage call: torch's process-wide generator holds the model's state (its own process would),
+        and the model keeps what the stage left. Stages of models sharing a process never run at the same time
+        (the plan shares only those), so the swap is theirs alone; other calls (saves, syncs) leave it be."""
+        worker = self.workers[name]
+        if not getattr(getattr(ModelWorker, method, None), "stage", False):
+            yield
+            return
+        torch.set_rng_state(worker.own_rng)
+        try:
+            yield
+        finally:
+            worker.own_rng = torch.get_rng_state()
 
 
 def streams(method: str) -> bool:

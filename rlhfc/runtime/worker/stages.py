@@ -48,6 +48,7 @@ def stage_call(fn):
             with call_threads(getattr(self, "threads", 1), threads):
                 return fn(self, *args, **kwargs)
     wrapper = functools.wraps(fn)(recorded(threaded, fn.__name__, generator))
+    wrapper.stage = True   # a stage of the plan: a shared process swaps in the model's random state (.host)
     # Ray checks a call's arguments against the method's signature, after unwrapping: no __wrapped__, and
     # the signature given is the wrapped one plus ``threads``
     del wrapper.__wrapped__
