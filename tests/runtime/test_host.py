@@ -111,3 +111,32 @@ def test_the_process_killed_every_hosted_model_is_gone(ray_session, make_spec):
     for group in (w.actor, w.critic):
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(group.get_version.remote(), timeout=60)
+
+
+def test_each_hosted_model_draws_from_its_own_state_of_the_process_generator(make_spec, tmp_path):
+    """In-process (no Ray): around a stage the host swaps in the model's state of torch's process-wide generator,
+    so a model draws what it would in a process of its own, whatever the other model drew between; other calls
+    leave the generator be; a checkpoint saves the model's own state and a load restores it."""
+    import torch
+
+    from rlhfc.runtime.worker.base import derive_seed
+
+    host = ModelHost(None)
+    for name, head in (("actor", "lm"), ("critic", "value")):
+        host.build(name, (name, _spec(make_spec, head), {"kind": "random"}, 5), {"threads": 1})
+
+    def draw(name, method="logprobs"):
+        with host._random_state(name, method):
+            return torch.rand(3)
+
+    a1, c1, a2 = draw("actor"), draw("critic"), draw("actor")
+    own = torch.Generator().manual_seed(derive_seed(5, "actor", "global"))
+    assert torch.equal(torch.cat([a1, a2]), torch.rand(6, generator=own))
+    assert torch.equal(c1, torch.rand(3, generator=torch.Generator().manual_seed(derive_seed(5, "critic", "global"))))
+    before = torch.get_rng_state()
+    with host._random_state("actor", "get_version"):   # not a stage: the process's generator is not swapped
+        assert torch.equal(torch.get_rng_state(), before)
+    host.workers["actor"].save(str(tmp_path / "actor"))
+    a3 = draw("actor")
+    host.workers["actor"].load(str(tmp_path / "actor"))
+    assert torch.equal(draw("actor"), a3)   # restored to the state the checkpoint saved

@@ -73,6 +73,9 @@ class ModelHost:
 
     def add(self, name: str, args: tuple, kwargs: dict) -> dict:
         """Build model ``name``'s worker here (``ModelWorker(*args, **kwargs)``); answers its ``ready()``."""
+        return self.build(name, args, kwargs).ready()
+
+    def build(self, name: str, args: tuple, kwargs: dict) -> ModelWorker:
         self._pin()
         with self.building:
             self.workers[name] = worker = ModelWorker(*args, **kwargs)
@@ -80,7 +83,7 @@ class ModelHost:
         with self.turn:
             self.done[name] = 0
             self.turn.notify_all()
-        return worker.ready()
+        return worker
 
     def _wait_turn(self, name: str, seq: int) -> None:
         with self.turn:
