@@ -122,7 +122,16 @@ def test_a_batch_runs_its_calls_in_order_in_one_exchange_and_fails_only_the_fail
 def test_it_works_in_a_folder_of_its_own_under_the_run_folder_removed_at_close(box, tmp_path):
     where, _, _ = box.new().step("where")
     assert where.startswith(str(tmp_path / "run")) and os.path.isdir(where)
+    proc = box._live.proc
+    proc.stdin.close()   # its caller gone (a killed worker): at EOF it removes its own folder
+    proc.wait(10)
+    assert proc.returncode == 0 and not os.path.exists(where)
     box.close()
+    assert not os.listdir(tmp_path / "run")
+
+    again = EnvSandbox(box.spec, root=str(tmp_path / "run"))
+    where, _, _ = again.new().step("where")
+    again.close()   # closed: its folder and log go
     assert not os.path.exists(where) and not os.listdir(tmp_path / "run")
 
 

@@ -978,6 +978,8 @@ def _serve_env(cfg: dict) -> int:
                     payload = payload[os.write(answers, payload):]
             except BrokenPipeError:
                 break
+    instances.clear()
+    _rmtree(folder)   # EOF: its caller closed it or is gone (its own folder, from inside: the guards allow it)
     return 0
 
 
