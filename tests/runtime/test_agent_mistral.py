@@ -16,7 +16,8 @@ import pytest
 
 from rlhfc.contract.rules import tool_call_format
 from rlhfc.runtime.rollout.agent import AgentLoop, ChatTemplate, mistral_call_id, tool_schema
-from rlhfc.runtime.rollout.decoding import FinishedSample
+
+from test_agent_chat import _Calc, _scripted   # the Hermes tests' scripted decoder and tool (tests/runtime on the path)
 
 MISTRAL = (
     "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
@@ -61,28 +62,6 @@ def mistral_tok(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mistral")
     tok.save_pretrained(folder)
     return load_tokenizer({"source": str(folder)}), folder
-
-
-class _Calc:
-    def __init__(self):
-        self.args = []
-
-    def call(self, args):
-        self.args += args
-        return [type("R", (), {"output": str(sum(int(x) for x in a.split(" plus "))), "kind": "ok"})() for a in args]
-
-
-def _scripted(texts, tok):
-    """Decode: row key k's i-th turn is texts[k][i], then EOS."""
-    seen = {}
-
-    def decode(rows, *, budgets, resumed, row_keys):
-        for i, key in enumerate(row_keys):
-            n = seen.get(key, 0)
-            seen[key] = n + 1
-            ids = tok.encode(texts[key][n]) + [tok.eos_id]
-            yield FinishedSample(i, tuple(rows[i]), tuple(ids), True, len(ids) - 1, (), float(len(ids)))
-    return decode
 
 
 def test_the_template_is_read_as_mistrals_format(mistral_tok):
