@@ -324,23 +324,12 @@ class ToolSandbox:
             raise _Died(f"it answered something else than results ({e})") from None
 
     def _read_line(self, seconds: float, what: str) -> bytes:
-        proc, deadline = self._live.proc, time.monotonic() + seconds
-        fd = proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buf:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise _Died(f"no {what} from it within {seconds:g} s")
-                if not sel.select(left):
-                    continue
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise _Died(self._death(proc))
-                self._buf += chunk
-        line, _, rest = bytes(self._buf).partition(b"\n")
-        self._buf = bytearray(rest)
-        return line
+        try:
+            return _next_line(self._live.proc, self._buf, seconds)
+        except TimeoutError:
+            raise _Died(f"no {what} from it within {seconds:g} s") from None
+        except EOFError:
+            raise _Died(self._death(self._live.proc)) from None
 
     def _death(self, proc: subprocess.Popen) -> str:
         try:
@@ -357,6 +346,27 @@ class ToolSandbox:
         except OSError:
             lines = []
         return f"it ended with {how}" + (f": {lines[-1].strip()}" if lines else "")
+
+
+def _next_line(proc: subprocess.Popen, buf: bytearray, seconds: float) -> bytes:
+    """The next line ``proc`` writes on its stdout (``buf`` keeps what was read past it); ``TimeoutError`` past
+    ``seconds``, ``EOFError`` when the pipe closes first."""
+    deadline, fd = time.monotonic() + seconds, proc.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if not sel.select(left):
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            buf += chunk
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    return line
 
 
 def _signame(sig: int) -> str:
@@ -497,27 +507,18 @@ class EnvSandbox:
         return answers
 
     def _answer(self, seconds: float, what: str) -> dict:
-        proc, deadline = self._live.proc, time.monotonic() + seconds
-        fd = proc.stdout.fileno()
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while b"\n" not in self._buf:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._kill()
-                    raise EnvCallError("TimeoutError", f"{what}() timed out: no answer within {seconds:g} s (its "
-                                                       "process was killed)")
-                if not sel.select(left):
-                    continue
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    rc = proc.wait()
-                    self._kill()
-                    how = f"signal {-rc} ({_signame(-rc)})" if rc < 0 else f"exit status {rc}"
-                    raise EnvCallError("ProcessDied", f"the environment's process died in {what}() ({how})")
-                self._buf += chunk
-        line, _, rest = bytes(self._buf).partition(b"\n")
-        self._buf = bytearray(rest)
+        proc = self._live.proc
+        try:
+            line = _next_line(proc, self._buf, seconds)
+        except TimeoutError:
+            self._kill()
+            raise EnvCallError("TimeoutError", f"{what}() timed out: no answer within {seconds:g} s (its process "
+                                               "was killed)") from None
+        except EOFError:
+            rc = proc.wait()
+            self._kill()
+            how = f"signal {-rc} ({_signame(-rc)})" if rc < 0 else f"exit status {rc}"
+            raise EnvCallError("ProcessDied", f"the environment's process died in {what}() ({how})") from None
         try:
             return json.loads(line)
         except ValueError:
