@@ -22,6 +22,7 @@ Response models (``CostConfig.response_lengths``):
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -211,7 +212,7 @@ def prompt_lengths(source, pretrained: bool) -> PromptLengths:
     per_char = 0.25 if pretrained else 1.0
 
     def tokens(chars: float) -> int:
-        return max(1, int(round(chars * per_char)) + 1)
+        return _prompt_tokens(chars, per_char)
 
     if source is None:
         return PromptLengths(16, 16)
@@ -220,21 +221,36 @@ def prompt_lengths(source, pretrained: bool) -> PromptLengths:
         hi = int(source.options.get("max_len", 16))
         return PromptLengths(tokens(lo), tokens(max(hi, lo)))
     path = source.options.get("path", "")
-    field = source.options.get("field", "prompt")
+    try:   # read once per version of the file: the placement search prices many candidates of one program
+        st = os.stat(path)
+        version = (st.st_mtime_ns, st.st_size)
+    except (OSError, TypeError, ValueError):
+        version = None
+    return _file_prompt_lengths(path, source.options.get("field", "prompt"), per_char, version)
+
+
+def _prompt_tokens(chars: float, per_char: float) -> int:
+    return max(1, int(round(chars * per_char)) + 1)
+
+
+@lru_cache(maxsize=64)
+def _file_prompt_lengths(path: str, field: str, per_char: float, version: tuple[int, int] | None) -> PromptLengths:
+    """The prompt lengths of a JSONL file's first 20 000 records (``version``: its mtime and size, so an
+    edited file is read again)."""
+    import json
+
     sample: list[int] = []
     try:
-        import json
-
         with open(path, encoding="utf-8") as fh:
             for line in fh:
                 if not line.strip():
                     continue
                 obj = json.loads(line)
                 if isinstance(obj, dict) and isinstance(obj.get(field), str):
-                    sample.append(tokens(len(obj[field])))
+                    sample.append(_prompt_tokens(len(obj[field]), per_char))
                 if len(sample) >= 20000:
                     break
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         sample = []
     if not sample:
         return PromptLengths(64, 64)

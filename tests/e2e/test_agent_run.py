@@ -176,6 +176,9 @@ def test_per_turn_rewards_of_a_last_step_reward_train_as_the_summed_reward(tmp_p
     assert all(sum(r for _, r in row["env_turn_rewards"]) == pytest.approx(row["env_reward"]) for row in logged)
 
 
+LEARN_STEPS = 60
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("program", ["agent_tiny.rlhf", "agent_tiny_ppo.rlhf"], ids=["grpo", "ppo"])
 def test_the_worked_example_learns_to_look_up(program, seed, tmp_path):
@@ -190,7 +193,8 @@ def test_the_worked_example_learns_to_look_up(program, seed, tmp_path):
         seen.append(roll)
         return values
 
-    rows = run_job(job, recorded, out=str(tmp_path / "run"), progress=False)
+    # 60 of the example's 100 steps: the slowest seed looks up nearly always by step 50
+    rows = run_job(job, recorded, out=str(tmp_path / "run"), steps=LEARN_STEPS, progress=False)
     for key in ("reward_mean", "turns_mean"):
         gain, se, first, last = _gain(rows, key)
         assert gain > 3 * se, f"{key}: first 5 {first}, last 5 {last}: gain {gain:.3f} not above 3 SE ({se:.3f})"
