@@ -1,5 +1,10 @@
 """Functions run in spawned processes for the multi-rank tests (a rank of a gloo group each, or a vLLM engine
-outside the test process): every result comes back, or the traceback of its failure, never a hang."""
+outside the test process): every result comes back, or the traceback of its failure, never a hang.
+
+The processes come from a fork server (:func:`context`) that imported torch, transformers, megatron-core and
+the worker once: a fresh interpreter importing them costs ~10 s of CPU per rank on this 2-core machine, and the
+multi-rank tests start about a hundred ranks. A forked child starts from the server's clean state (never the
+test process's), as a spawned one does from nothing: the workers seed every generator they use."""
 
 from __future__ import annotations
 
@@ -7,6 +12,19 @@ import pickle
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+
+#: what the fork server imports before it forks a child (a module that is not installed is left out)
+PRELOAD = ["torch", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+           "megatron.core", "rlhfc.runtime.worker.base"]
+
+
+def context():
+    """The multiprocessing context of the tests' rank processes: forks of one server with :data:`PRELOAD`
+    imported (it starts at the first process and serves the rest of the test session)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _spawned(key, fn, args, queue) -> None:
@@ -19,9 +37,9 @@ def _spawned(key, fn, args, queue) -> None:
 
 
 def run_spawned(calls: list[tuple[Callable, tuple]], *, what: str = "process", timeout: float = 600) -> list[Any]:
-    """``fn(*args)`` of each call in a spawned process of its own, all at once; their results in call order.
+    """``fn(*args)`` of each call in a process of its own (:func:`context`), all at once; their results in call order.
     A call that raised fails the test with its traceback (``what`` names the processes)."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     procs = [ctx.Process(target=_spawned, args=(i, fn, args, queue)) for i, (fn, args) in enumerate(calls)]
     for p in procs:

@@ -16,15 +16,14 @@ the single-rank reference. Per case, in this order:
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from rlhfc.runtime.data.values import PolicyLossInput, ValueLossInput
 from rlhfc.runtime.worker.base import ModelWorker
 from rlhfc.runtime.train.backend import join, open_store
+
+from spawned import run_spawned   # tests/runtime/spawned.py
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
@@ -113,31 +112,11 @@ def _rank_main(rank, world, store, spec, layout, roll, save_to, load_from):
     return out
 
 
-def _spawned(rank, args, queue):
-    try:
-        # bytes, not tensors: torch shares tensors through file descriptors that die with this process
-        queue.put((rank, pickle.dumps(_rank_main(rank, *args))))
-    except BaseException:   # report, do not hang the parent
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-
-
 def _run_group(spec, layout, roll, save_to, load_from) -> list[dict]:
     world = layout[0] * layout[1] * layout[2]
-    args = (world, open_store(), spec, layout, roll, save_to, load_from)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {r: (pickle.loads(res) if isinstance(res, bytes) else res)
-               for r, res in (queue.get(timeout=600) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
-    for r, res in results.items():
-        assert isinstance(res, dict), f"rank {r} failed:\n{res}"
-    return [results[r] for r in range(world)]
+    store = open_store()
+    return run_spawned([(_rank_main, (r, world, store, spec, layout, roll, save_to, load_from))
+                        for r in range(world)], what="rank")
 
 
 def _same_metrics(got: dict, want: dict) -> None:

@@ -83,12 +83,12 @@ def _fsdp_rank(store, spec, queue):
 
 @pytest.mark.slow
 def test_bf16_under_an_fsdp2_group_trains_as_the_single_process_worker(make_spec):
-    import torch.multiprocessing as mp
-
     from rlhfc.runtime.train.backend import open_store
 
+    from spawned import context   # tests/runtime/spawned.py
+
     spec = make_spec("llama", vocab=64)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     proc = ctx.Process(target=_fsdp_rank, args=(open_store(), spec, queue))
     proc.start()
