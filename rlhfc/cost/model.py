@@ -537,7 +537,7 @@ class CostModel:
                                turn_rows=[w["rows"] * w["waves"] for w in work["turns"]],
                                turn_s=[float(np.asarray(F.generate_time(np, inp.hw, inp.arch, w, inp.lay, inp.fit)
                                                         ["total"]).reshape(-1)[0]) for w in work["turns"]])
-                finish = tuple(float(first["total"] - self.dispatch) for _ in range(int(work["batch"])))
+                finish = self._turn_finish_offsets(first, work, summary["turn_s"])
             if self.own_weights(stage):   # its source; the refit of a trained model's new weights first
                 self._add_refit(stage, model, first, summary)
         else:
@@ -561,6 +561,26 @@ class CostModel:
         if not useful or not computed:
             return None
         return float(min(1.0, useful / computed))
+
+    def _turn_finish_offsets(self, res: dict, work: dict, turn_s: list[float]) -> tuple:
+        """Seconds into a multi-turn generate at which the k-th trajectory ends: those that end after turn
+        ``j`` (a share ``live[j] - live[j+1]`` of the batch, :meth:`turn_work`'s law) when turn ``j``'s decode and
+        the tool calls before it are done — what a streamed multi-turn generate hands on after each turn. The last
+        turn's trajectories end with the stage."""
+        batch, total = int(work["batch"]), float(res["total"] - self.dispatch)
+        E, K = float(work["expected_turns"]), int(work["max_turns"])
+        live = [min(max(E - k, 0.0), 1.0) for k in range(K)] + [0.0]
+        after = [live[j + 1] for j in range(len(turn_s))]   # who calls a tool (or steps) after turn j
+        tools = float(res.get("tools", 0.0))
+        per_call = tools / max(sum(after), 1e-12)
+        out, at = [], 0.0
+        for j, seconds in enumerate(turn_s[:-1]):
+            at += seconds
+            ending = int(round(batch * (live[j] - live[j + 1])))
+            out += [min(at, total)] * max(0, min(ending, batch - len(out)))
+            at += per_call * after[j]
+        out += [total] * (batch - len(out))   # the last turn's: with the stage
+        return tuple(float(x) for x in out)
 
     def _finish_offsets(self, res: dict, work: dict) -> tuple:
         """Seconds into the stage at which the k-th sample (k = 1..batch) finishes: waves run one after

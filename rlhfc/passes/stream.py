@@ -26,6 +26,15 @@ rounding tolerance of docs/claims.md. With one chunk (``chunk`` ≥ batch) the
 forwards are the unstreamed ones and the step is bitwise -O0's; with ``unpad``
 each chunk is also cut to its own longest response (that pass's rounding).
 Tested end to end with several chunks per step (tests/e2e/test_claims_runs.py).
+
+Multi-turn generates (tools or an environment): trajectories end at turn boundaries, and the worker's turn
+loop hands on those that ended after each turn (:meth:`rlhfc.runtime.rollout.agent.AgentLoop.iterate`), so a
+chunk of trajectories that answered at the first turn reaches the forwards while the others call tools and
+decode their next turns. The trajectories are the unstreamed ones (the same loop and random streams). They are
+streamed only when ``stream{chunk = N}`` is given: the cost model prices every turn by default (an upper
+bound on the turns, :meth:`rlhfc.cost.CostModel.turn_work`), at which every trajectory ends at the last turn
+and no automatic chunk size pays; with ``explain --turns E`` the simulator prices the trajectories that end
+early. Tested end to end in tests/e2e/test_agent_run.py.
 """
 
 from __future__ import annotations
@@ -64,7 +73,9 @@ class Stream(Pass):
         for gen in [s for s in g.stages if s.op == "generate"]:
             if async_rollout(module, gen) is not None:   # generated a step ahead: nothing to stream into
                 continue
-            if multi_turn(gen):   # trajectories are built whole by the worker's turn loop
+            if multi_turn(gen) and not self.chunk:
+                # trajectories end at turn boundaries; priced at every turn (the default, an upper bound on the
+                # turns) they all end at the last, so no chunk size pays: only a chunk given streams them
                 continue
             roll = gen.outputs[0]
             consumers = [s for s in g.users(roll) if s.op.startswith("forward.") and s.target != gen.target

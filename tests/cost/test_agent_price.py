@@ -52,6 +52,25 @@ def test_every_turn_is_priced_by_default_and_turns_prices_the_mean():
     assert priced == sorted(priced) and len(set(priced)) == 4
 
 
+def test_a_streamed_multi_turn_generate_hands_on_the_trajectories_that_end_at_each_turn():
+    """Finish offsets: at ``turns = 2.5`` of 4, half the trajectories end after turn 2 (when its decode and the
+    tool calls after turn 1 are done), the rest with the stage; at the default (every turn) all end with it. The
+    stream pass streams a multi-turn generate only with a chunk given."""
+    module = _module()
+    gen = _gen(module)
+    every = CostModel(module).stage_cost(gen)
+    assert set(every.finish_offsets) == {every.time_s - CostModel(module).dispatch}
+    cost = CostModel(module, CostConfig(turns=2.5)).stage_cost(gen)
+    turn_s, end = cost.work["turn_s"], cost.time_s - CostModel(module).dispatch
+    calls_1 = cost.parts["tools"] / cost.work["tool_calls"] * 16   # every trajectory calls after turn 1
+    assert cost.finish_offsets[:8] == pytest.approx([turn_s[0] + calls_1 + turn_s[1]] * 8)
+    assert cost.finish_offsets[8:] == pytest.approx([end] * 8) and cost.finish_offsets[7] < end
+    auto = PassManager(parse_pipeline("stream")).run(_module())
+    assert "stream" not in _gen(auto).annotations
+    given = PassManager(parse_pipeline("stream{chunk=4}")).run(_module())
+    assert "stream" in _gen(given).annotations
+
+
 def test_tool_calls_add_the_sandbox_and_the_tools_own_seconds():
     module = _module()
     gen = _gen(module)

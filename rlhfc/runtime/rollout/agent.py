@@ -40,7 +40,7 @@ import re
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from rlhfc.contract.rules import tool_call_format
 
@@ -314,7 +314,27 @@ class AgentLoop:
         last tokens are that trajectory); ``width``: the response columns a trajectory may fill; ``records``:
         each row's data record (``{"prompt": text, **fields}``), what an environment's ``reset`` gets.
         Returns the trajectories and the seconds spent waiting for tools."""
+        trajs, seconds = [], 0.0
+        for trajs, _, seconds in self.iterate(decode, prompts, width=width, keys=keys, tokenizer=tokenizer,
+                                              want_logprobs=want_logprobs, records=records):
+            pass
+        return trajs, seconds
+
+    def iterate(self, decode: Callable[..., Iterable[FinishedSample | PartialSample]],
+                prompts: Sequence[Sequence[int]], *, width: int, keys: Sequence[int], tokenizer, want_logprobs: bool,
+                records: Sequence[Mapping[str, Any]] = ()) -> Iterator[tuple[list[Trajectory], list[int], float]]:
+        """:meth:`run`'s loop, one turn at a time (what a streamed generate hands on as trajectories end): after
+        the prompts and after each turn it yields (the trajectories, the rows whose trajectory ended since the
+        last yield — in the order they ended — and the seconds spent waiting for tools so far). Every row has
+        ended by the last yield; the trajectories are the same whether the caller hands them on early or not."""
         seconds = 0.0
+        handed = [False] * len(prompts)
+
+        def ended(order: Sequence[int]) -> list[int]:
+            out = [i for i in order if trajs[i].done and not handed[i]]
+            for i in out:
+                handed[i] = True
+            return out
         records = [records[i] if i < len(records) else {} for i in range(len(prompts))]
         envs = [self._env_new() for _ in prompts] if self.env is not None else []
         firsts = []
@@ -326,10 +346,12 @@ class AgentLoop:
         trajs = [Trajectory(tuple(ids)) for ids, _ in firsts]
         for t, (_, first) in zip(trajs, firsts):
             self._observe(t, first, width, "env")
+        yield trajs, ended(range(len(trajs))), seconds
         for turn in range(self.max_turns):
             live = [i for i, t in enumerate(trajs) if not t.done]
             if not live:
                 break
+            order: list[int] = []   # the turn's rows in the order their decode finished
             budgets = [min(self.turn_tokens, width - len(trajs[i].tokens)) for i in live]
             rows = [list(trajs[i].prompt_ids) + trajs[i].tokens for i in live]
             calls: dict[int, list[tuple]] = {}   # trajectory -> its turn's calls (tool, argument[, id]), in order
@@ -339,6 +361,7 @@ class AgentLoop:
                 if isinstance(item, PartialSample):   # no stop_after here: every row finishes its turn
                     raise RuntimeError("a multi-turn generate's engine stopped a turn early")
                 i = live[item.index]
+                order.append(i)
                 t = trajs[i]
                 new = list(item.response_ids)
                 lps = list(item.logprobs[len(item.logprobs) - len(new):]) if want_logprobs else []
@@ -394,7 +417,8 @@ class AgentLoop:
                     outputs.append((name, result.output, *call_id))
                 self._observe(t, self.format.results(outputs, tokenizer), width, "+".join(n for n, *_ in found))
             seconds += time.perf_counter() - t0
-        return trajs, seconds
+            yield trajs, ended(order), seconds
+        yield trajs, [i for i in range(len(trajs)) if not handed[i]], seconds   # none: every row ended above
 
     @staticmethod
     def _observe(t: Trajectory, ids: Sequence[int], width: int, who: str) -> None:

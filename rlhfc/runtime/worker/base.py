@@ -218,17 +218,38 @@ class ModelWorker(TracedWorker):
         """A multi-turn generate: every rank runs the trajectories of its share of the rows (its tools' calls
         in sandboxes of its own), rank 0 builds the rollout from all of them. ``chat``: tool calls and results in
         the chat template's format (:class:`~rlhfc.runtime.rollout.agent.ChatTemplate`), else plain text."""
-        base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
         lo, hi = self.backend.generation_share(len(inputs))
         world = self.backend.world
+        trajs, tool_s = [], 0.0
+        for trajs, _, tool_s in self._turns(model, inputs, (lo, hi), max_new_tokens=max_new_tokens,
+                                            temperature=temperature, top_p=top_p, logprobs=logprobs,
+                                            slots=-(-slots // world) if slots else None, refit_mb=refit_mb,
+                                            tools=tools, env=env, max_turns=max_turns, turn_tokens=turn_tokens,
+                                            chat=chat):
+            pass
+        parts = self.backend.gather((trajs, tool_s))
+        if parts is None:
+            return None
+        trajs = [t for part, _ in parts for t in part]
+        return self._trajectory_rollout(trajs, range(len(trajs)), inputs, None if unpad else max_new_tokens,
+                                        logprobs, bool(env), AgentLoop.stats(trajs, max(s for _, s in parts),
+                                                                             env=bool(env)))
+
+    def _turns(self, model, inputs: list[dict], share: tuple[int, int], *, max_new_tokens: int, temperature: float,
+               top_p: float, logprobs: bool, slots: int | None, refit_mb: int, tools: list[dict], env: dict | None,
+               max_turns: int, turn_tokens: int, chat: bool):
+        """The turn loop over rows ``share`` of ``inputs`` (:meth:`AgentLoop.iterate`'s yields); the
+        environment's instances are let go when it ends. Row ``i`` samples from the random stream keyed
+        ``base + i`` (one draw from the sampling generator), whichever share of the rows a process runs."""
+        base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
+        lo, hi = share
         fmt = ChatTemplate.of(self.tokenizer, tuple(tool_schema(t["name"], t["path"], t["function"]) for t in tools)) \
             if chat else PlainText()
         envs = self._env(env) if env else None
         loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
                          env=envs.new if envs else None, env_name=env["name"] if env else "", format=fmt)
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
-                  logprob_temperature=temperature if logprobs else None,
-                  slots=-(-slots // world) if slots else None)
+                  logprob_temperature=temperature if logprobs else None, slots=slots)
 
         def decode(rows, *, budgets, resumed, row_keys):
             stream = self.rollout_engine.stream(model, rows, max(budgets), refit_mb=refit_mb, budgets=budgets,
@@ -236,29 +257,55 @@ class ModelWorker(TracedWorker):
             return under_autocast(stream, self.device, self.precision)
 
         try:
-            trajs, tool_s = loop.run(decode, [c["prompt_ids"] for c in inputs[lo:hi]], width=max_new_tokens,
-                                     keys=[base + i for i in range(lo, hi)], tokenizer=self.tokenizer,
-                                     want_logprobs=logprobs,
-                                     records=[{"prompt": c["prompt"], **(c.get("fields") or {})}
-                                              for c in inputs[lo:hi]])
+            yield from loop.iterate(decode, [c["prompt_ids"] for c in inputs[lo:hi]], width=max_new_tokens,
+                                    keys=[base + i for i in range(lo, hi)], tokenizer=self.tokenizer,
+                                    want_logprobs=logprobs,
+                                    records=[{"prompt": c["prompt"], **(c.get("fields") or {})} for c in inputs[lo:hi]])
         finally:
             if envs is not None:
                 envs.clear()   # the trajectories' instances are done with
-        parts = self.backend.gather((trajs, tool_s))
-        if parts is None:
-            return None
-        trajs = [t for part, _ in parts for t in part]
-        samples = AgentLoop.samples(trajs)
-        width_p = max(len(t.prompt_ids) for t in trajs)   # a chat template's prompt shows the tools' schemas
-        roll = self._rollout(samples, inputs, width_p, None if unpad else max_new_tokens, logprobs)
+
+    def _generate_turn_chunks(self, model, inputs: list[dict], *, chunk: int, max_new_tokens: int,
+                              unpad: bool, logprobs: bool, tools: list[dict], env: dict | None, **kw):
+        """A streamed multi-turn generate: rollouts of ``chunk`` trajectories as they end (those that end at a
+        turn, in the order they ended), the last one with what is left; the trajectories are the unstreamed
+        generate's. The step's agent metrics (:meth:`AgentLoop.stats`, over every trajectory) ride on the last
+        chunk (merged chunks keep the last chunk's value of a statistic)."""
+        size = chunk if chunk > 0 else len(inputs)
+        width_r = None if unpad else max_new_tokens
+        ready: list[int] = []
+        sent, trajs, tool_s = 0, [], 0.0
+        for trajs, ended, tool_s in self._turns(model, inputs, (0, len(inputs)), max_new_tokens=max_new_tokens,
+                                                logprobs=logprobs, tools=tools, env=env, **kw):
+            ready += ended
+            while len(ready) >= size and sent + size < len(inputs):   # the last chunk waits for the metrics
+                rows, ready, sent = ready[:size], ready[size:], sent + size
+                yield self._trajectory_rollout(trajs, rows, inputs, width_r, logprobs, bool(env))
+        yield self._trajectory_rollout(trajs, ready, inputs, width_r, logprobs, bool(env),
+                                       AgentLoop.stats(trajs, tool_s, env=bool(env)))
+
+    def _trajectory_rollout(self, trajs, rows, inputs: list[dict], width_r: int | None, logprobs: bool, env: bool,
+                            stats: dict | None = None) -> Rollout:
+        """The rollout of trajectories ``rows`` (rows of the batch): the policy's tokens are its loss mask, each
+        sample's fields name its turns (and, ``env``, its environment's rewards); ``stats``: the agent metrics
+        it carries.
+        Every chunk of a batch has the prompt width of the whole batch (a chat template's prompt shows the
+        tools' schemas)."""
+        width_p = max(len(t.prompt_ids) for t in trajs)
+        wanted = set(rows)
+        samples = [s for s in AgentLoop.samples(trajs) if s.index in wanted]
+        roll = self._rollout(samples, inputs, width_p, width_r, logprobs)
         policy = torch.zeros_like(roll.batch.response_mask)
-        for row, t in enumerate(trajs):
+        for row, i in enumerate(roll.rows):
+            t = trajs[i]
             policy[row, :len(t.policy)] = torch.tensor(t.policy, dtype=policy.dtype)
         roll.batch.response_mask = roll.batch.response_mask * policy   # the loss mask: the policy's tokens
-        roll.engine.update(AgentLoop.stats(trajs, max(s for _, s in parts), env=bool(env)))
-        roll.fields = [{**f, TURNS: t.turns_text(self.tokenizer),
-                        **({ENV_REWARD: t.reward, ENV_TURN_REWARDS: [list(x) for x in t.turn_rewards]} if env else {})}
-                       for f, t in zip(roll.fields, trajs)]
+        if stats is not None:
+            roll.engine.update(stats)
+        roll.fields = [{**f, TURNS: trajs[i].turns_text(self.tokenizer),
+                        **({ENV_REWARD: trajs[i].reward, ENV_TURN_REWARDS: [list(x) for x in trajs[i].turn_rewards]}
+                           if env else {})}
+                       for f, i in zip(roll.fields, roll.rows)]
         return roll
 
     def _env(self, spec: dict) -> EnvSandbox:
@@ -285,14 +332,17 @@ class ModelWorker(TracedWorker):
     def generate_chunks(self, prompts: list[str], *, chunk: int, max_new_tokens: int, temperature: float,
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
                         unpad: bool = False, logprobs: bool = False, chat: bool = False, slots: int | None = None,
-                        refit_mb: int = 64):
+                        refit_mb: int = 64, tools: list[dict] | str = "", env: dict | str = "", max_turns: int = 1,
+                        turn_tokens: int = 0):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
         as wide as its own longest response (the ``unpad`` pass) instead of ``max_new_tokens``;
         ``logprobs``: as in :meth:`generate`. On a group, rank 0 decodes every row (its chunks and the
         overcommit cut-off follow the finish order over all rows) while every rank brings its engine up to the
-        weights with it (an engine's start and refit may be collectives)."""
+        weights with it (an engine's start and refit may be collectives). ``tools``, ``env``, ``max_turns``,
+        ``turn_tokens``: a multi-turn generate whose trajectories are handed on as they end
+        (:meth:`_generate_turn_chunks`; no ``take``: the overcommit pass leaves multi-turn generates alone)."""
         with torch.no_grad():
             model = self.backend.generation_model(self.rollout_engine)
             self.rollout_engine.prepare(model, refit_mb)
@@ -300,6 +350,16 @@ class ModelWorker(TracedWorker):
                 # advance the sampling generator as a decode call does, so every rank draws the same row keys
                 # in the next split generation
                 torch.randint(0, 2**62, (1,), generator=self.sample_gen)
+                return
+            if tools or env or max_turns > 1:
+                if take is not None or carry:
+                    raise ValueError("a multi-turn generate carries no unfinished trajectories (take/carry)")
+                inputs = self._inputs(prompts, n, chat=chat)
+                yield from self._generate_turn_chunks(
+                    model, inputs, chunk=chunk, max_new_tokens=max_new_tokens, unpad=unpad,
+                    logprobs=logprobs or not self.rollout_engine.traits.trainer_numerics, tools=tools or [],
+                    env=env or None, temperature=temperature, top_p=top_p, slots=slots, refit_mb=refit_mb,
+                    max_turns=max_turns, turn_tokens=turn_tokens or max_new_tokens, chat=chat)
                 return
             yield from self._generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, n=n, chunk=chunk, take=take, carry=carry or [], unpad=unpad,
