@@ -257,8 +257,13 @@ class PythonEmitter:
         oc = plan.overcommit(s)
         gen_kwargs = _kwargs({"chunk": chunk, "take": roll.type.batch if oc else None, **s.attrs}) + _flags(s) \
             + self.slots(s) + self.refit(s) + self.threads(s)
-        launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
-                 f"{', '.join(gen_kwargs)})"
+        tail = plan.tail(s)
+        if tail is not None:   # the driver also calls each rank on its own (on=rank): Job.stream's tail
+            launch = f"lambda prompts, carry, on={self.worker(s)}, **more: on.generate_chunks.remote(prompts, " \
+                     f"carry=carry, {', '.join(gen_kwargs)}, **more)"
+        else:
+            launch = f"lambda prompts, carry: {self.worker(s)}.generate_chunks.remote(prompts, carry=carry, " \
+                     f"{', '.join(gen_kwargs)})"
         targets = _args([roll] + [c.outputs[0] for c in consumers])   # job.stream returns a list: unpack one too
         lines = [f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = job.stream(",
                  f"        {s.name!r}, {launch},"]
@@ -268,6 +273,8 @@ class PythonEmitter:
                          f"overcommit={s.annotations[oc.key]!r},")
         else:
             lines.append(f"        prompts={py_name(s.inputs[0].name)},")
+        if tail is not None:
+            lines.append(f"        tail={{'ranks': {self.worker(s)}.ranks, 'below': {tail.below}}},")
         if consumers:
             lines.append("        consumers={")
             for c in consumers:
@@ -280,6 +287,9 @@ class PythonEmitter:
         if chunk:
             what.append(f"finished samples flow in chunks of {chunk} to "
                         f"{', '.join(c.name for c in consumers) or 'nobody'} while generation goes on")
+        if tail is not None:
+            what.append(f"each rank streams its own rows and stops once fewer than {tail.below} decode; the rows "
+                        "left continue on the first rank (tail_migrate)")
         if oc:
             what.append(f"{roll.type.batch}+{oc.delta} prompts in flight; the step takes the first "
                         f"{roll.type.batch} to finish, the rest carry over (changes training)")

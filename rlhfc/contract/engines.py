@@ -35,7 +35,10 @@ class RolloutTraits:
     the engine reads in its workers, forwarded with its rollout options (``options["env"]``: a Ray worker's
     environment is the one its Ray started with, on another node none of the driver's). ``shares_process``: its
     workers may share one process with other models' (:mod:`rlhfc.runtime.worker.host`) — it keeps no state of
-    the process's own and runs in the calling thread (an engine that starts a runtime of its own does not)."""
+    the process's own and runs in the calling thread (an engine that starts a runtime of its own does not).
+    ``row_streams``: each row samples from a random stream of its own, keyed by the row and the token position,
+    so a row's tokens do not depend on the other rows of its call and a row resumed in another call (another
+    rank: the ``tail_migrate`` pass) samples on as it would have."""
 
     name: str
     runtime: str
@@ -49,6 +52,7 @@ class RolloutTraits:
     install: str | None = None
     auto: bool = False
     driver_env: tuple[str, ...] = ()
+    row_streams: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ DEFAULT_TRAINER = "torch"
 
 # -- the built-in engines ------------------------------------------------------------------------------------
 register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout.base:TorchDecoder", title="torch",
-                               shares_process=True))
+                               shares_process=True, row_streams=True))
 register_rollout(RolloutTraits(
     "vllm", "rlhfc.runtime.rollout.vllm:VllmRollout", title="vLLM", trainer_numerics=False, own_weights=True,
     head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256), top_p_zero=False, package="vllm",

@@ -16,6 +16,7 @@ for _name, _module in {
     "reuse_logprobs": "rlhfc.passes.reuse_logprobs",
     "parallelize": "rlhfc.passes.parallelize",
     "stream": "rlhfc.passes.stream",
+    "tail_migrate": "rlhfc.passes.tail_migrate",
     "overcommit": "rlhfc.passes.overcommit",
     "placement": "rlhfc.passes.placement",
     "realloc": "rlhfc.passes.realloc",

@@ -209,7 +209,7 @@ class Job:
 
     def stream(self, stage: str, launch: Callable, *, prompts: list[str] | None = None,
                data: str | None = None, batch: int | None = None, consumers: dict[str, Callable] | None = None,
-               overcommit: dict | None = None) -> list[Any]:
+               overcommit: dict | None = None, tail: dict | None = None) -> list[Any]:
         """Run a streamed (and maybe overcommitted) generate stage; returns [rollout, *consumer results].
 
         ``launch(prompts, carry)`` starts the worker's ``generate_chunks``; each chunk it yields is handed
@@ -217,11 +217,16 @@ class Job:
         forwards run while generation goes on. Chunks and consumer results are merged back in batch order.
         With ``overcommit = {"delta": D, ...}`` the stage draws ``batch + D - carried`` new prompts from
         ``data``, trains on the first ``batch`` samples to finish and carries the rest to the next step.
+        With ``tail = {"ranks": [...], "below": k}`` (the ``tail_migrate`` pass) each rank of the generating
+        group decodes its own share and streams its chunks, stopping once fewer than ``k`` of its rows decode;
+        then every rank's unfinished rows continue on the first rank (:meth:`_stream_tail`).
         """
         ray = _ray()
         from rlhfc.runtime.data.values import CarryOver, merge_parts, merge_rollouts
 
         consumers = consumers or {}
+        if tail is not None:
+            return self._stream_tail(stage, launch, prompts, consumers, list(tail["ranks"]), int(tail["below"]))
         carry: list[dict] = []
         if overcommit is not None:
             state = self.overcommit.setdefault(stage, {"delta": int(overcommit["delta"]), "carry": []})
@@ -250,6 +255,67 @@ class Job:
         results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
         if overcommit is not None:
             self._adapt_overcommit(stage, overcommit, roll, carry)
+        return [roll, *results]
+
+    def _stream_tail(self, stage: str, launch: Callable, prompts: list[str], consumers: dict[str, Callable],
+                     ranks: list, below: int) -> list[Any]:
+        """Long-tail migration (RLHFuse): ``launch(prompts, carry, on=rank, **options)`` on every rank with its
+        own share of the rows (``split``), each stopping once fewer than ``below`` of its rows decode and
+        handing back those rows (a ``CarryOver``: tokens so far, row, random-stream key); chunks go to the
+        consumers as any rank yields them. The rows carried back continue together on the first rank, where
+        each samples on from its own key — the other ranks' processes are free meanwhile, and the consumers'
+        forwards of the finished rows run beside the tail. Merged in batch order, as :meth:`stream`."""
+        import queue
+        import threading
+
+        ray = _ray()
+        from rlhfc.runtime.data.values import CarryOver, merge_parts, merge_rollouts
+
+        self.current_stage = stage
+        t_start = time.perf_counter()
+        chunks, parts, carried, ref = [], {name: [] for name in consumers}, [], None
+        got: queue.Queue = queue.Queue()
+
+        def pump(gen) -> None:   # one rank's stream, fetched in its own thread
+            try:
+                for r in gen:
+                    got.put((r, ray.get(r), None))
+            except BaseException as exc:   # noqa: BLE001 - handed to the driver's thread, which raises it
+                got.put((None, None, exc))
+            got.put((None, None, StopIteration()))
+
+        def take(r, item) -> None:
+            if isinstance(item, CarryOver):
+                carried.extend(item.samples)
+                return
+            chunks.append(item)
+            for name, start in consumers.items():
+                parts[name].append(start(r))
+
+        try:
+            threads = [threading.Thread(target=pump, args=(launch(prompts, [], on=rank, split=True, tail_below=below),),
+                                        daemon=True) for rank in ranks]
+            for t in threads:
+                t.start()
+            running = len(threads)
+            while running:
+                r, item, exc = got.get()
+                if isinstance(exc, StopIteration):
+                    running -= 1
+                elif exc is not None:
+                    raise exc
+                else:
+                    ref = r
+                    take(r, item)
+            if carried:   # the tails of every rank, on the first: no rank of the group waits for another
+                for r in launch([], carried, on=ranks[0]):
+                    ref = r
+                    take(r, ray.get(r))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise self._ray_failure(stage, exc) from None
+        self._timed(stage, t_start, ref=ref)
+        roll = merge_rollouts(chunks)
+        results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
         return [roll, *results]
 
     def ahead(self, stage: str, launch: Callable, *, data: str, batch: int, staleness: int):

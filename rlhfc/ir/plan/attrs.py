@@ -228,6 +228,27 @@ class Stream:
 
 
 @dataclass(frozen=True)
+class Tail:
+    """``tail = {below = K}`` on a streamed generate of a group of ranks (the ``tail_migrate`` pass): each rank
+    decodes its own share and stops once fewer than K of its rows decode; their rows continue on one rank."""
+
+    below: int
+    key: ClassVar[str] = "tail"
+
+    @classmethod
+    def parse(cls, value) -> "Tail":
+        inner = value.get("below") if isinstance(value, dict) else None
+        extra = sorted(set(value) - {"below"}) if isinstance(value, dict) else []
+        if not _is_int(inner) or inner < 1 or extra:
+            raise PlanError(f"tail must be {{below = K}} with an integer K >= 1, got {describe(value)}",
+                            "write tail = {below = 2}")
+        return cls(inner)
+
+    def print(self) -> dict:
+        return {"below": self.below}
+
+
+@dataclass(frozen=True)
 class Overcommit:
     """``overcommit = {delta = D, ...}`` on a generate stage: B+D prompts in flight, the first B to finish
     train, the rest carry over (``rlhfc.passes.overcommit`` documents the knobs)."""

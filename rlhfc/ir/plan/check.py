@@ -8,7 +8,7 @@ from rlhfc.contract.engines import DEFAULT_ROLLOUT, TrainTraits, rollout_engines
 
 from ..core import Model, Module, Stage
 from ..diagnostics import DiagnosticSink, where
-from .attrs import AUTO, STRATEGIES, AsyncRollout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, _is_int, describe
+from .attrs import AUTO, STRATEGIES, AsyncRollout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Tail, _is_int, describe
 from .rollout import installed, verify_rollout
 from .rules import backend_traits, fixed_layout, on_worker, stage_mesh, stream_source, streams, workers
 
@@ -261,7 +261,11 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
     if "overlap" in ann and not _is_int(ann["overlap"]):
         sink.error(f"{label}: overlap must be an integer group id, got {describe(ann['overlap'])}", at,
                    "stages with the same overlap = K are launched together, e.g. overlap = 1")
-    for cls in (Stream, Overcommit, AsyncRollout):
+    if Tail.key in ann and stage.op == "generate" and Stream.key not in ann:
+        sink.error(f"{label}: tail (long-tail migration) needs a streamed generate (stream = {{chunk = N}})",
+                   at, "the ranks hand their finished rows on in chunks while the tail moves: add stream, or drop "
+                   "tail")
+    for cls in (Stream, Overcommit, AsyncRollout, Tail):
         if cls.key not in ann:
             continue
         if stage.op != "generate":

@@ -119,13 +119,20 @@ class FsdpBackend(GroupBackend):
 
     # -- forwards: each rank its share of the rows ------------------------------------------------
     def rows(self, rollout: Rollout) -> Rollout:
-        return rows_of(rollout, *row_share(rollout.size, self.rank, self.world))
+        lo, hi = row_share(rollout.size, self.rank, self.world)
+        # a rollout of fewer rows than ranks (a streamed chunk) leaves some ranks none: they still take part in
+        # the forward's parameter gathers, on the rollout's first row as a stand-in whose result they drop
+        self._stand_in = rows_of(rollout, 0, 1) if hi == lo and rollout.size else None
+        return rows_of(rollout, lo, hi)
 
     # FSDP2 keeps the root module's parameters gathered after a forward (backward would gather them
     # again); a forward-only stage reshards them, so memory is freed and model.parameters() are the
     # sharded ones again (an optimizer built on gathered copies would update throwaway tensors)
     def forward(self, rollout, fn):
+        stand_in, self._stand_in = getattr(self, "_stand_in", None), None
         try:
+            if rollout.size == 0 and stand_in is not None:
+                return super().forward(stand_in, fn)[:0]
             return super().forward(rollout, fn)
         finally:
             self.model.reshard()

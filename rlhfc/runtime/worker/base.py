@@ -333,7 +333,7 @@ class ModelWorker(TracedWorker):
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
                         unpad: bool = False, logprobs: bool = False, chat: bool = False, slots: int | None = None,
                         refit_mb: int = 64, tools: list[dict] | str = "", env: dict | str = "", max_turns: int = 1,
-                        turn_tokens: int = 0):
+                        turn_tokens: int = 0, split: bool = False, tail_below: int = 0):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
@@ -342,10 +342,25 @@ class ModelWorker(TracedWorker):
         overcommit cut-off follow the finish order over all rows) while every rank brings its engine up to the
         weights with it (an engine's start and refit may be collectives). ``tools``, ``env``, ``max_turns``,
         ``turn_tokens``: a multi-turn generate whose trajectories are handed on as they end
-        (:meth:`_generate_turn_chunks`; no ``take``: the overcommit pass leaves multi-turn generates alone)."""
+        (:meth:`_generate_turn_chunks`; no ``take``: the overcommit pass leaves multi-turn generates alone).
+
+        Long-tail migration (the ``tail_migrate`` pass; the driver calls each rank, :meth:`Job.stream`):
+        ``split``: this rank decodes its own share of the rows and streams its own chunks (rows numbered in the
+        batch); ``tail_below = k``: once fewer than ``k`` of its rows are still decoding it stops and yields a
+        :class:`CarryOver` of them, each with its row and its random-stream key, and its process is free for
+        other work. A call whose ``carry`` items all have keys (the tails of every rank, on one rank) continues
+        them: each row samples on from its own key at its own position, so its tokens are those it would have
+        sampled without moving (the torch engine's row streams; up to the float rounding of a prefill against
+        the KV cache it replaces), and draws no new key."""
         with torch.no_grad():
             model = self.backend.generation_model(self.rollout_engine)
             self.rollout_engine.prepare(model, refit_mb)
+            if split or (carry and all("key" in c for c in carry)):
+                yield from self._generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_p=top_p, n=n, chunk=chunk, carry=carry or [], unpad=unpad,
+                                          logprobs=logprobs, chat=chat, slots=slots, refit_mb=refit_mb,
+                                          split=split, tail_below=tail_below)
+                return
             if self.backend.rank != 0:
                 # advance the sampling generator as a decode call does, so every rank draws the same row keys
                 # in the next split generation
@@ -376,46 +391,63 @@ class ModelWorker(TracedWorker):
             for (t, f), i in zip(parts, ids)]
 
     def _decode(self, model, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
-                carry=False, share: tuple[int, int] | None = None, slots: int | None = None, refit_mb: int = 64):
+                carry=False, share: tuple[int, int] | None = None, slots: int | None = None, refit_mb: int = 64,
+                keyed: bool = False):
         """Decode ``inputs`` on ``model`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
         ``index`` the row in ``inputs``, its response including a carried part) as each finishes, or, once
         ``take`` samples are done, a carry dict for each unfinished one. Row ``i`` samples from the random
         stream keyed ``base + i`` (``base`` one draw from this worker's sampling generator), so a share of the
-        rows decodes the tokens the whole batch would."""
-        base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
+        rows decodes the tokens the whole batch would. ``keyed``: the unfinished rows' carry dicts name their
+        key and row (``key``, ``row``: a migrated tail), and inputs that all bring a key decode with them (no
+        draw)."""
         lo, hi = share or (0, len(inputs))
         mine = inputs[lo:hi]
+        if keyed and mine and all("key" in c for c in mine):
+            keys = [int(c["key"]) for c in mine]
+        else:
+            base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
+            keys = list(range(base + lo, base + hi))
         rows = [list(c["prompt_ids"]) + list(c["partial"]) for c in mine]
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
                   budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
                   stop_after=take, logprob_temperature=temperature if logprobs else None,
-                  resumed=[len(c["partial"]) for c in mine], row_keys=list(range(base + lo, base + hi)), slots=slots)
+                  resumed=[len(c["partial"]) for c in mine], row_keys=keys, slots=slots)
         stream = self.rollout_engine.stream(model, rows, max_new_tokens, refit_mb=refit_mb, **kw)
         for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
             if isinstance(item, PartialSample):
-                yield {**c, "partial": list(response), "versions": token_versions(c, len(response), self.version)}
+                part = {**c, "partial": list(response), "versions": token_versions(c, len(response), self.version)}
+                if keyed:
+                    part.update(key=keys[item.index], row=c.get("row", lo + item.index))
+                yield part
                 continue
             yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs,
                                  item.computed)
 
     def _generate(self, model, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64):
+                  unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64, split=False, tail_below=0):
         inputs = self._inputs(prompts, n, carry, chat)
+        keyed = split or bool(carry and all("key" in c for c in carry))   # a migrated tail: rows and keys kept
+        share = self.backend.generation_share(len(inputs)) if split else None
+        if tail_below > 0:   # this rank stops once fewer than tail_below of its rows decode: they move
+            rows = (share[1] - share[0]) if share else len(inputs)
+            take = rows - tail_below + 1 if rows >= tail_below else None
         logprobs = logprobs or not self.rollout_engine.traits.trainer_numerics   # the behaviour policy's
-        width_p = max(len(c["prompt_ids"]) for c in inputs)
+        # a migrated tail keeps its batch's prompt width (its chunks merge with the other ranks')
+        width_p = max(max(len(c["prompt_ids"]), c.get("width_p", 0)) for c in inputs)
         buf: list[FinishedSample] = []
         left: list[dict] = []
         size = chunk if chunk > 0 else len(inputs)
         width_r = None if unpad else max_new_tokens
         done = 0
         for item in self._decode(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 take=take, logprobs=logprobs, carry=bool(carry), slots=slots, refit_mb=refit_mb):
+                                 take=take, logprobs=logprobs, carry=bool(carry), slots=slots, refit_mb=refit_mb,
+                                 share=share, keyed=keyed):
             if isinstance(item, dict):
                 left.append(item)
                 continue
-            if take is not None and done == take:
+            if take is not None and done == take and not tail_below:
                 # more rows finished in the decoding step that brought the take-th: the step trains on
                 # exactly `take`, so these (the later rows) are carried, cut before their last token,
                 # which they sample again under the next step's weights
@@ -432,22 +464,23 @@ class ModelWorker(TracedWorker):
         if buf:
             yield self._rollout(buf, inputs, width_p, width_r, logprobs)
         if take is not None:
-            yield CarryOver(left)
+            yield CarryOver([{**c, "width_p": width_p} for c in left] if tail_below else left)
 
     def _rollout(self, samples, inputs, width_p: int, width_r: int | None, with_logprobs: bool = False) -> Rollout:
-        samples = sorted(samples, key=lambda x: x.index)
+        samples = sorted(samples, key=lambda x: inputs[x.index].get("row", x.index))
         batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
-        rows = [s.index for s in samples]
+        rows = [inputs[s.index].get("row", s.index) for s in samples]   # in the batch (a migrated tail's own)
         logprobs = None
         if with_logprobs:
             logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
             for row, s in enumerate(samples):
                 logprobs[row, :len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
-        return Rollout(batch, [inputs[i]["prompt"] for i in rows], decode_responses(self.tokenizer, batch),
-                       self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in rows],
+        at = [s.index for s in samples]   # the samples' inputs
+        return Rollout(batch, [inputs[i]["prompt"] for i in at], decode_responses(self.tokenizer, batch),
+                       self.name, self.version, self.tok_id, rows, [inputs[i]["born"] for i in at],
                        max(s.step for s in samples) + 1, logprobs, unpad=width_r is None,
                        computed_tokens=sum(s.computed for s in samples),
-                       fields=[inputs[i].get("fields") or {} for i in rows], engine=self._take_engine_stats(),
+                       fields=[inputs[i].get("fields") or {} for i in at], engine=self._take_engine_stats(),
                        rollout_engine=self.rollout_engine.name,
                        versions=[token_versions(inputs[s.index], len(s.response_ids), self.version) for s in samples])
 

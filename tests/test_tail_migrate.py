@@ -1,0 +1,78 @@
+"""The ``tail_migrate`` pass on the IR (its runtime end to end: tests/e2e/test_tail_migrate_run.py): where it marks a
+generate, the threshold it picks, where it is a documented no-op, and the located errors of a bad option or a
+hand-written ``tail`` on an unstreamed generate."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rlhfc.frontend import compile_source
+from rlhfc.ir import CompileError, plan
+from rlhfc.ir.printer import print_module
+from rlhfc.passes import PassManager, parse_pipeline
+from rlhfc.passes.tail_migrate import tail_below
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAM = os.path.join(HERE, "e2e", "tiny_tail.rlhf")
+STREAMED = "dce,stream{chunk=4},placement,tail_migrate"
+
+
+def _gen(text: str | None = None, passes: str = STREAMED):
+    source = text if text is not None else open(PROGRAM).read()
+    module, _ = compile_source(source, PROGRAM)
+    module = PassManager(parse_pipeline(passes)).run(module)
+    return module, next(s for s in module.graph.stages if s.op == "generate")
+
+
+def test_a_streamed_generate_on_two_ranks_moves_its_tail_below_a_ranks_share_over_the_ranks():
+    module, gen = _gen()
+    assert plan.worker_ranks(module, "actor", plan.stage_mesh(module, gen)) == 2
+    assert plan.tail(gen) == plan.Tail(4)   # 16 rows, 8 a rank: below 8 / 2
+    assert "tail = {below = 4}" in print_module(module)
+    _, gen = _gen(passes="dce,stream{chunk=4},placement,tail_migrate{threshold=0.25}")
+    assert plan.tail(gen) == plan.Tail(2)
+    _, gen = _gen(passes=STREAMED + ",tail_migrate{threshold=0.25}")   # run again: its own mark replaced
+    assert plan.tail(gen) == plan.Tail(2)
+    assert tail_below(8, 2, "auto") == 4 and tail_below(3, 4, "auto") == 1 and tail_below(8, 2, "1") == 8
+
+
+@pytest.mark.parametrize("edit,passes", [
+    (lambda t: t.replace(" layout(dp = 2)", ""), STREAMED),   # one rank
+    (lambda t: t, "dce,placement,tail_migrate"),             # not streamed: no forwards to run beside the tail
+], ids=["one_rank", "unstreamed"])
+def test_where_there_is_no_tail_to_move_the_pass_changes_nothing(edit, passes):
+    _, gen = _gen(edit(open(PROGRAM).read()), passes)
+    assert plan.tail(gen) is None
+
+
+def test_an_engine_whose_rows_share_a_batchs_random_state_keeps_its_generates():
+    from rlhfc.contract.engines import rollout_traits
+
+    assert rollout_traits("torch").row_streams and not rollout_traits("vllm").row_streams
+    text = open(PROGRAM).read().replace("run { steps", 'run { rollout = "vllm"; steps').replace("heads = 2", "heads = 1")
+    module, gen = _gen(text)
+    assert plan.tail(gen) is None
+
+
+def test_a_bad_threshold_is_a_located_error():
+    with pytest.raises(CompileError) as exc:
+        parse_pipeline("tail_migrate{threshold=2}")
+    assert "threshold must be auto or a fraction in (0, 1]" in str(exc.value)
+
+
+def test_a_tail_on_an_unstreamed_generate_is_refused_by_the_verifier():
+    from rlhfc.ir.verifier import verify
+
+    module, _ = compile_source(open(PROGRAM).read(), PROGRAM)
+    gen = next(s for s in module.graph.stages if s.op == "generate")
+    gen.annotations["tail"] = {"below": 2}
+    with pytest.raises(CompileError) as exc:
+        verify(module)
+    assert "tail (long-tail migration) needs a streamed generate" in str(exc.value) and "tiny_tail.rlhf:11" in str(exc.value)
+    gen.annotations["stream"] = {"chunk": 4}
+    gen.annotations["tail"] = {"below": 0}
+    with pytest.raises(CompileError) as exc:
+        verify(module)
+    assert "tail must be {below = K} with an integer K >= 1" in str(exc.value)
