@@ -13,8 +13,15 @@ end to end, generation fusion included).
 
     .venv/bin/python benchmarks/rlhfuse.py [--iterations 4000] [--json out.json]
 
-Not yet measured (the runtime does not execute a fused schedule, nor migrate a generation's tail): the CPU
-job with and without the passes.
+``--cpu``: the ``tail_migrate`` pass measured on this machine. A PPO program whose policy (and its reference
+copy) generate on two FSDP ranks (``layout(dp = 2)``), 64-token responses of a random policy (a long tail: each
+token ends a response with probability about 1/vocab), streamed in chunks of 4 to the reference and critic
+forwards: the job with and without the pass, in interleaved rounds, each round a fresh job (1 warm-up step, then
+``--steps``), medians of samples/s and generated tokens/s; beside them, explain's prediction of the rank time
+the migration frees a step (the simulator does not yet hand that time to other stages, so its predicted step is
+the same with and without the pass). The fused training schedule is not executed by the runtime yet.
+
+    .venv/bin/python benchmarks/rlhfuse.py --cpu [--rounds 3] [--steps 6] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from rlhfc.cost.fused_schedule import Pipeline, render, search  # noqa: E402
 
@@ -45,13 +53,93 @@ def pipeline(name: str, size: str) -> tuple[Pipeline, float]:
     return Pipeline(name, MICRO, forward, 2.0 * forward), hop
 
 
+TAIL_PROGRAM = """
+cluster local { devices = cpu:2 }
+model actor  = llama(layers = 2, hidden = 128, heads = 2, vocab = 64, max_seq = 96) layout(dp = 2) trainable
+model critic = llama(layers = 2, hidden = 128, heads = 2, vocab = 64, max_seq = 96) head = value trainable
+model ref    = copy(actor) frozen
+data prompts = synthetic(count = 4096, min_len = 4, max_len = 12)
+pipeline ppo(batch = 32) {
+  roll     = actor.generate(prompts, max_new_tokens = 64)
+  logp     = actor.logprobs(roll)
+  ref_logp = ref.logprobs(roll)
+  values   = critic.values(roll)
+  scores   = rule("rlhfc.runtime.rewards:vowel_count", roll)
+  adv, ret = gae(scores, values, logp, ref_logp, kl_coef = 0.05)
+  actor.train(ppo_clip(roll, logp, adv), lr = 1e-3, minibatches = 2)
+  critic.train(value_loss(roll, values, ret), lr = 1e-3, minibatches = 2)
+}
+run { steps = 7; seed = 0; checkpoint_every = 100 }
+"""
+TAIL_PASSES = ["dce", "unpad", "reuse_logprobs", "parallelize", "stream{chunk=4}", "placement", "tail_migrate",
+               "recompute", "offload", "realloc", "threads"]
+
+
+def cpu_tail(rounds: int, steps: int) -> dict:
+    """The job with and without ``tail_migrate``, interleaved rounds; medians (see the module docstring)."""
+    import statistics
+    import tempfile
+
+    from jobrun import run_compiled
+
+    from rlhfc.cost import simulate
+    from rlhfc.explain.report import tail_notes
+    from rlhfc.frontend import compile_source
+    from rlhfc.passes import PassManager, parse_pipeline
+
+    work = tempfile.mkdtemp(prefix="rlhfuse-tail-")
+    source = os.path.join(work, "tail.rlhf")
+    with open(source, "w") as fh:
+        fh.write(TAIL_PROGRAM.replace("steps = 7", f"steps = {steps + 1}"))
+    variants = {"tail_migrate": TAIL_PASSES, "without": [p for p in TAIL_PASSES if p != "tail_migrate"]}
+    modules = {}
+    for name, passes in variants.items():
+        module, _ = compile_source(open(source).read(), source)
+        modules[name] = PassManager(parse_pipeline(",".join(passes))).run(module)
+    sim = simulate(modules["tail_migrate"])
+    predicted = {"notes": tail_notes(modules["tail_migrate"], sim), "step_s": sim.step_time_s,
+                 "step_s_without": simulate(modules["without"]).step_time_s}
+    measured: dict = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in (variants if r % 2 == 0 else reversed(list(variants))):
+            res = run_compiled(modules[name], f"O2-{name}-{r}", source, os.path.join(work, f"{name}{r}"), warmup=1)
+            rows = res["rows"]
+            samples = sum(x["samples"] for x in rows)
+            tokens = sum(x["response_len_mean"] * x["samples"] for x in rows)
+            measured[name].append({"samples_per_s": samples / res["wall"], "tokens_per_s": tokens / res["wall"],
+                                   "step_s": res["wall"] / len(rows), "response_len": tokens / samples})
+            print(f"round {r} {name:>12}: {measured[name][-1]['samples_per_s']:.2f} samples/s, "
+                  f"{measured[name][-1]['tokens_per_s']:.1f} tokens/s, step {measured[name][-1]['step_s']:.2f} s",
+                  flush=True)
+    med = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in measured.items()}
+    return {"predicted": predicted, "measured": measured, "median": med,
+            "gain": med["tail_migrate"]["samples_per_s"] / med["without"]["samples_per_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iterations", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draw", action="store_true", help="print each fused schedule")
     ap.add_argument("--json", default="")
+    ap.add_argument("--cpu", action="store_true", help="measure tail_migrate on this machine (see the docstring)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
+    if args.cpu:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+        out = cpu_tail(args.rounds, args.steps)
+        for line in out["predicted"]["notes"]:
+            print("predicted:", line)
+        for name, m in out["median"].items():
+            print(f"median {name:>12}: {m['samples_per_s']:.2f} samples/s, {m['tokens_per_s']:.1f} tokens/s, "
+                  f"step {m['step_s']:.2f} s, mean response {m['response_len']:.1f} tokens")
+        print(f"tail_migrate / without: x{out['gain']:.2f} samples/s")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return 0
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; {STAGES} stages, "
           f"{MICRO} micro-batches of {SEQS}x{TOKENS} tokens per model")
     print(f"{'actor':>6} {'critic':>6} {'unfused s':>10} {'fused s':>8} {'bound s':>8} {'gap':>6} {'gain':>6} "

@@ -5,6 +5,7 @@ hand-written ``tail`` on an unstreamed generate."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -76,3 +77,14 @@ def test_a_tail_on_an_unstreamed_generate_is_refused_by_the_verifier():
     with pytest.raises(CompileError) as exc:
         verify(module)
     assert "tail must be {below = K} with an integer K >= 1" in str(exc.value)
+
+
+def test_explain_says_where_the_tail_starts_and_the_rank_time_it_frees(capsys):
+    from rlhfc.cli import main
+
+    assert main(["explain", PROGRAM, "--passes", STREAMED]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "moves its tail (tail_migrate)" in x)
+    assert "each of its 2 ranks decodes its 8 rows and stops once fewer than 4 decode" in line
+    assert "at most 6 rows left continue on the first rank" in line
+    assert re.search(r"the tail starts at [\d.]+ m?s of [\d.]+ m?s, freeing 1 rank for the last", line), line

@@ -76,6 +76,7 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
                          f"{s.outputs[0].type.batch} to finish (this changes which samples are trained on)")
     notes += async_notes(module, cm, sim, steps)
     notes += agent_notes(module, sim)
+    notes += tail_notes(module, sim)
     groups: dict = {}
     for s in module.graph.stages:
         g = overlap_group(s)
@@ -156,6 +157,36 @@ def agent_notes(module: Module, sim) -> list[str]:
                    f"{w['turn_tokens']} token{'s' if w['turn_tokens'] != 1 else ''}, {between} between them; priced at {w['expected_turns']:g} turns per "
                    f"trajectory ({basis}), each turn one decode call re-prefilling prompt + trajectory so far "
                    f"(+{w['obs_tokens']:.3g} answer tokens a turn): {turns}; {calls}")
+    return out
+
+
+def tail_notes(module: Module, sim) -> list[str]:
+    """Each long-tail migration (the ``tail_migrate`` pass) as the length law places it: when a rank's tail starts
+    (the finish offset of its ``rows − below + 1``-th row, as a fraction of the batch), how many rows move, and the
+    rank time it frees a step — time the simulator does not give to other stages yet (it holds the generate's
+    devices to its end), so the step's prediction does not include the gain."""
+    out = []
+    for s in module.graph.stages:
+        t, cost = plan.tail(s), sim.costs.get(s.name)
+        if t is None or cost is None:
+            continue
+        ranks = plan.worker_ranks(module, s.target, plan.stage_mesh(module, s))
+        batch = s.outputs[0].type.batch or 1
+        per = -(-batch // ranks)
+        moved = ranks * (t.below - 1)
+        line = (f"%{s.name} moves its tail (tail_migrate): each of its {ranks} ranks decodes its {per} rows and stops "
+                f"once fewer than {t.below} decode; the at most {moved} rows left continue on the first rank "
+                "(re-prefilled, each on its own random stream: the same tokens)")
+        offsets = cost.finish_offsets
+        if offsets:
+            start = offsets[min(len(offsets) - 1, max(0, -(-(per - t.below + 1) * len(offsets) // per) - 1))]
+            end = max(offsets)
+            if end > start:
+                line += (f"; by the length law the tail starts at {fmt_seconds(start)} of {fmt_seconds(end)}, freeing "
+                         f"{ranks - 1} rank{'s' if ranks > 2 else ''} for the last {fmt_seconds(end - start)} "
+                         f"({fmt_seconds((ranks - 1) * (end - start))} of rank time a step, for the forwards of "
+                         "finished chunks; the predicted step does not count it yet)")
+        out.append(line)
     return out
 
 
