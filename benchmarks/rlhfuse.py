@@ -17,9 +17,9 @@ end to end, generation fusion included).
 copy) generate on two FSDP ranks (``layout(dp = 2)``), 64-token responses of a random policy (a long tail: each
 token ends a response with probability about 1/vocab), streamed in chunks of 4 to the reference and critic
 forwards: the job with and without the pass, in interleaved rounds, each round a fresh job (1 warm-up step, then
-``--steps``), medians of samples/s and generated tokens/s; beside them, explain's prediction of the rank time
-the migration frees a step (the simulator does not yet hand that time to other stages, so its predicted step is
-the same with and without the pass). The fused training schedule is not executed by the runtime yet.
+``--steps``), medians of samples/s and generated tokens/s; beside them, explain's note (where the length law
+puts the tail's start) and the simulator's predicted step with and without the pass (it runs the tail on one
+rank's core, the other free for the forwards). The fused training schedule is not executed by the runtime yet.
 
     .venv/bin/python benchmarks/rlhfuse.py --cpu [--rounds 3] [--steps 6] [--json out.json]
 """
@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         out = cpu_tail(args.rounds, args.steps)
         for line in out["predicted"]["notes"]:
             print("predicted:", line)
+        p = out["predicted"]
+        print(f"predicted step {p['step_s'] * 1e3:.1f} ms with the pass, {p['step_s_without'] * 1e3:.1f} ms without "
+              f"(x{p['step_s_without'] / p['step_s']:.2f})")
         for name, m in out["median"].items():
             print(f"median {name:>12}: {m['samples_per_s']:.2f} samples/s, {m['tokens_per_s']:.1f} tokens/s, "
                   f"step {m['step_s']:.2f} s, mean response {m['response_len']:.1f} tokens")

@@ -270,6 +270,8 @@ class _Job:
     why: str = ""
     spans: list = field(default_factory=list)
     unit_start: float = 0.0
+    #: per unit, the (cores, threads) it runs on where they change (a migrated tail: one rank); None: the job's
+    phases: list | None = None
 
 
 def _speed(speedup, x: float) -> float:
@@ -380,6 +382,8 @@ def _schedule_shared(ctx: _Context) -> tuple[list[Task], list]:
             for j in jobs:
                 if j.state == "held" and released(j):
                     j.state, j.rem, j.unit_start = "run", j.units[j.unit][0], t
+                    if j.phases is not None:
+                        j.cores, j.threads = j.phases[j.unit]
                     if j.start is None:
                         j.start = t
                     moved = True
@@ -485,7 +489,16 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
         return min(1.0, max(0.0, (c.parts.get("overhead", 0.0) - d) / busy)) if busy > 0 else 0.0
 
     src = ctx.stream_source(s)
-    if src is None:
+    phases = None
+    split = tail_split(cm.module, s, cost) if cores else None
+    if src is None and split is not None:
+        # a migrated tail (the tail_migrate pass): every rank until its tail starts, then one rank, the other
+        # ranks' cores free for the forwards of the finished chunks
+        start = split[0] + d
+        rest = max(cost.time_s + extra + ctx.sync_time.get(s.name, 0.0) - start, 0.0)
+        units = [[start, sigma(cost), None, None, cm.stage_speedup(s), d], [rest, sigma(cost), None, None, None, 0.0]]
+        phases = [(cores, max(1, int(threads))), (frozenset({min(cores)}), 1)]
+    elif src is None:
         duration = cost.time_s + extra + ctx.sync_time.get(s.name, 0.0)
         units = [[duration, sigma(cost), None, None, cm.stage_speedup(s) if cores else None, d]]
     else:
@@ -503,6 +516,20 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
             c = cm.stage_cost(s, rows=float(rows))
             units.append([c.time_s + (extra if i == 0 else 0.0), sigma(c), rows, (gen, frac),
                           cm.stage_speedup(s, float(rows)) if cores else None, d])
-    job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [])
+    job = _Job(s, k, wkeys, cores, max(1, int(threads)), units, [], phases=phases)
     job.total_s = sum(u[0] for u in units)
     return job
+
+
+def tail_split(module, s: Stage, cost) -> tuple[float, int] | None:
+    """(seconds into the generate at which its ranks' tails start, ranks) of a generate the ``tail_migrate`` pass
+    marked: the finish offset of a rank's ``rows − below + 1``-th row (as a fraction of the batch, by the length
+    law); None for any other stage or without finish offsets."""
+    t = plan.tail(s)
+    if t is None or not cost.finish_offsets:
+        return None
+    ranks = plan.worker_ranks(module, s.target, plan.stage_mesh(module, s))
+    per = -(-(s.outputs[0].type.batch or 1) // ranks)
+    offsets = cost.finish_offsets
+    start = offsets[min(len(offsets) - 1, max(0, -(-(per - t.below + 1) * len(offsets) // per) - 1))]
+    return float(start), ranks

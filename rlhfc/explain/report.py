@@ -161,31 +161,40 @@ def agent_notes(module: Module, sim) -> list[str]:
 
 
 def tail_notes(module: Module, sim) -> list[str]:
-    """Each long-tail migration (the ``tail_migrate`` pass) as the length law places it: when a rank's tail starts
-    (the finish offset of its ``rows − below + 1``-th row, as a fraction of the batch), how many rows move, and the
-    rank time it frees a step — time the simulator does not give to other stages yet (it holds the generate's
-    devices to its end), so the step's prediction does not include the gain."""
-    out = []
+    """Each long-tail migration (the ``tail_migrate`` pass) as the length law places it: how many rows move, when
+    a rank's tail starts (:func:`rlhfc.cost.scheduling.tail_split`), the rank time it frees a step, and the
+    predicted step against the same plan without the migration (on a CPU cluster the simulator gives the freed
+    cores to the stages that share them; on GPUs it does not model the freed devices yet)."""
+    import copy
+
+    from rlhfc.cost import simulate
+    from rlhfc.cost.scheduling import tail_split
+
+    out, without = [], None
     for s in module.graph.stages:
         t, cost = plan.tail(s), sim.costs.get(s.name)
         if t is None or cost is None:
             continue
         ranks = plan.worker_ranks(module, s.target, plan.stage_mesh(module, s))
-        batch = s.outputs[0].type.batch or 1
-        per = -(-batch // ranks)
-        moved = ranks * (t.below - 1)
+        per = -(-(s.outputs[0].type.batch or 1) // ranks)
         line = (f"%{s.name} moves its tail (tail_migrate): each of its {ranks} ranks decodes its {per} rows and stops "
-                f"once fewer than {t.below} decode; the at most {moved} rows left continue on the first rank "
-                "(re-prefilled, each on its own random stream: the same tokens)")
-        offsets = cost.finish_offsets
-        if offsets:
-            start = offsets[min(len(offsets) - 1, max(0, -(-(per - t.below + 1) * len(offsets) // per) - 1))]
-            end = max(offsets)
-            if end > start:
-                line += (f"; by the length law the tail starts at {fmt_seconds(start)} of {fmt_seconds(end)}, freeing "
-                         f"{ranks - 1} rank{'s' if ranks > 2 else ''} for the last {fmt_seconds(end - start)} "
-                         f"({fmt_seconds((ranks - 1) * (end - start))} of rank time a step, for the forwards of "
-                         "finished chunks; the predicted step does not count it yet)")
+                f"once fewer than {t.below} decode; the at most {ranks * (t.below - 1)} rows left continue on the "
+                "first rank (re-prefilled, each on its own random stream: the same tokens)")
+        split = tail_split(module, s, cost)
+        end = max(cost.finish_offsets) if cost.finish_offsets else 0.0
+        if split is not None and end > split[0]:
+            line += (f"; by the length law the tail starts at {fmt_seconds(split[0])} of {fmt_seconds(end)}, freeing "
+                     f"{ranks - 1} rank{'s' if ranks > 2 else ''} for the last {fmt_seconds(end - split[0])}")
+        if without is None:
+            bare = copy.deepcopy(module)
+            for g in bare.graph.stages:
+                g.annotations.pop(plan.Tail.key, None)
+            without = simulate(bare).step_time_s
+        if sim.step_time_s > 0 and without > 0:
+            line += (f"; predicted step {fmt_seconds(sim.step_time_s)} against {fmt_seconds(without)} without it "
+                     f"(x{without / sim.step_time_s:.2f}"
+                     + (", the freed cores given to the forwards that share them)" if module.cluster.device == "cpu"
+                        else "; freed GPUs are not modelled yet)"))
         out.append(line)
     return out
 
