@@ -295,6 +295,68 @@ def search(devices: int, actor: Pipeline, critic: Pipeline, *, hop: float = 0.0,
     return best
 
 
+def stage_sequence(stage: int, devices: int, micro: int) -> list[tuple[str, int]]:
+    """The operations megatron-core's 1F1B schedule (``forward_backward_pipelining_without_interleaving``) runs on
+    pipeline stage ``stage`` of ``devices``, in order: ``min(devices - stage - 1, micro)`` warm-up forwards, then a
+    forward and a backward in turn, then the remaining backwards; (kind, micro-batch)."""
+    w = min(devices - stage - 1, micro)
+    seq = [(FWD, j) for j in range(w)]
+    for i in range(micro - w):
+        seq += [(FWD, w + i), (BWD, i)]
+    return seq + [(BWD, j) for j in range(micro - w, micro)]
+
+
+def device_orders(schedule: Schedule, *, hop: float = 0.0) -> tuple[list[list[tuple[int, str, int]]], float]:
+    """What each device runs under ``schedule``, as an executor that keeps each model's own pipeline schedule can
+    run it (the megatron backend's fused training, :mod:`rlhfc.runtime.train.fused`): per device, (model, kind,
+    micro-batch) in order — the schedule's interleaving of the two models (which model's operation comes next),
+    each model's operations in its rank's 1F1B order (:func:`stage_sequence`). Returns the orders and their
+    makespan (:func:`order_span`). An interleaving that cannot complete in that form falls back to each device
+    running its first model's operations, then its second's (the unfused schedule, which always completes)."""
+    P = schedule.devices
+    pipes = schedule.pipelines
+    orders = []
+    for d, runs in enumerate(schedule.runs):
+        seqs = {m: iter(stage_sequence(d if m == 0 else P - 1 - d, P, pipes[m].micro)) for m in range(len(pipes))}
+        orders.append([(op.model, *next(seqs[op.model])) for _, _, op in runs])
+    span = order_span(P, pipes, orders, hop=hop)
+    if span is None:
+        orders = [[(m, *op) for m in range(len(pipes)) for op in stage_sequence(d if m == 0 else P - 1 - d, P,
+                                                                                 pipes[m].micro)]
+                  for d in range(P)]
+        span = order_span(P, pipes, orders, hop=hop)
+    return orders, float(span)
+
+
+def order_span(devices: int, pipes: tuple[Pipeline, ...], orders: list[list[tuple[int, str, int]]], *,
+               hop: float = 0.0) -> float | None:
+    """The makespan of running ``orders`` (per device, (model, kind, micro-batch)) strictly in order, each
+    operation after its dependencies (and the hop between devices); None when they cannot complete (a device's
+    next operation waits for one that waits behind it: the executor would deadlock)."""
+    pos = [0] * devices
+    free = [0.0] * devices
+    done: dict[Op, float] = {}
+    left = sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for d in range(devices):
+            if pos[d] >= len(orders[d]):
+                continue
+            m, kind, j = orders[d][pos[d]]
+            op = Op(m, kind, j, d if m == 0 else devices - 1 - d)
+            deps = _deps(op, devices)
+            if any(x not in done for x in deps):
+                continue
+            ready = max([free[d]] + [done[x] + (hop if device_of(x, devices) != d else 0.0) for x in deps])
+            done[op] = free[d] = ready + _duration(op, pipes)
+            pos[d] += 1
+            left -= 1
+            moved = True
+        if not moved:
+            return None
+    return max(free)
+
+
 def _bottom_levels(devices: int, pipes: tuple[Pipeline, ...], hop: float) -> dict[Op, float]:
     """Each operation's longest path to the end of its micro-batch (its own duration included)."""
     out: dict[Op, float] = {}

@@ -131,6 +131,14 @@ class TrainBackend:
         group that must gather it."""
         return self.model
 
+    def fuse(self, fused: dict | None) -> None:
+        """Run the next training call's pipeline schedules in a fused order with another model's
+        (:mod:`rlhfc.runtime.train.fused`; ``fused``: ``{"store", "orders", "model", "key"}``, None: unfused).
+        Only a pipeline-parallel backend has a schedule to fuse."""
+        if fused:
+            raise ValueError(f"model '{self.host.name}': fused training needs a pipeline-parallel trainer "
+                             "(megatron with pp > 1)")
+
     def reshard(self, engine, bucket_mb: int) -> tuple[int, int]:
         """The plan's reshard stage: bring the generation layout up to the trained weights now. Returns (bytes
         this rank received, transfers): one process holds the whole model already."""

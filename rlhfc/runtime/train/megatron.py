@@ -42,6 +42,7 @@ The model itself, and the shims megatron-core needs on a machine without CUDA: :
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -57,6 +58,7 @@ from rlhfc.runtime.rl.ppo import loss_units
 from rlhfc.runtime.rollout.generation import RolloutBatch
 
 from .backend import GROUP_TIMEOUT_S, GroupBackend, init_group, row_share, rows_of
+from .fused import FusedGate, gated
 from .loop import take_rows
 
 #: the most a rank sends in one all-gather when the pieces are put together (MiB)
@@ -230,11 +232,28 @@ class MegatronBackend(GroupBackend):
                 return out, None
             return out, lambda o: on_output(o, part)
 
-        with torch.set_grad_enabled(not forward_only):
+        gate = None if forward_only else getattr(self, "gate", None)
+        with torch.set_grad_enabled(not forward_only), (gated(gate) if gate else contextlib.nullcontext()):
             get_forward_backward_func()(forward_step_func=step, data_iterator=iter(range(m)), model=[self.model],
                                         num_microbatches=m, seq_length=width, micro_batch_size=size,
                                         forward_only=forward_only)
         return results
+
+    def fuse(self, fused: dict | None) -> None:
+        """The next training call's schedules run in the fused order ``fused["orders"]`` (per device; this rank's
+        device: its pipeline stage, reversed for the second model), meeting the other model's ranks in the
+        TCPStore ``fused["store"]`` (:mod:`rlhfc.runtime.train.fused`); None: unfused."""
+        if not fused:
+            gate, self.gate = getattr(self, "gate", None), None
+            if gate is not None:
+                self.last_log = gate.log   # what ran when (kind, micro-batch, schedule, start, end)
+            return
+        if self.pp < 2:
+            super().fuse(fused)
+        model = int(fused["model"])
+        device = self.pp_rank if model == 0 else self.pp - 1 - self.pp_rank
+        self.gate = FusedGate(tuple(fused["store"]), fused["orders"][device], model, device,
+                              f"{fused['key']}/dp{self.dp_rank}tp{self.tp_rank}")
 
     # -- forwards: each data-parallel rank its share of the rows ---------------------------------
     def rows(self, rollout: Rollout) -> Rollout:

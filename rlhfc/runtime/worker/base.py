@@ -544,9 +544,11 @@ class ModelWorker(TracedWorker):
     @stage_call
     def train(self, loss: PolicyLossInput | ValueLossInput, *, lr: float, epochs: int, minibatches: int,
               max_grad_norm: float, weight_decay: float, unpad: bool = False, lr_schedule: str = "constant",
-              warmup_steps: int = 0, total_steps: int = 0, micro_batch: int = 0) -> dict[str, float]:
+              warmup_steps: int = 0, total_steps: int = 0, micro_batch: int = 0,
+              fused: dict | None = None) -> dict[str, float]:
         """PPO/value updates on ``loss``; ``unpad``: each minibatch drops the response columns that are
-        padding in all of its rows (the ``unpad`` pass). A non-finite loss or gradient stops it before the
+        padding in all of its rows (the ``unpad`` pass); ``fused``: the pipeline schedules run interleaved with
+        another model's training on the same devices (:meth:`TrainBackend.fuse`). A non-finite loss or gradient stops it before the
         optimizer step (:class:`NonFiniteError`); ``minibatches`` may not exceed the samples of the batch.
         The lr of this call is ``lr`` times the schedule's factor at train step ``self.version``
         (:func:`rlhfc.runtime.rl.algorithms.lr_factor`), so a resumed run continues the same sequence."""
@@ -595,9 +597,14 @@ class ModelWorker(TracedWorker):
                                      "run stops before the optimizer step (nothing of this step is checkpointed)")
             return out, stats
 
-        metrics = self.backend.train_epochs(self.backend.optimizer, batch, guarded, epochs=epochs,
-                                            minibatches=minibatches, max_grad_norm=max_grad_norm or None,
-                                            generator=self.train_gen, unpad=unpad, micro_batch=micro_batch)
+        self.backend.fuse(fused)
+        try:
+            metrics = self.backend.train_epochs(self.backend.optimizer, batch, guarded, epochs=epochs,
+                                                minibatches=minibatches, max_grad_norm=max_grad_norm or None,
+                                                generator=self.train_gen, unpad=unpad, micro_batch=micro_batch)
+        finally:
+            if fused:
+                self.backend.fuse(None)
         self.version += 1
         metrics.update(getattr(loss, "stats", {}), lr=step_lr, version=float(self.version))
         return metrics
