@@ -180,6 +180,11 @@ class PythonEmitter:
         rows = (s.outputs[0].type.batch or 1) + (oc.delta if oc else 0)
         return [f"slots={-(-rows // m)}"]
 
+    def fused(self, s: Stage) -> list[str]:
+        """A fused train stage's order (the ``fuse_training`` pass): its role and each device's operations."""
+        f = plan.fused(s)
+        return [f"fused=job.fused({f.role}, {list(f.orders)!r})"] if f is not None else []
+
     def refit(self, s: Stage) -> list[str]:
         """``refit_mb=N`` for a generate whose vLLM engine refits in buckets of N MiB (the realloc pass)."""
         n = plan.refit_mb(s) if s.op == "generate" else None
@@ -216,7 +221,7 @@ class PythonEmitter:
                     f"bucket_mb={sync.bucket_mb}, after={py_name(s.inputs[0].name)}{how})")
         if e.kind == "remote":
             call = ", ".join(_args(s.inputs) + _kwargs(s.attrs) + _flags(s) + self.slots(s) + self.refit(s)
-                             + self.threads(s))
+                             + self.threads(s) + self.fused(s))
             remote = f"{self.worker(s)}.{rule.target}.remote({call})"
             return f"{outs} = {remote}" if e.future else f"{outs} = job.get({name!r}, {remote})"
         if e.kind == "compute":

@@ -76,7 +76,8 @@ def placement(module: Module) -> contract.PlacementPlan:
         model=w.model, mesh=w.mesh.pair(), bundle=w.node, num_cpus=0.0 if gpu else float(w.share),
         num_gpus=float(w.share) if gpu else 0.0, threads=1 if gpu else w.threads, cores=tuple(w.cores),
         ranks=w.ranks, dp=w.dp, tp=w.tp, pp=w.pp, trainer=w.trainer, engine=plan.model_engine(module, w.model),
-        gpu_memory_utilization=_gpu_memory(module, w.model), offload=_offload(module, key), process=shared.get(key))
+        gpu_memory_utilization=_gpu_memory(module, w.model), offload=_offload(module, key), process=shared.get(key),
+        reversed_stages=_reversed_stages(module, key))
         for key, w in placed.items()}
     return contract.PlacementPlan("PACK" if c.nodes == 1 else "STRICT_SPREAD", bundles, workers)
 
@@ -84,6 +85,12 @@ def placement(module: Module) -> contract.PlacementPlan:
 def _offload(module: Module, key) -> bool:
     """Whether the worker ``key`` (model, mesh) runs a train stage marked ``offload`` (optimizer on the host)."""
     return any(s.op == "train" and plan.offload(s) and plan.worker_key(module, s) == key for s in module.graph.stages)
+
+
+def _reversed_stages(module: Module, key) -> bool:
+    """Whether the worker ``key`` trains as the second model of a fused pair (its stages on its cores in reverse)."""
+    return any(s.op == "train" and (f := plan.fused(s)) is not None and f.role == 1 and plan.worker_key(module, s) == key
+               for s in module.graph.stages)
 
 
 def _gpu_memory(module: Module, model: str) -> float | None:

@@ -223,7 +223,9 @@ class WorkerPlan:
     ``gpu_memory_utilization``: a CUDA rollout engine's share of its GPU, as the compiler priced it;
     ``offload``: it trains with its optimizer state and step on the host (the ``offload`` pass);
     ``process``: the name of the process it shares with the other workers of the same ``process``
-    (:mod:`rlhfc.runtime.worker.host`), None for a process (or ``ranks`` processes) of its own."""
+    (:mod:`rlhfc.runtime.worker.host`), None for a process (or ``ranks`` processes) of its own;
+    ``reversed_stages``: its pipeline stages sit on its mesh's cores in reverse (the second model of a fused
+    training pair, the ``fuse_training`` pass: its stage ``s`` beside the first model's stage ``pp − 1 − s``)."""
 
     model: str
     mesh: tuple[int, int]
@@ -241,6 +243,7 @@ class WorkerPlan:
     gpu_memory_utilization: float | None = None
     offload: bool = False
     process: str | None = None
+    reversed_stages: bool = False
 
 
 @dataclass(frozen=True)

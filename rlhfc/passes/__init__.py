@@ -17,6 +17,7 @@ for _name, _module in {
     "parallelize": "rlhfc.passes.parallelize",
     "stream": "rlhfc.passes.stream",
     "tail_migrate": "rlhfc.passes.tail_migrate",
+    "fuse_training": "rlhfc.passes.fuse_training",
     "overcommit": "rlhfc.passes.overcommit",
     "placement": "rlhfc.passes.placement",
     "realloc": "rlhfc.passes.realloc",

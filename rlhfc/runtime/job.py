@@ -318,6 +318,20 @@ class Job:
         results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
         return [roll, *results]
 
+    def fused(self, role: int, orders: list[str]) -> dict:
+        """A fused train stage's ``fused`` argument (the ``fuse_training`` pass): the pair's meeting point, a
+        ``TCPStore`` the driver hosts for the job's life (started at the first fused stage), its role and the
+        orders, keyed by the step (:mod:`rlhfc.runtime.train.fused`)."""
+        if getattr(self, "_fused_store", None) is None:
+            import torch.distributed as dist
+
+            from rlhfc.runtime.train.backend import open_store
+
+            ray = _ray()
+            host, port = open_store(ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1")
+            self._fused_store = (dist.TCPStore(host, port, is_master=True, wait_for_workers=False), (host, port))
+        return {"store": self._fused_store[1], "orders": orders, "model": int(role), "key": f"s{self.step}"}
+
     def ahead(self, stage: str, launch: Callable, *, data: str, batch: int, staleness: int):
         """Asynchronous rollout: this step's rollout, from generations launched up to ``staleness`` steps ago.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -246,6 +248,40 @@ class Tail:
 
     def print(self) -> dict:
         return {"below": self.below}
+
+
+@dataclass(frozen=True)
+class Fused:
+    """``fused = {role = R, with = "STAGE", orders = [...]}`` on two train stages (the ``fuse_training`` pass):
+    their pipeline schedules run interleaved on the same devices, ``role`` 0 with its stages on devices 0 → P−1,
+    1 in reverse; ``orders``: per device the operations in turn, ``"<role><F|B><micro-batch>"`` separated by
+    spaces (:func:`rlhfc.cost.fused_schedule.device_orders`)."""
+
+    role: int
+    partner: str
+    orders: tuple[str, ...]
+    key: ClassVar[str] = "fused"
+
+    @classmethod
+    def parse(cls, value) -> "Fused":
+        ok = isinstance(value, dict) and set(value) == {"role", "with", "orders"} and value["role"] in (0, 1) \
+            and isinstance(value["with"], str) and isinstance(value["orders"], (list, tuple)) and value["orders"] \
+            and all(isinstance(o, str) and o.split() and all(_FUSED_OP.fullmatch(x) for x in o.split())
+                    for o in value["orders"])
+        if not ok:
+            raise PlanError(f"fused must be {{role = 0 | 1, with = \"STAGE\", orders = [\"0F0 1F0 ...\", ...]}}, "
+                            f"got {describe(value)}", "let the fuse_training pass write it")
+        return cls(int(value["role"]), value["with"], tuple(value["orders"]))
+
+    def print(self) -> dict:
+        return {"role": self.role, "with": self.partner, "orders": list(self.orders)}
+
+    def device_orders(self) -> list[list[tuple[int, str, int]]]:
+        """Per device, (role, kind, micro-batch) in turn (what :class:`rlhfc.runtime.train.fused.FusedGate` reads)."""
+        return [[(int(x[0]), x[1], int(x[2:])) for x in o.split()] for o in self.orders]
+
+
+_FUSED_OP = re.compile(r"[01][FB]\d+")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from rlhfc.contract.engines import DEFAULT_ROLLOUT, TrainTraits, rollout_engines
 
 from ..core import Model, Module, Stage
 from ..diagnostics import DiagnosticSink, where
-from .attrs import AUTO, STRATEGIES, AsyncRollout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Tail, _is_int, describe
+from .attrs import AUTO, STRATEGIES, AsyncRollout, Mesh, Overcommit, Parallel, PlanError, Recompute, Stream, Tail, Fused, _is_int, describe
 from .rollout import installed, verify_rollout
 from .rules import backend_traits, fixed_layout, on_worker, stage_mesh, stream_source, streams, workers
 
@@ -265,6 +265,15 @@ def _verify_stage(module: Module, stage: Stage, total, sink: DiagnosticSink) -> 
         sink.error(f"{label}: tail (long-tail migration) needs a streamed generate (stream = {{chunk = N}})",
                    at, "the ranks hand their finished rows on in chunks while the tail moves: add stream, or drop "
                    "tail")
+    if Fused.key in ann:
+        if stage.op != "train":
+            sink.error(f"{label}: 'fused' applies to train stages only, not {stage.op}", at,
+                       "move fused = {...} to the train stages whose schedules it interleaves")
+        else:
+            try:
+                Fused.parse(ann[Fused.key])
+            except PlanError as exc:
+                report(exc)
     for cls in (Stream, Overcommit, AsyncRollout, Tail):
         if cls.key not in ann:
             continue

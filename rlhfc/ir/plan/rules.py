@@ -8,7 +8,7 @@ from rlhfc.contract.engines import DEFAULT_TRAINER, TrainTraits, auto_backend, t
 
 from ..core import Graph, Model, Module, Stage
 from .attrs import (AUTO, STRATEGIES, WORKER_FAMILIES, AsyncRollout, Layout, Mesh, Overcommit, Parallel, PlanError,
-                    Recompute, Stream, Sync, Tail, _is_int)
+                    Recompute, Stream, Sync, Tail, Fused, _is_int)
 
 # -- reading a plan -------------------------------------------------------------------------------------
 
@@ -30,6 +30,11 @@ def mesh(stage: Stage) -> Mesh | None:
 
 def stream(stage: Stage) -> Stream | None:
     return _read(stage, Stream) if stage.op == "generate" else None
+
+
+def fused(stage: Stage) -> Fused | None:
+    """A train stage's fused pipeline schedule with another model's (the ``fuse_training`` pass), if any."""
+    return _read(stage, Fused) if stage.op == "train" else None
 
 
 def tail(stage: Stage) -> Tail | None:

@@ -174,7 +174,7 @@ class Cluster:
                 store = ray.get(ray.remote(num_cpus=0)(_free_port).options(scheduling_strategy=where).remote())
                 actor_cls = ray.remote(num_cpus=w.num_cpus / w.ranks, num_gpus=w.num_gpus / w.ranks,
                                        max_restarts=0)(ModelWorker)
-                cores = list(w.cores)
+                cores = list(w.cores)[::-1] if w.reversed_stages else list(w.cores)   # a fused pair's second model
                 handles = [actor_cls.options(scheduling_strategy=where).remote(
                     *args, threads=1, cores=[cores[r % len(cores)]] if cores else None, rank=r, world=w.ranks,
                     store=store, dist_backend="nccl" if gpu else "gloo", tp=w.tp, pp=w.pp, **common)

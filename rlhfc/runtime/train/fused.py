@@ -30,6 +30,12 @@ from typing import Sequence
 GATE_TIMEOUT_S = 300.0
 
 
+def parse_orders(orders) -> list[list[tuple[int, str, int]]]:
+    """Per device, (model, kind, micro-batch) from the plan's ``"0F0 1F0 0B0 ..."`` strings (or tuples as they are)."""
+    return [[(int(x[0]), x[1], int(x[2:])) for x in o.split()] if isinstance(o, str) else [tuple(x) for x in o]
+            for o in orders]
+
+
 class FusedScheduleError(RuntimeError):
     """A rank waited too long for its turn in the fused schedule (the other model's rank on the device died or
     stalled, or the order cannot be executed)."""

@@ -58,7 +58,7 @@ from rlhfc.runtime.rl.ppo import loss_units
 from rlhfc.runtime.rollout.generation import RolloutBatch
 
 from .backend import GROUP_TIMEOUT_S, GroupBackend, init_group, row_share, rows_of
-from .fused import FusedGate, gated
+from .fused import FusedGate, gated, parse_orders
 from .loop import take_rows
 
 #: the most a rank sends in one all-gather when the pieces are put together (MiB)
@@ -252,7 +252,7 @@ class MegatronBackend(GroupBackend):
             super().fuse(fused)
         model = int(fused["model"])
         device = self.pp_rank if model == 0 else self.pp - 1 - self.pp_rank
-        self.gate = FusedGate(tuple(fused["store"]), fused["orders"][device], model, device,
+        self.gate = FusedGate(tuple(fused["store"]), parse_orders(fused["orders"])[device], model, device,
                               f"{fused['key']}/dp{self.dp_rank}tp{self.tp_rank}")
 
     # -- forwards: each data-parallel rank its share of the rows ---------------------------------

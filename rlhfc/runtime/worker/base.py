@@ -605,6 +605,8 @@ class ModelWorker(TracedWorker):
         finally:
             if fused:
                 self.backend.fuse(None)
+                # the operations as they ran (kind, micro-batch, schedule, start, end): the trace's sub-spans
+                self._span_ops = list(getattr(self.backend, "last_log", []))
         self.version += 1
         metrics.update(getattr(loss, "stats", {}), lr=step_lr, version=float(self.version))
         return metrics

@@ -155,9 +155,12 @@ def recorded(fn, method: str, generator: bool):
             self._trace_depth -= 1
         t1 = time.time()
         work = work_of(out) if method.startswith("generate") else work_of(args[0] if args else None)
+        ops = self.__dict__.pop("_span_ops", None)   # a fused training's operations (rlhfc.runtime.train.fused)
         if self._trace is not None:
             self._trace.append(_span(method, t0, t1, threads or getattr(self, "threads", None), work, _task_id(),
                                      u0=u0))
+            if ops:
+                self._trace[-1]["ops"] = ops
         return out
     return wrapper
 
@@ -261,6 +264,9 @@ class Timeline:
                         args["chunks"] = [[round((t - sp["t0"]) * 1e3, 3), n] for t, n in sp["chunks"]]
                     self.span(self.pid.get(name, WORKER_PID0), r, stage, args["op"].split(".", 1)[0] or "call",
                               sp["t0"], sp["t1"], args)
+                    for kind, micro, call, t0, t1 in sp.get("ops") or ():   # a fused training's steps, nested
+                        self.span(self.pid.get(name, WORKER_PID0), r, f"{stage} {kind}{micro}", "fused", t0, t1,
+                                  {"stage": stage, "fused": kind, "micro": micro, "schedule": call})
 
     def _guess(self, model: str, method: str) -> str:
         found = self.by_method.get((model, method), [])
