@@ -41,7 +41,8 @@ ALLOWED = {
 }
 #: plan annotation keys: only rlhfc/ir/plan.py reads or writes them on a stage or module
 PLAN_KEYS = ("mesh", "parallel", "microbatches", "recompute", "overlap", "stream", "stream_from", "overcommit",
-             "unpad", "logprobs", "strategy", "threads", "refit_mb", "gpu_memory", "changes_training", "engine")
+             "unpad", "logprobs", "strategy", "threads", "refit_mb", "gpu_memory", "changes_training", "engine",
+             "tail", "fused")
 MAX_LINES = 500
 
 

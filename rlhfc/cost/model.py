@@ -449,8 +449,21 @@ class CostModel:
             cost = self._driver_cost(stage, rows)
         else:
             cost = self._model_cost(stage, model, layout, rows)
+            gain = self.fused_gain(stage)
+            if gain:   # a fused pair's pipelines fill each other's bubbles: each priced at its share of the gain
+                cost = replace(cost, time_s=cost.time_s / gain, parts={k: v / gain for k, v in cost.parts.items()},
+                               work={**cost.work, "fused_gain": gain})
         self._cache[key] = cost
         return cost
+
+    def fused_gain(self, stage: Stage) -> float | None:
+        """A fused train stage's predicted gain (``fused = {gain}``, the ``fuse_training`` pass: the unfused
+        pipelines' time over the searched fused schedule's), priced on GPU clusters: there the two stages would
+        run one after another with their pipelines' bubbles, fused they take the fused schedule's time. On a CPU
+        cluster the simulator already shares the cores between the two trains as they run at the same time (no
+        bubble is priced), so the gain is not counted twice (None)."""
+        f = plan.fused(stage)
+        return f.gain if f is not None and f.gain > 1.0 and not self.spec.is_cpu else None
 
     def _driver_cost(self, stage: Stage, rows: float | None) -> StageCost:
         op = stage.op

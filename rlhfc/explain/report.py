@@ -77,6 +77,7 @@ def build_report(module: Module, *, records=None, level: str | None = None, pass
     notes += async_notes(module, cm, sim, steps)
     notes += agent_notes(module, sim)
     notes += tail_notes(module, sim)
+    notes += fused_notes(module)
     groups: dict = {}
     for s in module.graph.stages:
         g = overlap_group(s)
@@ -188,7 +189,7 @@ def tail_notes(module: Module, sim) -> list[str]:
         if without is None:
             bare = copy.deepcopy(module)
             for g in bare.graph.stages:
-                g.annotations.pop(plan.Tail.key, None)
+                plan.set_tail(g, None)
             without = simulate(bare).step_time_s
         if sim.step_time_s > 0 and without > 0:
             line += (f"; predicted step {fmt_seconds(sim.step_time_s)} against {fmt_seconds(without)} without it "
@@ -196,6 +197,31 @@ def tail_notes(module: Module, sim) -> list[str]:
                      + (", the freed cores given to the forwards that share them)" if module.cluster.device == "cpu"
                         else "; freed GPUs are not modelled yet)"))
         out.append(line)
+    return out
+
+
+def fused_notes(module: Module) -> list[str]:
+    """Each fused training pair (the ``fuse_training`` pass): the searched schedule's predicted gain and its gap to
+    the lower bound (RLHFuse's max(critical path, busiest device)), and its drawing (one line per device: ``a``/``A``
+    the first model's forward/backward steps, ``c``/``C`` the second's)."""
+    from rlhfc.cost.fused_pairs import pair_schedule
+    from rlhfc.cost.fused_schedule import device_orders, render
+
+    out = []
+    for s in module.graph.stages:
+        f = plan.fused(s)
+        other = next((g for g in module.graph.stages if g.name == f.partner), None) if f is not None else None
+        if f is None or f.role != 0 or other is None:
+            continue
+        schedule = pair_schedule(module, s, other)
+        _, span = device_orders(schedule)
+        drawing = "\n      ".join(render(schedule, width=60))
+        out.append(f"%{s.name} and %{other.name} train as one fused pipeline schedule (fuse_training, RLHFuse) on "
+                   f"{schedule.devices} devices, @{other.target}'s stages in reverse: the searched schedule takes "
+                   f"{fmt_seconds(span)} against {fmt_seconds(schedule.unfused)} one after the other (x{f.gain:.2f}; "
+                   f"lower bound {fmt_seconds(schedule.lower_bound)}, {schedule.gap:.0%} above it"
+                   + ("; the CPU simulator prices the two as sharing the cores, not this gain" if
+                      module.cluster.device == "cpu" else "") + f"):\n      {drawing}")
     return out
 
 

@@ -25,19 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhfc.contract.engines import train_traits
-from rlhfc.cost.fused_schedule import Pipeline, device_orders, search
+from rlhfc.cost.fused_pairs import fuse_key, pair_schedule
+from rlhfc.cost.fused_schedule import device_orders
 from rlhfc.ir import Module, plan
 
 from .base import Pass, register_pass
-
-
-def micro_batches(rows: int, pp: int) -> int:
-    """The micro-batches the megatron backend cuts ``rows`` into on ``pp`` stages: the largest count up to
-    ``2 · pp`` that divides the rows (:meth:`rlhfc.runtime.train.megatron.MegatronBackend._microbatches`)."""
-    if pp == 1:
-        return 1
-    return max(m for m in range(1, min(rows, 2 * pp) + 1) if rows % m == 0)
 
 
 @register_pass
@@ -51,46 +43,20 @@ class FuseTraining(Pass):
     def run(self, module: Module) -> Module:
         trains = [s for s in module.graph.stages if s.op == "train"]
         for s in trains:
-            s.annotations.pop(plan.Fused.key, None)   # idempotent: its own marks only
+            plan.set_fused(s, None)   # idempotent: its own marks only
         keyed: dict = {}
         for s in trains:
-            key = self._key(module, s)
+            key = fuse_key(module, s)
             if key is not None:
                 keyed.setdefault(key, []).append(s)
-        for key, stages in keyed.items():
+        for stages in keyed.values():
             if len(stages) < 2:
                 continue
             first, second = stages[0], stages[1]
-            pp, rows = key[1], key[5] // key[6]
-            micro = micro_batches(rows, pp)
-            pipes = [self._pipeline(module, s, micro, pp) for s in (first, second)]
-            schedule = search(pp, pipes[0], pipes[1], iterations=self.iterations, seed=0, time_limit_s=10.0)
-            orders, _ = device_orders(schedule)
+            schedule = pair_schedule(module, first, second, iterations=self.iterations)
+            orders, span = device_orders(schedule)
             text = [" ".join(f"{m}{k}{j}" for m, k, j in o) for o in orders]
+            gain = max(1.0, schedule.unfused / span) if span > 0 else 1.0
             for role, (s, other) in enumerate(((first, second), (second, first))):
-                s.annotations[plan.Fused.key] = plan.Fused(role, other.name, tuple(text)).print()
+                plan.set_fused(s, plan.Fused(role, other.name, tuple(text), gain))
         return module
-
-    @staticmethod
-    def _key(module: Module, s) -> tuple | None:
-        """What two train stages must share to fuse (None: this one cannot)."""
-        mesh = plan.stage_mesh(module, s)
-        trainer, lay = plan.worker_layout(module, s.target, mesh)
-        if "pp" not in train_traits(trainer).dims or lay.pp < 2 or lay.dp != 1:
-            return None
-        batch = s.inputs[0].type.batch if s.inputs and s.inputs[0].type.batch else None
-        group = plan.overlap_group(s)
-        if batch is None or group is None:
-            return None
-        return (mesh, lay.pp, lay.tp, group, int(s.attrs.get("epochs", 1)), batch, int(s.attrs.get("minibatches", 1)))
-
-    @staticmethod
-    def _pipeline(module: Module, s, micro: int, pp: int) -> Pipeline:
-        """The stage's pipeline as the search sees it: one micro-batch's forward through one stage from the
-        cost model's price of the train stage (1F1B's ``(micro + pp − 1)`` slots of a forward and a backward,
-        the backward twice the forward)."""
-        from rlhfc.cost import CostModel
-
-        seconds = float(CostModel(module).stage_cost(s).time_s)
-        forward = max(seconds / (3.0 * (micro + pp - 1)), 1e-9)
-        return Pipeline(s.target, micro, forward, 2.0 * forward)

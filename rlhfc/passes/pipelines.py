@@ -4,7 +4,7 @@
 | ----- | ------- |
 | O0    | no passes: the program runs exactly as written, one stage at a time |
 | O1    | cleanups that cannot change results |
-| O2    | O1 + the exact performance passes (padding removal, log-prob reuse, overlap, placement, long-tail migration on generating groups, recompute, optimizer offload where nothing else fits, reallocation, thread counts) |
+| O2    | O1 + the exact performance passes (padding removal, log-prob reuse, overlap, placement, long-tail migration on generating groups, fused pipeline training of two models on the same devices, recompute, optimizer offload where nothing else fits, reallocation, thread counts) |
 | O3    | O2 + passes that change which samples a step trains on (opt-in) |
 
 Placement runs last so its search prices plans with the overlap decisions
@@ -20,10 +20,11 @@ from .base import Pass, parse_pipeline
 PIPELINES: dict[str, list[str]] = {
     "O0": [],
     "O1": ["dce"],
-    "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "tail_migrate", "recompute",
-           "offload", "realloc", "threads"],
+    "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "tail_migrate", "fuse_training",
+           "recompute", "offload", "realloc", "threads"],
     "O3": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "overcommit{when=faster}",
-           "async_rollout{when=faster}", "placement", "tail_migrate", "recompute", "offload", "realloc", "threads"],
+           "async_rollout{when=faster}", "placement", "tail_migrate", "fuse_training", "recompute", "offload", "realloc",
+           "threads"],
 }
 assert tuple(PIPELINES) == OPT_LEVELS, "every -O level of rlhfc.ir.plan.OPT_LEVELS has a pipeline, in order"
 

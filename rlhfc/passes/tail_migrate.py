@@ -71,7 +71,7 @@ class TailMigrate(Pass):
 
     def run(self, module: Module) -> Module:
         for gen in [s for s in module.graph.stages if s.op == "generate"]:
-            gen.annotations.pop(plan.Tail.key, None)   # idempotent: its own mark only
+            plan.set_tail(gen, None)   # idempotent: its own mark only
             if plan.stream_chunk(gen) is None or plan.overcommit(gen) is not None or plan.multi_turn(gen) \
                     or plan.async_rollout(module, gen) is not None:
                 continue
@@ -82,5 +82,5 @@ class TailMigrate(Pass):
             if ranks < 2 or rows < 2 * ranks:
                 continue
             below = tail_below(-(-rows // ranks), ranks, self.threshold)
-            gen.annotations[plan.Tail.key] = plan.Tail(below).print()
+            plan.set_tail(gen, plan.Tail(below))
         return module

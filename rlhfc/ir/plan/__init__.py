@@ -62,7 +62,7 @@ from .rules import (Worker, async_rollout, can_run_ahead, generates_ahead, multi
                     refit_mb, set_gpu_memory, set_refit_mb, set_threads_cap, threads_cap, offload, set_offload, fixed_layout, flag, home_mesh, is_reshard, layout_signature, mesh,
                     microbatches, on_worker, overcommit, overcommit_delta, overlap_group, policy_temperature,
                     recompute, recompute_decision, set_flag, set_layout, set_overlap, set_recompute, unset,
-                    set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream, tail, fused,
+                    set_strategy, set_stream_from, stage_layout, stage_mesh, stage_worker, strategy, stream, tail, fused, set_tail, set_fused,
                     stream_chunk, stream_consumers, stream_source, streams, sync_destination, worker_key, worker_name,
                     worker_ranks, workers, planned_layout, resolve_trainer, worker_layout)
 
@@ -73,7 +73,7 @@ __all__ = [
     "note_changes_training", "unnote_changes_training", "layout_signature", "refit_mb", "set_gpu_memory", "set_refit_mb", "set_threads_cap", "threads_cap", "offload", "set_offload", "planned_layout", "resolve_trainer", "worker_layout",
     "OPT_LEVELS", "PLACEMENTS", "RECOMPUTE_POLICIES", "rollouts", "STRATEGIES", "trainers", "TRANSPORTS", "WORKER_FAMILIES",
     "verify_rollout", "auto_engine", "head_problem", "installed", "ENGINE_KEY", "model_engine", "stage_engine", "engine_problem",
-    "AsyncRollout", "PROXIMAL_METHODS", "async_rollout", "can_run_ahead", "generates_ahead", "multi_turn", "refills", "staleness", "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Tail", "tail", "Fused", "fused", "Worker", "describe",
+    "AsyncRollout", "PROXIMAL_METHODS", "async_rollout", "can_run_ahead", "generates_ahead", "multi_turn", "refills", "staleness", "Layout", "Mesh", "Overcommit", "Parallel", "PlanError", "Recompute", "Stream", "Sync", "Tail", "tail", "Fused", "fused", "set_tail", "set_fused", "Worker", "describe",
     "opt_level", "verify_plan", "device_shares", "flag", "home_mesh", "mesh", "microbatches", "on_worker",
     "overcommit", "overcommit_delta", "overlap_group", "policy_temperature", "recompute", "recompute_decision",
     "set_recompute", "set_flag", "set_layout",

@@ -1,4 +1,8 @@
-"""Plan attributes: the single lists and the typed attributes that parse, print and verify themselves."""
+"""Plan attributes: the single lists and the typed attributes that parse, print and verify themselves.
+
+Why this file is long: every plan attribute a pass writes is a class here (one idea: the plan's typed values);
+splitting them by pass would scatter what the verifier and every reader must agree on.
+"""
 
 from __future__ import annotations
 
@@ -252,29 +256,33 @@ class Tail:
 
 @dataclass(frozen=True)
 class Fused:
-    """``fused = {role = R, with = "STAGE", orders = [...]}`` on two train stages (the ``fuse_training`` pass):
-    their pipeline schedules run interleaved on the same devices, ``role`` 0 with its stages on devices 0 → P−1,
-    1 in reverse; ``orders``: per device the operations in turn, ``"<role><F|B><micro-batch>"`` separated by
-    spaces (:func:`rlhfc.cost.fused_schedule.device_orders`)."""
+    """``fused = {role = R, with = "STAGE", orders = [...], gain = G}`` on two train stages (the ``fuse_training``
+    pass): their pipeline schedules run interleaved on the same devices, ``role`` 0 with its stages on devices
+    0 → P−1, 1 in reverse; ``orders``: per device the operations in turn, ``"<role><F|B><micro-batch>"`` separated
+    by spaces (:func:`rlhfc.cost.fused_schedule.device_orders`); ``gain``: the two unfused schedules' time over the
+    fused one's, as the search predicted it (what the cost model prices the pair with)."""
 
     role: int
     partner: str
     orders: tuple[str, ...]
+    gain: float = 1.0
     key: ClassVar[str] = "fused"
 
     @classmethod
     def parse(cls, value) -> "Fused":
-        ok = isinstance(value, dict) and set(value) == {"role", "with", "orders"} and value["role"] in (0, 1) \
+        ok = isinstance(value, dict) and set(value) - {"gain"} == {"role", "with", "orders"} \
+            and value["role"] in (0, 1) and _is_number(value.get("gain", 1.0)) and value.get("gain", 1.0) >= 1.0 \
             and isinstance(value["with"], str) and isinstance(value["orders"], (list, tuple)) and value["orders"] \
             and all(isinstance(o, str) and o.split() and all(_FUSED_OP.fullmatch(x) for x in o.split())
                     for o in value["orders"])
         if not ok:
-            raise PlanError(f"fused must be {{role = 0 | 1, with = \"STAGE\", orders = [\"0F0 1F0 ...\", ...]}}, "
+            raise PlanError(f"fused must be {{role = 0 | 1, with = \"STAGE\", orders = [\"0F0 1F0 ...\", ...], "
+                            f"gain = G >= 1}}, "
                             f"got {describe(value)}", "let the fuse_training pass write it")
-        return cls(int(value["role"]), value["with"], tuple(value["orders"]))
+        return cls(int(value["role"]), value["with"], tuple(value["orders"]), float(value.get("gain", 1.0)))
 
     def print(self) -> dict:
-        return {"role": self.role, "with": self.partner, "orders": list(self.orders)}
+        return {"role": self.role, "with": self.partner, "orders": list(self.orders), "gain": round(self.gain, 4)}
 
     def device_orders(self) -> list[list[tuple[int, str, int]]]:
         """Per device, (role, kind, micro-batch) in turn (what :class:`rlhfc.runtime.train.fused.FusedGate` reads)."""
@@ -282,6 +290,10 @@ class Fused:
 
 
 _FUSED_OP = re.compile(r"[01][FB]\d+")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""Plan rules: reading and writing a stage's plan, where it runs, what streams to what, which workers run."""
+"""Plan rules: reading and writing a stage's plan, where it runs, what streams to what, which workers run.
+
+Why this file is long: it is the one place a stage's plan annotations are read and written (tests/test_layers.py
+keeps every other module off them), so each new plan attribute adds its reader and setter here.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +39,22 @@ def stream(stage: Stage) -> Stream | None:
 def fused(stage: Stage) -> Fused | None:
     """A train stage's fused pipeline schedule with another model's (the ``fuse_training`` pass), if any."""
     return _read(stage, Fused) if stage.op == "train" else None
+
+
+def set_fused(stage: Stage, value: Fused | None) -> None:
+    """Mark (or, None, unmark) a train stage's fused schedule."""
+    if value is None:
+        stage.annotations.pop(Fused.key, None)
+    else:
+        stage.annotations[Fused.key] = value.print()
+
+
+def set_tail(stage: Stage, value: Tail | None) -> None:
+    """Mark (or, None, unmark) a streamed generate's long-tail migration."""
+    if value is None:
+        stage.annotations.pop(Tail.key, None)
+    else:
+        stage.annotations[Tail.key] = value.print()
 
 
 def tail(stage: Stage) -> Tail | None:
