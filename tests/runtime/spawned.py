@@ -8,6 +8,7 @@ test process's), as a spawned one does from nothing: the workers seed every gene
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Callable
 
@@ -27,7 +28,10 @@ def context():
     return ctx
 
 
-def _spawned(key, fn, args, queue) -> None:
+def _spawned(key, fn, args, queue, env=None) -> None:
+    if env is not None:   # the test process's environment now (the fork server's is the one it started with)
+        os.environ.clear()
+        os.environ.update(env)
     try:
         queue.put((key, pickle.dumps(fn(*args))))   # bytes: torch shares tensors through file descriptors
     except BaseException:   # report, do not hang the parent
@@ -41,7 +45,8 @@ def run_spawned(calls: list[tuple[Callable, tuple]], *, what: str = "process", t
     A call that raised fails the test with its traceback (``what`` names the processes)."""
     ctx = context()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(i, fn, args, queue)) for i, (fn, args) in enumerate(calls)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_spawned, args=(i, fn, args, queue, env)) for i, (fn, args) in enumerate(calls)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=timeout) for _ in procs)
