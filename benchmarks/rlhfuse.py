@@ -13,13 +13,15 @@ end to end, generation fusion included).
 
     .venv/bin/python benchmarks/rlhfuse.py [--iterations 4000] [--json out.json]
 
-``--cpu``: the ``tail_migrate`` pass measured on this machine. A PPO program whose policy (and its reference
+``--cpu``: the ``tail_migrate`` and ``fuse_training`` passes measured on this machine. tail_migrate: A PPO program whose policy (and its reference
 copy) generate on two FSDP ranks (``layout(dp = 2)``), 64-token responses of a random policy (a long tail: each
 token ends a response with probability about 1/vocab), streamed in chunks of 4 to the reference and critic
 forwards: the job with and without the pass, in interleaved rounds, each round a fresh job (1 warm-up step, then
 ``--steps``), medians of samples/s and generated tokens/s; beside them, explain's note (where the length law
 puts the tail's start) and the simulator's predicted step with and without the pass (it runs the tail on one
-rank's core, the other free for the forwards). The fused training schedule is not executed by the runtime yet.
+rank's core, the other free for the forwards). fuse_training: a PPO program whose actor and critic train in two
+megatron-core pipeline stages on the same two cores, fused and unfused, measured the same way, beside explain's
+searched schedule (its predicted gain is a GPU figure: the CPU simulator shares the cores instead).
 
     .venv/bin/python benchmarks/rlhfuse.py --cpu [--rounds 3] [--steps 6] [--json out.json]
 """
@@ -75,30 +77,51 @@ TAIL_PASSES = ["dce", "unpad", "reuse_logprobs", "parallelize", "stream{chunk=4}
                "recompute", "offload", "realloc", "threads"]
 
 
-def cpu_tail(rounds: int, steps: int) -> dict:
-    """The job with and without ``tail_migrate``, interleaved rounds; medians (see the module docstring)."""
+FUSED_PROGRAM = """
+cluster local { devices = cpu:2 }
+model actor  = llama(layers = 4, hidden = 128, heads = 2, vocab = 64, max_seq = 64) layout(pp = 2) trainable
+model critic = like(actor) head = value layout(pp = 2) trainable
+model ref    = copy(actor) layout(dp = 1) frozen
+data prompts = synthetic(count = 4096, min_len = 4, max_len = 12)
+pipeline ppo(batch = 16) {
+  roll     = actor.generate(prompts, max_new_tokens = 32)
+  logp     = actor.logprobs(roll)
+  ref_logp = ref.logprobs(roll)
+  values   = critic.values(roll)
+  scores   = rule("rlhfc.runtime.rewards:vowel_count", roll)
+  adv, ret = gae(scores, values, logp, ref_logp, kl_coef = 0.05)
+  actor.train(ppo_clip(roll, logp, adv), lr = 1e-3, minibatches = 1)
+  critic.train(value_loss(roll, values, ret), lr = 1e-3, minibatches = 1)
+}
+run { steps = 7; seed = 0; checkpoint_every = 100; trainer = megatron }
+"""
+FUSED_PASSES = ["dce", "parallelize", "placement{strategy=flatten}", "fuse_training"]
+
+
+def measure(program: str, variants: dict[str, list[str]], rounds: int, steps: int, notes) -> dict:
+    """Each variant's job (its passes) in interleaved rounds, a fresh job a round (1 warm-up step, then ``steps``);
+    medians of samples/s and generated tokens/s; ``notes(module, sim)``: explain's notes on the first variant,
+    beside the simulator's predicted step of each."""
     import statistics
     import tempfile
 
     from jobrun import run_compiled
 
     from rlhfc.cost import simulate
-    from rlhfc.explain.report import tail_notes
     from rlhfc.frontend import compile_source
     from rlhfc.passes import PassManager, parse_pipeline
 
-    work = tempfile.mkdtemp(prefix="rlhfuse-tail-")
-    source = os.path.join(work, "tail.rlhf")
+    work = tempfile.mkdtemp(prefix="rlhfuse-")
+    source = os.path.join(work, "program.rlhf")
     with open(source, "w") as fh:
-        fh.write(TAIL_PROGRAM.replace("steps = 7", f"steps = {steps + 1}"))
-    variants = {"tail_migrate": TAIL_PASSES, "without": [p for p in TAIL_PASSES if p != "tail_migrate"]}
+        fh.write(program.replace("steps = 7", f"steps = {steps + 1}"))
     modules = {}
     for name, passes in variants.items():
         module, _ = compile_source(open(source).read(), source)
         modules[name] = PassManager(parse_pipeline(",".join(passes))).run(module)
-    sim = simulate(modules["tail_migrate"])
-    predicted = {"notes": tail_notes(modules["tail_migrate"], sim), "step_s": sim.step_time_s,
-                 "step_s_without": simulate(modules["without"]).step_time_s}
+    first = next(iter(variants))
+    sims = {name: simulate(m) for name, m in modules.items()}
+    predicted = {"notes": notes(modules[first], sims[first]), "step_s": {n: s.step_time_s for n, s in sims.items()}}
     measured: dict = {name: [] for name in variants}
     for r in range(rounds):
         for name in (variants if r % 2 == 0 else reversed(list(variants))):
@@ -112,8 +135,20 @@ def cpu_tail(rounds: int, steps: int) -> dict:
                   f"{measured[name][-1]['tokens_per_s']:.1f} tokens/s, step {measured[name][-1]['step_s']:.2f} s",
                   flush=True)
     med = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in measured.items()}
+    names = list(variants)
     return {"predicted": predicted, "measured": measured, "median": med,
-            "gain": med["tail_migrate"]["samples_per_s"] / med["without"]["samples_per_s"]}
+            "gain": med[names[0]]["samples_per_s"] / med[names[1]]["samples_per_s"]}
+
+
+def report(title: str, out: dict) -> None:
+    print(f"== {title}")
+    for line in out["predicted"]["notes"]:
+        print("predicted:", line.splitlines()[0])
+    print("predicted step: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in out["predicted"]["step_s"].items()))
+    for name, m in out["median"].items():
+        print(f"median {name:>12}: {m['samples_per_s']:.2f} samples/s, {m['tokens_per_s']:.1f} tokens/s, "
+              f"step {m['step_s']:.2f} s, mean response {m['response_len']:.1f} tokens")
+    print(f"measured gain: x{out['gain']:.2f} samples/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,18 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     if args.cpu:
+        from rlhfc.explain.report import fused_notes, tail_notes
+
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-        out = cpu_tail(args.rounds, args.steps)
-        for line in out["predicted"]["notes"]:
-            print("predicted:", line)
-        p = out["predicted"]
-        print(f"predicted step {p['step_s'] * 1e3:.1f} ms with the pass, {p['step_s_without'] * 1e3:.1f} ms without "
-              f"(x{p['step_s_without'] / p['step_s']:.2f})")
-        for name, m in out["median"].items():
-            print(f"median {name:>12}: {m['samples_per_s']:.2f} samples/s, {m['tokens_per_s']:.1f} tokens/s, "
-                  f"step {m['step_s']:.2f} s, mean response {m['response_len']:.1f} tokens")
-        print(f"tail_migrate / without: x{out['gain']:.2f} samples/s")
+        out = {"tail_migrate": measure(TAIL_PROGRAM, {"tail_migrate": TAIL_PASSES,
+                                                      "without": [p for p in TAIL_PASSES if p != "tail_migrate"]},
+                                       args.rounds, args.steps, tail_notes)}
+        report("tail_migrate (dp2 FSDP generation, streamed)", out["tail_migrate"])
+        out["fuse_training"] = measure(FUSED_PROGRAM, {"fused": FUSED_PASSES, "unfused": FUSED_PASSES[:-1]},
+                                       args.rounds, args.steps, lambda m, sim: fused_notes(m))
+        report("fuse_training (megatron pp2 actor and critic on the same 2 cores)", out["fuse_training"])
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=1)

@@ -219,7 +219,8 @@ def fused_notes(module: Module) -> list[str]:
         out.append(f"%{s.name} and %{other.name} train as one fused pipeline schedule (fuse_training, RLHFuse) on "
                    f"{schedule.devices} devices, @{other.target}'s stages in reverse: the searched schedule takes "
                    f"{fmt_seconds(span)} against {fmt_seconds(schedule.unfused)} one after the other (x{f.gain:.2f}; "
-                   f"lower bound {fmt_seconds(schedule.lower_bound)}, {schedule.gap:.0%} above it"
+                   f"lower bound {fmt_seconds(schedule.lower_bound)}, "
+                   f"{max(span / schedule.lower_bound - 1.0, 0.0) if schedule.lower_bound > 0 else 0.0:.0%} above it"
                    + ("; the CPU simulator prices the two as sharing the cores, not this gain" if
                       module.cluster.device == "cpu" else "") + f"):\n      {drawing}")
     return out
