@@ -7,6 +7,10 @@ the pass.
 * The measured trace shows the fused schedule: each training call's forward and backward steps as nested spans;
   on each device (the actor's stage ``d`` and the critic's stage ``1 − d``, its ranks pinned to the cores in
   reverse) they ran in the order the pass wrote, the two models' steps interleaved.
+* Both RLHFuse passes in one job (the issue's test): the actor generates on its two ranks, streamed to the
+  forwards with ``tail_migrate`` (each rank its own rows, the tails on one rank), and trains fused with the
+  critic: the same token ids as the job with neither, metrics within 1e-4 (a moved row's log-probs come from a
+  prefill; streamed forwards run over fewer rows).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from rlhfc.contract.plan import load_plan
 from rlhfc.ir.plan import Fused
 from rlhfc.runtime.job import run_job
 
-from .conftest import HERE, compile_job, job_step, recording, untimed
+from .conftest import HERE, close, compile_job, job_step, recording, untimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("shared_ray"),
               pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None,
@@ -28,11 +32,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("shared
 
 PROGRAM = os.path.join(HERE, "tiny_fused.rlhf")
 PASSES = ["dce", "parallelize", "placement{strategy=flatten}"]
+BOTH = ["dce", "parallelize", "stream{chunk=2}", "placement{strategy=flatten}", "tail_migrate", "fuse_training"]
 
 
 def test_fused_actor_and_critic_train_bitwise_as_unfused_in_the_order_the_pass_wrote(tmp_path):
     runs = {}
-    for name, passes in (("fused", PASSES + ["fuse_training"]), ("plain", PASSES)):
+    for name, passes in (("fused", PASSES + ["fuse_training"]), ("plain", PASSES), ("both", BOTH)):
         job = compile_job(PROGRAM, str(tmp_path / f"job_{name}"), level=None, passes=passes)
         samples: list = []
         rows = run_job(job, recording(job_step(job), samples), out=str(tmp_path / f"run_{name}"), progress=False,
@@ -40,6 +45,11 @@ def test_fused_actor_and_critic_train_bitwise_as_unfused_in_the_order_the_pass_w
         runs[name] = (untimed(rows, layout=True), samples, job)
     assert runs["fused"][1] == runs["plain"][1]   # the same token ids
     assert runs["fused"][0] == runs["plain"][0]   # the same metrics, bit for bit
+    code = open(os.path.join(runs["both"][2], "main.py")).read()
+    assert "tail={'ranks': w.actor.ranks" in code and "fused=job.fused(0, [" in code
+    assert runs["both"][1] == runs["plain"][1]
+    both = [{k: v for k, v in r.items() if k != "decode_steps"} for r in runs["both"][0]]
+    assert close(both, [{k: v for k, v in r.items() if k != "decode_steps"} for r in runs["plain"][0]])
     plan = load_plan(os.path.join(runs["fused"][2], "plan.json"))
     assert plan.placement.workers["critic"].reversed_stages and not plan.placement.workers["actor"].reversed_stages
     code = open(os.path.join(runs["fused"][2], "main.py")).read()
