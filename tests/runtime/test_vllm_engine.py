@@ -152,7 +152,8 @@ def test_multi_turn_trajectories_on_vllm_agree_with_the_torch_engines(request, t
     first = torch_.generate(PROMPTS, max_new_tokens=1, temperature=0.0, top_p=1.0)
     name = Counter(t for t in first.responses if t.strip()).most_common(1)[0][0]
     (tmp_path / "tools.py").write_text("def tool(text):\n    return 'xy'\n")
-    spec = {"name": name, "path": str(tmp_path / "tools.py"), "function": "tool", "timeout": 2.0,
+    # a timeout no loaded machine reaches: a call that timed out on one engine's run would part the trajectories
+    spec = {"name": name, "path": str(tmp_path / "tools.py"), "function": "tool", "timeout": 30.0,
             "memory_mb": 256, "max_output": 16}
     kw = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, tools=[spec], max_turns=3, turn_tokens=1)
     a, b = vllm.generate(PROMPTS, **kw), torch_.generate(PROMPTS, **kw)
