@@ -308,6 +308,7 @@ class Job:
                     ref = r
                     take(r, item)
             if carried:   # the tails of every rank, on the first: no rank of the group waits for another
+                carried.sort(key=lambda c: c["row"])   # in batch order, whichever rank handed its tail back first
                 for r in launch([], carried, on=ranks[0]):
                     ref = r
                     take(r, ray.get(r))

@@ -15,6 +15,7 @@ minibatch shuffling), whose states are checkpointed, so runs are reproducible an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
@@ -468,8 +469,10 @@ class ModelWorker(TracedWorker):
 
     def _rollout(self, samples, inputs, width_p: int, width_r: int | None, with_logprobs: bool = False) -> Rollout:
         samples = sorted(samples, key=lambda x: inputs[x.index].get("row", x.index))
-        batch = collate(samples, self.tokenizer.pad_id, prompt_len=width_p, response_width=width_r)
         rows = [inputs[s.index].get("row", s.index) for s in samples]   # in the batch (a migrated tail's own)
+        # collate orders by index: numbered by position here, so its rows are these, in this order
+        batch = collate([dataclasses.replace(s, index=k) for k, s in enumerate(samples)], self.tokenizer.pad_id,
+                        prompt_len=width_p, response_width=width_r)
         logprobs = None
         if with_logprobs:
             logprobs = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
