@@ -13,7 +13,7 @@ megatron backend runs them (:mod:`rlhfc.runtime.train.fused`). The second model'
 of the devices in reverse (the plan's ``reversed_stages``).
 
 Exact: each model's ranks run the same operations in the same order as unfused, only when each starts changes
-(bit for bit: tests/e2e/test_fused_run.py). A pair qualifies when both train stages run under a backend with
+(bit for bit: tests/runtime/test_fused_train.py; with tail_migrate too, tests/e2e/test_fused_run.py). A pair qualifies when both train stages run under a backend with
 pipeline stages (its ``pp`` dimension) with the same ``pp > 1`` and ``tp``, ``dp = 1``, on the same mesh, in the
 same overlap group (launched together: the ``parallelize`` pass), on batches of the same size cut into the same
 minibatches and epochs (so each minibatch's schedule pairs with the other's). Elsewhere the pass does nothing

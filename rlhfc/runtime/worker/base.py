@@ -70,6 +70,11 @@ def tokenizer_id(spec: dict) -> str:
     return f"char:{spec['vocab']}"
 
 
+
+def _migrated_tail(carry) -> bool:
+    """Whether carried rows are tails handed back by ranks (``tail_migrate``): each names its random-stream key."""
+    return bool(carry) and all("key" in c for c in carry)
+
 class ModelWorker(TracedWorker):
     """Hosts model ``name`` built from ``spec`` — one rank of its worker group.
 
@@ -356,7 +361,7 @@ class ModelWorker(TracedWorker):
         with torch.no_grad():
             model = self.backend.generation_model(self.rollout_engine)
             self.rollout_engine.prepare(model, refit_mb)
-            if split or (carry and all("key" in c for c in carry)):
+            if split or _migrated_tail(carry):
                 yield from self._generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, n=n, chunk=chunk, carry=carry or [], unpad=unpad,
                                           logprobs=logprobs, chat=chat, slots=slots, refit_mb=refit_mb,
@@ -429,7 +434,7 @@ class ModelWorker(TracedWorker):
     def _generate(self, model, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
                   unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64, split=False, tail_below=0):
         inputs = self._inputs(prompts, n, carry, chat)
-        keyed = split or bool(carry and all("key" in c for c in carry))   # a migrated tail: rows and keys kept
+        keyed = split or _migrated_tail(carry)   # a migrated tail: rows and keys kept
         share = self.backend.generation_share(len(inputs)) if split else None
         if tail_below > 0:   # this rank stops once fewer than tail_below of its rows decode: they move
             rows = (share[1] - share[0]) if share else len(inputs)
