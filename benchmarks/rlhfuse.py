@@ -24,6 +24,14 @@ megatron-core pipeline stages on the same two cores, fused and unfused, measured
 searched schedule (its predicted gain is a GPU figure: the CPU simulator shares the cores instead).
 
     .venv/bin/python benchmarks/rlhfuse.py --cpu [--rounds 3] [--steps 6] [--json out.json]
+
+``--move``: how a migrated tail is best continued on the torch engine, measured: R rows of P prompt + L response
+tokens continued for their next token, by a re-prefill of their P + L tokens (``move = prefill``) or from their KV
+caches (``move = kv``: one decode step over their last token, after the caches crossed two process boundaries —
+rank to driver to rank, timed as two pickle round trips, what Ray's object store does to a tensor at least),
+medians of ``--rounds`` × 5 repeats, at the tail program's shape and at wider ones.
+
+    .venv/bin/python benchmarks/rlhfuse.py --move [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -140,6 +148,58 @@ def measure(program: str, variants: dict[str, list[str]], rounds: int, steps: in
             "gain": med[names[0]]["samples_per_s"] / med[names[1]]["samples_per_s"]}
 
 
+#: (label, layers, hidden, heads, rows, prompt tokens, response tokens so far) of the --move measurement
+MOVE_SHAPES = [("tail program", 2, 128, 2, 8, 10, 40), ("tail program, long", 2, 128, 2, 8, 10, 80),
+               ("4 x 512", 4, 512, 8, 8, 10, 40), ("4 x 512, long", 4, 512, 8, 8, 64, 192),
+               ("8 x 1024", 8, 1024, 16, 8, 64, 192)]
+
+
+def measure_move(rounds: int) -> list[dict]:
+    """Seconds to continue a migrated tail for one token, by re-prefill and from moved KV caches (see the
+    module docstring), per shape of :data:`MOVE_SHAPES`; the KV bytes moved beside them."""
+    import pickle
+    import statistics
+    import time
+
+    import torch
+
+    from rlhfc.runtime.models.build import build_model
+    from rlhfc.runtime.rollout.decoding import PartialSample, generate_stream
+
+    out = []
+    for label, layers, hidden, heads, rows, p_len, r_len in MOVE_SHAPES:
+        spec = {"arch": "llama", "layers": layers, "hidden": hidden, "heads": heads, "vocab": 64,
+                "max_seq": p_len + r_len + 8}
+        model = build_model(spec, seed=0)
+        prompts = [[1] + [3 + (i + j) % 50 for j in range(p_len - 1)] for i in range(rows)]
+        keys = list(range(7, 7 + rows))
+        # rows that decode r_len tokens and stop there, holding their caches (no EOS: eos_id out of vocab)
+        stopped = [s for s in generate_stream(model, prompts + [[1]], r_len, eos_id=999, pad_id=0,
+                                              row_keys=keys + [0], budgets=[r_len] * rows + [1], stop_after=1,
+                                              carry_kv=True) if isinstance(s, PartialSample)]
+        assert len(stopped) == rows and all(len(s.response_ids) == r_len for s in stopped)
+        inputs = [list(s.prompt_ids) + list(s.response_ids) for s in stopped]
+        kw = dict(eos_id=999, pad_id=0, row_keys=keys, budgets=[1] * rows, resumed=[r_len] * rows)
+        nbytes = len(pickle.dumps([s.state for s in stopped]))
+        times: dict = {"prefill": [], "kv": []}
+        for _ in range(rounds * 5):
+            t = time.perf_counter()
+            list(generate_stream(model, inputs, r_len + 1, **kw))
+            times["prefill"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            states = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps([s.state for s in stopped]))))
+            list(generate_stream(model, inputs, r_len + 1, states=states, **kw))
+            times["kv"].append(time.perf_counter() - t)
+        row = {"shape": label, "layers": layers, "hidden": hidden, "rows": rows, "prompt": p_len, "response": r_len,
+               "kv_bytes": nbytes, "threads": torch.get_num_threads(),
+               **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
+        out.append(row)
+        print(f"{label:>20}: {rows} rows x ({p_len} + {r_len}) tokens, KV {nbytes / 1e6:.2f} MB: re-prefill "
+              f"{row['prefill_s'] * 1e3:.2f} ms, KV move {row['kv_s'] * 1e3:.2f} ms "
+              f"(x{row['prefill_s'] / row['kv_s']:.2f})", flush=True)
+    return out
+
+
 def report(title: str, out: dict) -> None:
     print(f"== {title}")
     for line in out["predicted"]["notes"]:
@@ -160,7 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="measure tail_migrate on this machine (see the docstring)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--move", action="store_true", help="measure a migrated tail's KV move against a re-prefill")
     args = ap.parse_args(argv)
+    if args.move:
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+        out = measure_move(args.rounds)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return 0
     if args.cpu:
         from rlhfc.explain.report import fused_notes, tail_notes
 

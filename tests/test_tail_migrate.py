@@ -30,12 +30,12 @@ def _gen(text: str | None = None, passes: str = STREAMED):
 def test_a_streamed_generate_on_two_ranks_moves_its_tail_below_a_ranks_share_over_the_ranks():
     module, gen = _gen()
     assert plan.worker_ranks(module, "actor", plan.stage_mesh(module, gen)) == 2
-    assert plan.tail(gen) == plan.Tail(4)   # 16 rows, 8 a rank: below 8 / 2
-    assert "tail = {below = 4}" in print_module(module)
-    _, gen = _gen(passes="dce,stream{chunk=4},placement,tail_migrate{threshold=0.25}")
-    assert plan.tail(gen) == plan.Tail(2)
+    assert plan.tail(gen) == plan.Tail(4, "kv")   # 16 rows, 8 a rank: below 8 / 2; the torch engine moves KV
+    assert 'tail = {below = 4, move = "kv"}' in print_module(module)
+    _, gen = _gen(passes="dce,stream{chunk=4},placement,tail_migrate{threshold=0.25,move=prefill}")
+    assert plan.tail(gen) == plan.Tail(2, "prefill")
     _, gen = _gen(passes=STREAMED + ",tail_migrate{threshold=0.25}")   # run again: its own mark replaced
-    assert plan.tail(gen) == plan.Tail(2)
+    assert plan.tail(gen) == plan.Tail(2, "kv")
     assert tail_below(8, 2, "auto") == 4 and tail_below(3, 4, "auto") == 1 and tail_below(8, 2, "1") == 8
 
 
@@ -76,7 +76,27 @@ def test_a_tail_on_an_unstreamed_generate_is_refused_by_the_verifier():
     gen.annotations["tail"] = {"below": 0}
     with pytest.raises(CompileError) as exc:
         verify(module)
-    assert "tail must be {below = K} with an integer K >= 1" in str(exc.value)
+    assert "tail must be {below = K, move = kv|prefill} with an integer K >= 1" in str(exc.value)
+    gen.annotations["tail"] = {"below": 2, "move": "teleport"}
+    with pytest.raises(CompileError) as exc:
+        verify(module)
+    assert "tail must be {below = K, move = kv|prefill}" in str(exc.value) and "teleport" in str(exc.value)
+
+
+def test_the_move_is_priced_and_a_bad_one_is_a_located_error():
+    """``move = auto`` takes the cheaper of a KV move and a re-prefill as priced; at this program's shape
+    (2 layers x 128 on CPU, ~45 tokens a row) the KV bytes cross host memory in far less than the forward."""
+    from rlhfc.cost import CostModel
+
+    module, gen = _gen()
+    price = CostModel(module).tail_move(gen, 2, 4)
+    assert price["rows"] == 6 and price["tokens"] > 8
+    assert 0 < price["kv"] < price["prefill"]
+    # the bytes: 2 (keys, values) x layers x kv width x 4 bytes a token
+    assert price["kv_bytes"] == pytest.approx(2 * 2 * 128 * 4 * price["rows"] * price["tokens"])
+    with pytest.raises(CompileError) as exc:
+        parse_pipeline("tail_migrate{move=teleport}")
+    assert "move must be auto, kv or prefill" in str(exc.value)
 
 
 def test_explain_says_where_the_tail_starts_and_the_rank_time_it_frees(capsys):

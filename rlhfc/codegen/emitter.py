@@ -279,7 +279,7 @@ class PythonEmitter:
         else:
             lines.append(f"        prompts={py_name(s.inputs[0].name)},")
         if tail is not None:
-            lines.append(f"        tail={{'ranks': {self.worker(s)}.ranks, 'below': {tail.below}}},")
+            lines.append(f"        tail={{'ranks': {self.worker(s)}.ranks, 'below': {tail.below}, 'move': {tail.move!r}}},")
         if consumers:
             lines.append("        consumers={")
             for c in consumers:

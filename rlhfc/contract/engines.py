@@ -38,7 +38,9 @@ class RolloutTraits:
     the process's own and runs in the calling thread (an engine that starts a runtime of its own does not).
     ``row_streams``: each row samples from a random stream of its own, keyed by the row and the token position,
     so a row's tokens do not depend on the other rows of its call and a row resumed in another call (another
-    rank: the ``tail_migrate`` pass) samples on as it would have."""
+    rank: the ``tail_migrate`` pass) samples on as it would have. ``kv_moves``: a row it stops hands back its
+    KV cache, and a later call under the same weights continues the row from it instead of a prefill of its
+    tokens (the ``tail_migrate`` pass's ``move = kv``)."""
 
     name: str
     runtime: str
@@ -53,6 +55,7 @@ class RolloutTraits:
     auto: bool = False
     driver_env: tuple[str, ...] = ()
     row_streams: bool = False
+    kv_moves: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ DEFAULT_TRAINER = "torch"
 
 # -- the built-in engines ------------------------------------------------------------------------------------
 register_rollout(RolloutTraits(DEFAULT_ROLLOUT, "rlhfc.runtime.rollout.base:TorchDecoder", title="torch",
-                               shares_process=True, row_streams=True))
+                               shares_process=True, row_streams=True, kv_moves=True))
 register_rollout(RolloutTraits(
     "vllm", "rlhfc.runtime.rollout.vllm:VllmRollout", title="vLLM", trainer_numerics=False, own_weights=True,
     head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256), top_p_zero=False, package="vllm",

@@ -465,6 +465,29 @@ class CostModel:
         f = plan.fused(stage)
         return f.gain if f is not None and f.gain > 1.0 and not self.spec.is_cpu else None
 
+    def tail_move(self, gen: Stage, ranks: int, below: int) -> dict[str, float]:
+        """What continuing a migrated tail on one rank costs (the ``tail_migrate`` pass's ``move``): about
+        ``ranks · (below − 1)`` rows, each of the expected prompt plus the tokens the length law gives a rank's
+        ``(rows − below + 1)``-th finisher, either re-prefilled (a forward of those tokens: matrix products and
+        attention at the device's inference rate, plus a per-layer overhead) or moved with their KV caches (their
+        bytes across host memory twice — rank to driver to rank, Ray's object store — and a forward of each row's
+        last token over its cache). The seconds of both and the rows and tokens they price."""
+        model = self.module.models[gen.target]
+        arch, spec = arch_numbers(model), self.spec
+        per = -(-(gen.outputs[0].type.batch or 1) // max(ranks, 1))
+        rows = float(max(1, ranks * (below - 1)))
+        stats = self.response_lengths(gen).order_stats(per)
+        tokens = self.prompt_lengths(gen).mean() + float(stats[min(len(stats) - 1, max(0, per - below))])
+        rate = spec.peak_flops * spec.infer_eff
+        prefill = (2.0 * arch["mm"] * rows * tokens + 2.0 * arch["L"] * arch["h"] * rows * tokens ** 2) / rate \
+            + arch["L"] * spec.layer_overhead
+        step = (2.0 * arch["mm"] * rows + 4.0 * arch["L"] * arch["h"] * rows * tokens) / rate \
+            + arch["L"] * spec.layer_overhead
+        nbytes = arch["kv_tok"] * spec.bytes_per_param * rows * tokens
+        link = spec.host_mem_bw if spec.is_cpu else spec.host_bw * spec.net_eff
+        return {"rows": rows, "tokens": tokens, "kv_bytes": nbytes, "prefill": prefill,
+                "kv": 2.0 * (spec.latency + nbytes / link) + step}
+
     def _driver_cost(self, stage: Stage, rows: float | None) -> StageCost:
         op = stage.op
         batch = rows or next((v.type.batch for v in stage.outputs + stage.inputs if v.type.batch), None) or 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhfc.cost import CostConfig, CostModel, memory_issues, simulate
+from rlhfc.contract.engines import rollout_traits
 from rlhfc.cost.profile import model_key
 from rlhfc.cost.simulator import STEADY_STEPS
 from rlhfc.ir import Module, print_module
@@ -168,7 +169,6 @@ def tail_notes(module: Module, sim) -> list[str]:
     cores to the stages that share them; on GPUs it does not model the freed devices yet)."""
     import copy
 
-    from rlhfc.cost import simulate
     from rlhfc.cost.scheduling import tail_split
 
     out, without = [], None
@@ -178,9 +178,15 @@ def tail_notes(module: Module, sim) -> list[str]:
             continue
         ranks = plan.worker_ranks(module, s.target, plan.stage_mesh(module, s))
         per = -(-(s.outputs[0].type.batch or 1) // ranks)
+        price = CostModel(module).tail_move(s, ranks, t.below)
+        how = (f"with their KV caches ({price['kv_bytes'] / 1e6:.2g} MB, priced {fmt_seconds(price['kv'])} against "
+               f"{fmt_seconds(price['prefill'])} re-prefilled)" if t.move == "kv" else
+               f"re-prefilled (priced {fmt_seconds(price['prefill'])}"
+               + (f" against {fmt_seconds(price['kv'])} moving their KV caches)"
+                  if rollout_traits(plan.stage_engine(module, s)).kv_moves else ")"))
         line = (f"%{s.name} moves its tail (tail_migrate): each of its {ranks} ranks decodes its {per} rows and stops "
                 f"once fewer than {t.below} decode; the at most {ranks * (t.below - 1)} rows left continue on the "
-                "first rank (re-prefilled, each on its own random stream: the same tokens)")
+                f"first rank {how}, each on its own random stream: the same tokens")
         split = tail_split(module, s, cost)
         end = max(cost.finish_offsets) if cost.finish_offsets else 0.0
         if split is not None and end > split[0]:

@@ -7,7 +7,7 @@ stragglers. RLHFuse (NSDI '25, arXiv 2409.13221) moves those stragglers onto few
 ones the next stages of the finished samples. Here: each rank streams its finished rows to the forwards in chunks
 (the generate must be streamed: the ``stream`` pass) and stops once fewer than ``below`` of its rows are still
 decoding; the unfinished rows of every rank, with their tokens so far and their random-stream keys, continue
-together on the first rank, re-prefilled. The other ranks' processes are free meanwhile (on a CPU cluster their
+together on the first rank — with their KV caches, or re-prefilled from their tokens (``move``, below). The other ranks' processes are free meanwhile (on a CPU cluster their
 cores run the forwards of the finished chunks beside the tail), and the group's generation makes one tail, not
 one per rank.
 
@@ -16,10 +16,18 @@ Threshold: ``threshold = auto`` moves a rank's rows once fewer than ``rows per r
 them decodes no wider a batch than it started with — no decode step of the tail costs more than one of the
 start. ``threshold = f`` (0 < f <= 1) moves them below ``f`` of a rank's rows.
 
+Move: ``move = kv`` hands each row's KV cache (and its tokens' log-probs) to the rank that continues it, which runs
+one decode step over the row's last token and decodes on (the engine's ``kv_moves`` trait: the torch engine);
+``move = prefill`` re-prefills the row's prompt and tokens so far there. ``auto`` (the default) takes the cheaper
+as the cost model prices them (:meth:`rlhfc.cost.model.CostModel.tail_move`: the cache's bytes across host memory
+twice, rank to driver to rank, against a forward of the rows' tokens). Measured on a 2-core CPU
+(``benchmarks/rlhfuse.py --move``, docs/benchmarks.md) the KV move is the cheaper at every shape tried.
+
 Exact up to float rounding: the torch engine samples each row from its own random stream keyed by the row and the
 token position (:func:`rlhfc.runtime.rollout.decoding.decode_stream`), so a moved row samples the tokens it would
-have sampled on its own rank; its logits come from a prefill of its tokens so far instead of the KV cache it had
-(the same math, other kernels: rounding, as the ``stream`` pass's forwards over fewer rows). An engine whose
+have sampled on its own rank; its logits come from its own KV cache in another batch (``kv``) or from a prefill of
+its tokens so far (``prefill``): the same math, other kernels — rounding, as the ``stream`` pass's forwards over
+fewer rows. An engine whose
 rows share a batch's random state (vLLM: one seed per call) would sample other tokens: the pass leaves its
 generates alone (the engine's ``row_streams`` trait).
 
@@ -35,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from rlhfc.contract.engines import rollout_traits
+from rlhfc.cost import CostModel
 from rlhfc.ir import Module, plan
 from rlhfc.ir.diagnostics import error
 
@@ -54,9 +63,12 @@ class TailMigrate(Pass):
     name = "tail_migrate"
     description = "move a generating group's last unfinished rows onto one rank, freeing the others"
     exact = True
-    rounding = True     # a moved row's logits come from a prefill instead of its KV cache
+    rounding = True     # a moved row decodes in another batch (or from a prefill instead of its KV cache)
     threshold: str = field(default="auto", metadata={"doc": "auto, or the fraction of a rank's rows below which "
                                                             "they move (0 < f <= 1)"})
+    move: str = field(default="auto", metadata={"doc": "how the tail moves: kv (its KV caches), prefill "
+                                                       "(re-prefilled on the rank that takes it), or auto: the "
+                                                       "cheaper as priced, kv only on an engine that moves KV"})
 
     def __post_init__(self) -> None:
         if self.threshold != "auto":
@@ -68,6 +80,19 @@ class TailMigrate(Pass):
                 raise error(f"pass tail_migrate: threshold must be auto or a fraction in (0, 1], got "
                             f"{self.threshold!r}", None, "write tail_migrate{threshold=auto} or "
                             "tail_migrate{threshold=0.25}")
+        if self.move not in ("auto", *plan.Tail.moves):
+            raise error(f"pass tail_migrate: move must be auto, kv or prefill, got {self.move!r}", None,
+                        "write tail_migrate{move=kv}")
+
+    def _move(self, module: Module, gen, ranks: int, below: int) -> str:
+        """``kv`` where the engine moves KV caches and the cost model prices the move below a re-prefill
+        (:meth:`~rlhfc.cost.model.CostModel.tail_move`), else ``prefill``; ``move = kv|prefill`` forces one."""
+        if not rollout_traits(plan.stage_engine(module, gen)).kv_moves:
+            return "prefill"
+        if self.move != "auto":
+            return self.move
+        price = CostModel(module).tail_move(gen, ranks, below)
+        return "kv" if price["kv"] < price["prefill"] else "prefill"
 
     def run(self, module: Module) -> Module:
         for gen in [s for s in module.graph.stages if s.op == "generate"]:
@@ -82,5 +107,5 @@ class TailMigrate(Pass):
             if ranks < 2 or rows < 2 * ranks:
                 continue
             below = tail_below(-(-rows // ranks), ranks, self.threshold)
-            plan.set_tail(gen, plan.Tail(below))
+            plan.set_tail(gen, plan.Tail(below, self._move(module, gen, ranks, below)))
         return module

@@ -217,16 +217,18 @@ class Job:
         forwards run while generation goes on. Chunks and consumer results are merged back in batch order.
         With ``overcommit = {"delta": D, ...}`` the stage draws ``batch + D - carried`` new prompts from
         ``data``, trains on the first ``batch`` samples to finish and carries the rest to the next step.
-        With ``tail = {"ranks": [...], "below": k}`` (the ``tail_migrate`` pass) each rank of the generating
-        group decodes its own share and streams its chunks, stopping once fewer than ``k`` of its rows decode;
-        then every rank's unfinished rows continue on the first rank (:meth:`_stream_tail`).
+        With ``tail = {"ranks": [...], "below": k, "move": m}`` (the ``tail_migrate`` pass) each rank of the
+        generating group decodes its own share and streams its chunks, stopping once fewer than ``k`` of its rows
+        decode; then every rank's unfinished rows continue on the first rank, from their KV caches (``m = "kv"``)
+        or re-prefilled (:meth:`_stream_tail`).
         """
         ray = _ray()
         from rlhfc.runtime.data.values import CarryOver, merge_parts, merge_rollouts
 
         consumers = consumers or {}
         if tail is not None:
-            return self._stream_tail(stage, launch, prompts, consumers, list(tail["ranks"]), int(tail["below"]))
+            return self._stream_tail(stage, launch, prompts, consumers, list(tail["ranks"]), int(tail["below"]),
+                                     tail.get("move") == "kv")
         carry: list[dict] = []
         if overcommit is not None:
             state = self.overcommit.setdefault(stage, {"delta": int(overcommit["delta"]), "carry": []})
@@ -258,10 +260,11 @@ class Job:
         return [roll, *results]
 
     def _stream_tail(self, stage: str, launch: Callable, prompts: list[str], consumers: dict[str, Callable],
-                     ranks: list, below: int) -> list[Any]:
+                     ranks: list, below: int, kv: bool = False) -> list[Any]:
         """Long-tail migration (RLHFuse): ``launch(prompts, carry, on=rank, **options)`` on every rank with its
         own share of the rows (``split``), each stopping once fewer than ``below`` of its rows decode and
-        handing back those rows (a ``CarryOver``: tokens so far, row, random-stream key); chunks go to the
+        handing back those rows (a ``CarryOver``: tokens so far, row, random-stream key; ``kv``: the rows' KV
+        caches too, so the first rank continues them without a prefill); chunks go to the
         consumers as any rank yields them. The rows carried back continue together on the first rank, where
         each samples on from its own key — the other ranks' processes are free meanwhile, and the consumers'
         forwards of the finished rows run beside the tail. Merged in batch order, as :meth:`stream`."""
@@ -293,8 +296,9 @@ class Job:
                 parts[name].append(start(r))
 
         try:
-            threads = [threading.Thread(target=pump, args=(launch(prompts, [], on=rank, split=True, tail_below=below),),
-                                        daemon=True) for rank in ranks]
+            threads = [threading.Thread(
+                target=pump, args=(launch(prompts, [], on=rank, split=True, tail_below=below, tail_kv=kv),),
+                daemon=True) for rank in ranks]
             for t in threads:
                 t.start()
             running = len(threads)

@@ -2,8 +2,7 @@
 responses of a random policy: a long tail), streamed in chunks of 4 to the reference and critic forwards.
 
 * With and without the pass the job samples the same token ids and its metrics agree within the stated
-  tolerance (1e-4 relative or 1e-6 absolute: a moved row's behaviour log-probs come from a prefill instead of its
-  KV cache); the engine's step count (``decode_steps``) is a fact of the calls, not compared.
+  tolerance (1e-4 relative or 1e-6 absolute: a moved row decodes from its KV cache in another batch); the engine's step count (``decode_steps``) is a fact of the calls, not compared.
 * The measured trace shows the migration: a rank's generate ends while the other's still runs (its process
   freed), the first rank continues the moved rows in a call of its own, and the forwards of finished chunks run
   before the last sample finishes.
@@ -37,7 +36,8 @@ def test_the_tail_moves_to_one_rank_freeing_the_other_and_the_job_trains_as_with
     for name, passes in (("moved", PASSES[:6] + ["tail_migrate"] + PASSES[6:]), ("kept", PASSES)):
         job = compile_job(PROGRAM, str(tmp_path / f"job_{name}"), level=None, passes=passes)
         code = open(os.path.join(job, "main.py")).read()
-        assert ("tail={'ranks': w.actor.ranks, 'below': 4}" in code) == (name == "moved")
+        # moved with their KV caches (the cheaper as priced; re-prefilled tails: tests/runtime/test_tail.py)
+        assert ("tail={'ranks': w.actor.ranks, 'below': 4, 'move': 'kv'}" in code) == (name == "moved")
         samples: list = []
         rows = run_job(job, recording(job_step(job), samples), out=str(tmp_path / f"run_{name}"), progress=False,
                        trace=name == "moved")

@@ -99,3 +99,44 @@ def test_a_generation_planned_in_micro_batches_runs_with_slots(make_spec, tmp_pa
     again = ModelWorker("actor", make_spec(vocab=12), {"kind": "random"}, 0)
     limited = again.generate(prompts, max_new_tokens=20, temperature=1.0, top_p=1.0, slots=3)
     assert torch.equal(free.batch.input_ids, limited.batch.input_ids)
+
+
+@pytest.mark.parametrize("slots", [None, 4])
+def test_rows_moved_with_their_kv_cache_continue_as_if_never_stopped(long_tail_policy, slots):
+    """Long-tail migration's KV move: rows stopped by ``stop_after`` hand back their decode state (``carry_kv``)
+    and a second call continues them from it (``states``: one decode step over each row's last token, no
+    prefill) — the tokens of the uninterrupted run, their log-probs within rounding, as a re-prefill does."""
+    free = {s.index: s for s in _run(long_tail_policy)}
+    first = list(generate_stream(long_tail_policy, PROMPTS, 30, eos_id=2, pad_id=0, row_keys=list(range(100, 114)),
+                                 logprob_temperature=1.0, stop_after=5, carry_kv=True, slots=slots))
+    left = [s for s in first if isinstance(s, PartialSample) and s.response_ids]
+    assert left and all(s.state is not None and len(s.state["logprobs"]) == len(s.response_ids) for s in left)
+    assert not any(s.state for s in first if isinstance(s, PartialSample) and not s.response_ids)
+    for moved in (True, False):        # from the KV cache, and by re-prefill
+        sizes = []
+        step = long_tail_policy.decode_step
+
+        def counting(ids, mask, pos, cache):
+            sizes.append(ids.shape[1])
+            return step(ids, mask, pos, cache)
+
+        long_tail_policy.decode_step = counting
+        try:
+            rest = list(generate_stream(
+                long_tail_policy, [list(s.prompt_ids) + list(s.response_ids) for s in left], 30, eos_id=2, pad_id=0,
+                row_keys=[100 + s.index for s in left], logprob_temperature=1.0,
+                budgets=[30 - len(s.response_ids) for s in left], resumed=[len(s.response_ids) for s in left],
+                states=[s.state for s in left] if moved else None))
+        finally:
+            long_tail_policy.decode_step = step
+        assert max(sizes) == 1 if moved else max(sizes) > 1          # no prefill when the cache moved
+        for s in rest:
+            row = left[s.index]
+            whole = free[row.index]
+            assert row.response_ids + s.response_ids == whole.response_ids and s.eos == whole.eos
+            assert s.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+
+
+def test_a_state_for_a_row_that_is_not_resumed_is_refused(long_tail_policy):
+    with pytest.raises(ValueError, match="only resumed rows"):
+        list(generate_stream(long_tail_policy, PROMPTS[:2], 5, eos_id=2, pad_id=0, states=[{"kv": []}, None]))

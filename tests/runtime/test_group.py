@@ -57,7 +57,7 @@ def test_group_survives_copy_and_pickle():
 
 
 def test_more_than_one_rank_splits_rows_or_runs_every_rank(monkeypatch):
-    """dp > 1: every rank gets the call; a small Ray task joins the ranks' rows (forwards) or answers with
+    """dp > 1: every rank gets the call; the gather actor joins the ranks' rows (forwards) or answers with
     rank 0's result once all are done (collectives); rank 0 streams; collective syncs are refused."""
     import rlhfc.runtime.driver.group as grp
 

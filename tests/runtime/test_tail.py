@@ -4,6 +4,7 @@ gives the rollout an unmigrated generate gives — the same tokens on the same r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhfc.runtime.data.values import CarryOver, merge_rollouts
@@ -17,16 +18,18 @@ def _worker(make_spec) -> ModelWorker:
     return ModelWorker("actor", make_spec("llama", vocab=24), {"kind": "random"}, seed=5)
 
 
-def test_a_tail_handed_back_and_continued_in_any_order_gives_the_unmigrated_rows(make_spec):
-    want = _worker(make_spec).generate(PROMPTS, **GEN)
+@pytest.mark.parametrize("kv", [False, True], ids=["prefill", "kv"])
+def test_a_tail_handed_back_and_continued_in_any_order_gives_the_unmigrated_rows(make_spec, kv):
+    want = _worker(make_spec).generate(PROMPTS, logprobs=True, **GEN)
     worker = _worker(make_spec)
-    out = list(worker.generate_chunks(PROMPTS, chunk=2, split=True, tail_below=4, **GEN))
+    out = list(worker.generate_chunks(PROMPTS, chunk=2, split=True, tail_below=4, tail_kv=kv, logprobs=True, **GEN))
     carry = [x for x in out if isinstance(x, CarryOver)]
     chunks = [x for x in out if not isinstance(x, CarryOver)]
     assert len(carry) == 1 and 1 <= len(carry[0].samples) <= 3   # stopped with fewer than 4 rows decoding
     tail = sorted(carry[0].samples, key=lambda c: -c["row"])     # handed on out of batch order
     assert all({"key", "row", "width_p"} <= set(c) for c in tail)
-    chunks += list(worker.generate_chunks([], chunk=2, carry=tail, **GEN))
+    assert all(("state" in c) == kv for c in tail)                # the KV cache moves with the row, or not
+    chunks += list(worker.generate_chunks([], chunk=2, carry=tail, logprobs=True, **GEN))
     got = merge_rollouts(chunks)
     assert got.rows == list(range(len(PROMPTS))) and got.prompts == want.prompts
     lengths = want.batch.response_lengths
@@ -34,3 +37,4 @@ def test_a_tail_handed_back_and_continued_in_any_order_gives_the_unmigrated_rows
     for row in range(len(PROMPTS)):
         n = int(lengths[row])
         assert got.batch.responses[row, :n].tolist() == want.batch.responses[row, :n].tolist(), row
+    assert torch.allclose(got.logprobs, want.logprobs, atol=1e-4)

@@ -235,23 +235,28 @@ class Stream:
 
 @dataclass(frozen=True)
 class Tail:
-    """``tail = {below = K}`` on a streamed generate of a group of ranks (the ``tail_migrate`` pass): each rank
-    decodes its own share and stops once fewer than K of its rows decode; their rows continue on one rank."""
+    """``tail = {below = K, move = M}`` on a streamed generate of a group of ranks (the ``tail_migrate`` pass): each
+    rank decodes its own share and stops once fewer than K of its rows decode; their rows continue on one rank,
+    with their KV caches (``move = kv``: the engine's ``kv_moves``) or re-prefilled from their tokens so far
+    (``prefill``, the default of a plan that names none)."""
 
     below: int
+    move: str = "prefill"
     key: ClassVar[str] = "tail"
+    moves: ClassVar[tuple[str, ...]] = ("kv", "prefill")
 
     @classmethod
     def parse(cls, value) -> "Tail":
         inner = value.get("below") if isinstance(value, dict) else None
-        extra = sorted(set(value) - {"below"}) if isinstance(value, dict) else []
-        if not _is_int(inner) or inner < 1 or extra:
-            raise PlanError(f"tail must be {{below = K}} with an integer K >= 1, got {describe(value)}",
-                            "write tail = {below = 2}")
-        return cls(inner)
+        move = value.get("move", "prefill") if isinstance(value, dict) else None
+        extra = sorted(set(value) - {"below", "move"}) if isinstance(value, dict) else []
+        if not _is_int(inner) or inner < 1 or extra or move not in cls.moves:
+            raise PlanError(f"tail must be {{below = K, move = kv|prefill}} with an integer K >= 1, got "
+                            f"{describe(value)}", 'write tail = {below = 2, move = "kv"}')
+        return cls(inner, move)
 
     def print(self) -> dict:
-        return {"below": self.below}
+        return {"below": self.below, "move": self.move}
 
 
 @dataclass(frozen=True)

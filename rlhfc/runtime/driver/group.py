@@ -28,7 +28,7 @@ class WorkerGroup:
     **Data parallel (dp > 1).** A group of ``n`` ranks holds ``n`` data-parallel ranks of one model;
     the mode each worker method is marked with says how it runs (:mod:`rlhfc.runtime.worker.dispatch`: split
     the rows and join them in row order, or have every rank take part and answer with rank 0's result). Either way ``.remote(...)`` returns one
-    ``ObjectRef`` (a small Ray task joins the ranks' results), so the generated code and ``Job`` are
+    ``ObjectRef`` (the job's gather actor joins the ranks' results, :class:`_Gatherer`), so the generated code and ``Job`` are
     the same for every group size. A method with no rule raises a :class:`JobError` naming it.
 
     Attributes of the group itself (``name``, ``model``, ``ranks``, ``size``, ``kill``) shadow
@@ -83,7 +83,6 @@ class _Unsplit:
             self.group.pending = streams[1:]   # the other ranks' (empty) streams: keep them alive
             return streams[0]
         refs = [getattr(r, self.method).remote(*args, **kwargs) for r in self.group.ranks]
-        # the refs travel inside a list, so the task gets them unresolved and fails as soon as one rank fails
         return _gather(ray).remote(self.group.name, rule, refs)
 
     def options(self, **kwargs):
@@ -99,34 +98,56 @@ class RankFailed(RuntimeError):
     """One rank of a worker group died or raised; the message names the group and the rank."""
 
 
-_TASKS: dict = {}
+_GATHERERS: dict = {}
+
+
+class _Gatherer:
+    """Answers for the groups' calls: one threaded Ray actor per Ray session (``max_concurrency``: every call in
+    flight waits in a thread of its own). A Ray task per call would do the same work, but a task blocked in
+    ``ray.wait`` holds a worker process, so a step's streamed forward chunks (a call per chunk and group) made
+    Ray start a fresh Python process for most of them — each importing torch — and let them go once idle: seconds
+    of CPU a step on a small machine, for a few milliseconds of joining."""
+
+    def gather(self, group: str, rule: str, refs: list):
+        """Wait for every rank of a call and answer for the group: the ranks' forward results joined in row order
+        (``split``), or rank 0's result (``all``). Fails as soon as one rank fails, naming it — the other ranks
+        may be blocked in a collective with the failed one."""
+        import ray
+
+        results: list = [None] * len(refs)
+        where = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                rank = where[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise RankFailed(f"rank {rank} of worker group '{group}' died ({type(exc).__name__})") from None
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None) or exc
+                    raise RankFailed(f"rank {rank} of worker group '{group}' failed: "
+                                     f"{type(cause).__name__}: {cause}") from None
+        if rule == "split":
+            # ranks that hold no share (megatron's other tensor-parallel ranks and stages) give None
+            return join([r for r in results if r is not None])
+        return results[0]
+
+
+class _GatherCall:
+    def __init__(self, actor):
+        self.actor = actor
+
+    def remote(self, group: str, rule: str, refs: list):
+        # the refs travel inside a list, so the actor gets them unresolved and fails as soon as one rank fails
+        return self.actor.gather.remote(group, rule, refs)
 
 
 def _gather(ray):
-    """A Ray task that waits for every rank of a call and answers for the group: the ranks' forward
-    results joined in row order (``split``), or rank 0's result (``all``). It fails as soon as one rank
-    fails, naming it — the other ranks may be blocked in a collective with the failed one."""
-    if "gather" not in _TASKS:
-        def gather(group: str, rule: str, refs: list):
-            results: list = [None] * len(refs)
-            where = {ref: i for i, ref in enumerate(refs)}
-            pending = list(refs)
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
-                for ref in ready:
-                    rank = where[ref]
-                    try:
-                        results[rank] = ray.get(ref)
-                    except ray.exceptions.RayActorError as exc:
-                        raise RankFailed(f"rank {rank} of worker group '{group}' died ({type(exc).__name__})") from None
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = getattr(exc, "cause", None) or exc
-                        raise RankFailed(f"rank {rank} of worker group '{group}' failed: "
-                                         f"{type(cause).__name__}: {cause}") from None
-            if rule == "split":
-                # ranks that hold no share (megatron's other tensor-parallel ranks and stages) give None
-                return join([r for r in results if r is not None])
-            return results[0]
-
-        _TASKS["gather"] = ray.remote(num_cpus=0)(gather)
-    return _TASKS["gather"]
+    """What answers for a group's call (:class:`_Gatherer`), started at the first call of this Ray session."""
+    session = ray.get_runtime_context().get_job_id()
+    if session not in _GATHERERS:
+        _GATHERERS.clear()   # an earlier session's actor went with its Ray
+        _GATHERERS[session] = ray.remote(num_cpus=0, max_concurrency=1024)(_Gatherer).remote()
+    return _GatherCall(_GATHERERS[session])

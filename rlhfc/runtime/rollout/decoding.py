@@ -65,6 +65,43 @@ class PartialSample:
     index: int
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
+    #: with ``carry_kv``: its decode state (:func:`row_state`), so another call continues it without a prefill
+    state: dict | None = None
+
+
+def row_state(cache, mask: torch.Tensor, slot: int, logprobs: Sequence[float]) -> dict:
+    """A live row's decode state: its KV cache (per layer, keys and values ``[heads, L, head_dim]`` over its L
+    attended positions, on the CPU) and the log-probs of its tokens so far. The cache holds every token but the
+    last sampled one, which the continuing call feeds through the model first (:func:`_resume_rows`)."""
+    cols = torch.nonzero(mask[slot]).flatten()
+    return {"kv": [(la.keys[slot][:, cols].cpu().clone(), la.values[slot][:, cols].cpu().clone())
+                   for la in cache.layers],
+            "logprobs": list(logprobs)}
+
+
+def _resume_rows(model, states: list[dict], pending: list[int], device):
+    """The decode batch of rows continued from their states (:func:`row_state`): their caches left-padded to the
+    longest, then one decode step over each row's last sampled token; (next-token logits, cache, mask,
+    last positions), as a prefill returns them."""
+    from transformers import DynamicCache
+
+    width = max(st["kv"][0][0].shape[1] for st in states)
+    cache = DynamicCache()
+    for layer in range(len(states[0]["kv"])):
+        keys, values = [], []
+        for st in states:
+            k, v = st["kv"][layer]
+            n = width - k.shape[1]
+            keys.append(torch.nn.functional.pad(k, (0, 0, n, 0)))
+            values.append(torch.nn.functional.pad(v, (0, 0, n, 0)))
+        cache.update(torch.stack(keys).to(device), torch.stack(values).to(device), layer)
+    mask = torch.zeros((len(states), width + 1), dtype=torch.long, device=device)
+    for k, st in enumerate(states):
+        mask[k, width - st["kv"][0][0].shape[1]:] = 1
+    positions = torch.tensor([[st["kv"][0][0].shape[1]] for st in states], dtype=torch.long, device=device)
+    token = torch.tensor([[t] for t in pending], dtype=torch.long, device=device)
+    logits, cache = model.decode_step(token, mask, positions, cache)
+    return logits[:, -1], cache, mask, positions[:, -1]
 
 
 @torch.no_grad()
@@ -86,6 +123,8 @@ def generate_stream(
     row_keys: Sequence[int] | None = None,
     compact: bool = True,
     slots: int | None = None,
+    carry_kv: bool = False,
+    states: Sequence[dict | None] | None = None,
 ) -> Iterator[FinishedSample | PartialSample]:
     """Decode all prompts together with a KV cache; yield each sample when it finishes.
 
@@ -119,6 +158,11 @@ def generate_stream(
     the logits decoding produces anyway (equal up to float rounding: the same math with a KV cache). A
     row resumed from a carried partial response (its last ``resumed[row]`` prompt tokens are that
     partial response) gets those tokens' log-probs from the prefill, i.e. under the current weights.
+
+    ``carry_kv``: the :class:`PartialSample` of a row stopped by ``stop_after`` carries its decode state
+    (:func:`row_state`); ``states[row]``: a resumed row's state from such a call under the same weights — the
+    row continues from its KV cache (one decode step over its last token) instead of a prefill of its tokens,
+    and its carried tokens' log-probs are those it was sampled with (long-tail migration moves rows so).
     """
     if not prompts:
         return
@@ -154,6 +198,9 @@ def generate_stream(
     if len(row_keys) != b:
         raise ValueError(f"row_keys must give each of the {b} rows a key")
     start = [int(r) for r in resumed] if resumed is not None else [0] * b
+    if states is not None and (len(states) != b or any(st is not None and not start[i] for i, st in enumerate(states))):
+        raise ValueError(f"states must give each of the {b} rows a decode state or None, and only resumed rows one")
+    kept = list(states) if states is not None else [None] * b
     charged = [0.0] * b                     # computed tokens per row (FinishedSample.computed)
 
     def prefill(index: list[int]):
@@ -190,9 +237,10 @@ def generate_stream(
         steps is long: padding every fresh prompt, or a once-carried row, to it would compute mostly padding),
         the caches then joined as waiting prompts join."""
         fresh = [i for i in index if not start[i]]
+        moved = [i for i in index if kept[i] is not None]
         groups = [fresh] if fresh else []
         group: list[int] = []
-        for i in sorted((i for i in index if start[i]), key=lambda i: len(prompts[i])):
+        for i in sorted((i for i in index if start[i] and kept[i] is None), key=lambda i: len(prompts[i])):
             # a row joins the group while the group's prefill stays >= PREFILL_FILL useful tokens
             if group and len(prompts[i]) * (len(group) + 1) > (sum(len(prompts[j]) for j in group)
                                                               + len(prompts[i])) / PREFILL_FILL:
@@ -201,9 +249,20 @@ def generate_stream(
             group.append(i)
         if group:
             groups.append(group)
-        logits, kv, m, pos = prefill(groups[0])
+        if moved:
+            groups.append(moved)
+
+        def first(g):
+            if g is not moved:
+                return prefill(g)
+            for i in g:
+                token_lps[i] = list(kept[i]["logprobs"])
+                charged[i] += 1
+            return _resume_rows(model, [kept[i] for i in g], [prompts[i][-1] for i in g], device)
+
+        logits, kv, m, pos = first(groups[0])
         for g in groups[1:]:
-            more_logits, more_kv, more_m, more_pos = prefill(g)
+            more_logits, more_kv, more_m, more_pos = first(g)
             kv, m = _join_caches(kv, m, more_kv, more_m)
             logits, pos = torch.cat([logits, more_logits]), torch.cat([pos, more_pos])
         return state([i for g in groups for i in g]), (logits, kv, m, pos)
@@ -245,7 +304,8 @@ def generate_stream(
         if stop_after is not None and n_finished >= stop_after and (waiting or not bool(finished.all())):
             for slot in torch.nonzero(~finished).flatten().tolist():
                 row = slot_rows[slot]
-                yield PartialSample(row, prompt_tuples[row], tuple(responses[row, : lengths[row]].tolist()))
+                yield PartialSample(row, prompt_tuples[row], tuple(responses[row, : lengths[row]].tolist()),
+                                    row_state(cache, mask, slot, token_lps[row]) if carry_kv else None)
             for row in waiting:      # never started: carried with no tokens
                 yield PartialSample(row, prompt_tuples[row], ())
             return

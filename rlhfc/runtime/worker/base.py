@@ -254,6 +254,8 @@ class ModelWorker(TracedWorker):
         envs = self._env(env) if env else None
         loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
                          env=envs.new if envs else None, env_name=env["name"] if env else "", format=fmt)
+        states = [c.get("state") for c in mine] if keyed and any(c.get("state") for c in mine) else None
+        moving = {"carry_kv": True} if kv else {}
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
                   logprob_temperature=temperature if logprobs else None, slots=slots)
 
@@ -339,7 +341,7 @@ class ModelWorker(TracedWorker):
                         top_p: float, n: int = 1, take: int | None = None, carry: list[dict] | None = None,
                         unpad: bool = False, logprobs: bool = False, chat: bool = False, slots: int | None = None,
                         refit_mb: int = 64, tools: list[dict] | str = "", env: dict | str = "", max_turns: int = 1,
-                        turn_tokens: int = 0, split: bool = False, tail_below: int = 0):
+                        turn_tokens: int = 0, split: bool = False, tail_below: int = 0, tail_kv: bool = False):
         """Streaming generation (a Ray streaming generator): yield Rollout chunks of ``chunk`` finished
         samples as they finish; with ``take``, stop once ``take`` samples are done and finally yield a
         :class:`CarryOver` with the unfinished ones (their partial tokens kept). ``unpad``: each chunk is
@@ -354,10 +356,12 @@ class ModelWorker(TracedWorker):
         ``split``: this rank decodes its own share of the rows and streams its own chunks (rows numbered in the
         batch); ``tail_below = k``: once fewer than ``k`` of its rows are still decoding it stops and yields a
         :class:`CarryOver` of them, each with its row and its random-stream key, and its process is free for
-        other work. A call whose ``carry`` items all have keys (the tails of every rank, on one rank) continues
-        them: each row samples on from its own key at its own position, so its tokens are those it would have
-        sampled without moving (the torch engine's row streams; up to the float rounding of a prefill against
-        the KV cache it replaces), and draws no new key."""
+        other work; ``tail_kv``: each also carries its decode state (its KV cache and its tokens' log-probs:
+        the engine's ``kv_moves``). A call whose ``carry`` items all have keys (the tails of every rank, on one
+        rank) continues them: each row samples on from its own key at its own position, so its tokens are those
+        it would have sampled without moving (the torch engine's row streams), from its carried KV cache where
+        it has one, else from a prefill of its tokens so far (up to float rounding against the cache it
+        replaces), and draws no new key."""
         with torch.no_grad():
             model = self.backend.generation_model(self.rollout_engine)
             self.rollout_engine.prepare(model, refit_mb)
@@ -365,7 +369,7 @@ class ModelWorker(TracedWorker):
                 yield from self._generate(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_p=top_p, n=n, chunk=chunk, carry=carry or [], unpad=unpad,
                                           logprobs=logprobs, chat=chat, slots=slots, refit_mb=refit_mb,
-                                          split=split, tail_below=tail_below)
+                                          split=split, tail_below=tail_below, tail_kv=tail_kv)
                 return
             if self.backend.rank != 0:
                 # advance the sampling generator as a decode call does, so every rank draws the same row keys
@@ -398,14 +402,15 @@ class ModelWorker(TracedWorker):
 
     def _decode(self, model, inputs: list[dict], *, max_new_tokens, temperature, top_p, take=None, logprobs=False,
                 carry=False, share: tuple[int, int] | None = None, slots: int | None = None, refit_mb: int = 64,
-                keyed: bool = False):
+                keyed: bool = False, kv: bool = False):
         """Decode ``inputs`` on ``model`` (or only rows [lo, hi) of them: ``share``); yield a :class:`FinishedSample` (its
         ``index`` the row in ``inputs``, its response including a carried part) as each finishes, or, once
         ``take`` samples are done, a carry dict for each unfinished one. Row ``i`` samples from the random
         stream keyed ``base + i`` (``base`` one draw from this worker's sampling generator), so a share of the
         rows decodes the tokens the whole batch would. ``keyed``: the unfinished rows' carry dicts name their
         key and row (``key``, ``row``: a migrated tail), and inputs that all bring a key decode with them (no
-        draw)."""
+        draw); ``kv``: those carry dicts hold the row's decode ``state`` too, and inputs that bring one continue
+        from it (no prefill)."""
         lo, hi = share or (0, len(inputs))
         mine = inputs[lo:hi]
         if keyed and mine and all("key" in c for c in mine):
@@ -414,25 +419,32 @@ class ModelWorker(TracedWorker):
             base = int(torch.randint(0, 2**62, (1,), generator=self.sample_gen))
             keys = list(range(base + lo, base + hi))
         rows = [list(c["prompt_ids"]) + list(c["partial"]) for c in mine]
+        states = [c.get("state") for c in mine] if keyed and any(c.get("state") for c in mine) else None
+        moving = {"carry_kv": True} if kv else {}
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
                   budgets=[max_new_tokens - len(c["partial"]) for c in mine] if carry else None,
                   stop_after=take, logprob_temperature=temperature if logprobs else None,
-                  resumed=[len(c["partial"]) for c in mine], row_keys=keys, slots=slots)
+                  resumed=[len(c["partial"]) for c in mine], row_keys=keys, slots=slots,
+                  **({"states": states} if states else {}), **moving)
         stream = self.rollout_engine.stream(model, rows, max_new_tokens, refit_mb=refit_mb, **kw)
         for item in under_autocast(stream, self.device, self.precision):
             c = inputs[lo + item.index]
             response = tuple(c["partial"]) + tuple(item.response_ids)
             if isinstance(item, PartialSample):
                 part = {**c, "partial": list(response), "versions": token_versions(c, len(response), self.version)}
+                part.pop("state", None)
                 if keyed:
                     part.update(key=keys[item.index], row=c.get("row", lo + item.index))
+                    if item.state is not None:
+                        part["state"] = item.state
                 yield part
                 continue
             yield FinishedSample(lo + item.index, tuple(c["prompt_ids"]), response, item.eos, item.step, item.logprobs,
                                  item.computed)
 
     def _generate(self, model, prompts, *, max_new_tokens, temperature, top_p, n, chunk, take=None, carry=(),
-                  unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64, split=False, tail_below=0):
+                  unpad=False, logprobs=False, chat=False, slots=None, refit_mb=64, split=False, tail_below=0,
+                  tail_kv=False):
         inputs = self._inputs(prompts, n, carry, chat)
         keyed = split or _migrated_tail(carry)   # a migrated tail: rows and keys kept
         share = self.backend.generation_share(len(inputs)) if split else None
@@ -449,7 +461,7 @@ class ModelWorker(TracedWorker):
         done = 0
         for item in self._decode(model, inputs, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  take=take, logprobs=logprobs, carry=bool(carry), slots=slots, refit_mb=refit_mb,
-                                 share=share, keyed=keyed):
+                                 share=share, keyed=keyed, kv=tail_kv and tail_below > 0):
             if isinstance(item, dict):
                 left.append(item)
                 continue
