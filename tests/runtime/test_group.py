@@ -181,3 +181,28 @@ def test_group_answers_and_fails_fast_naming_the_rank(tmp_path):
             assert time.perf_counter() - t0 < 30
     finally:
         ray.shutdown()
+
+
+def test_the_gather_actor_is_one_per_ray_session(monkeypatch):
+    """One gather actor answers every group call of a Ray session; a Ray started again in the same process (a
+    benchmark's next job, the next test module) gets its own — the old one went with the old Ray."""
+    import rlhfc.runtime.driver.group as grp
+
+    made = []
+
+    class FakeRay:
+        node = "n1"
+
+        def get_runtime_context(self):
+            return type("C", (), {"get_node_id": lambda _: FakeRay.node, "get_job_id": lambda _: "01000000"})()
+
+        def remote(self, **options):
+            assert options["num_cpus"] == 0 and options["max_concurrency"] > 100
+            return lambda cls: type("A", (), {"remote": staticmethod(lambda: made.append(cls) or len(made))})
+
+    monkeypatch.setattr(grp, "_GATHERERS", {})
+    ray = FakeRay()
+    first = grp._gather(ray).actor
+    assert grp._gather(ray).actor == first and len(made) == 1
+    FakeRay.node = "n2"   # ray.shutdown(); ray.init(): the same job id on a new node
+    assert grp._gather(ray).actor != first and len(made) == 2 and made[-1] is grp._Gatherer

@@ -146,7 +146,8 @@ class _GatherCall:
 
 def _gather(ray):
     """What answers for a group's call (:class:`_Gatherer`), started at the first call of this Ray session."""
-    session = ray.get_runtime_context().get_job_id()
+    context = ray.get_runtime_context()
+    session = (context.get_node_id(), context.get_job_id())   # a Ray started again in this process: another node
     if session not in _GATHERERS:
         _GATHERERS.clear()   # an earlier session's actor went with its Ray
         _GATHERERS[session] = ray.remote(num_cpus=0, max_concurrency=1024)(_Gatherer).remote()
