@@ -174,9 +174,10 @@ def measure_move(rounds: int) -> list[dict]:
         prompts = [[1] + [3 + (i + j) % 50 for j in range(p_len - 1)] for i in range(rows)]
         keys = list(range(7, 7 + rows))
         # rows that decode r_len tokens and stop there, holding their caches (no EOS: eos_id out of vocab)
-        stopped = [s for s in generate_stream(model, prompts + [[1]], r_len, eos_id=999, pad_id=0,
-                                              row_keys=keys + [0], budgets=[r_len] * rows + [1], stop_after=1,
-                                              carry_kv=True) if isinstance(s, PartialSample)]
+        # (a last row of budget r_len finishing stops the call with the others at r_len tokens too)
+        stopped = [s for s in generate_stream(model, prompts + [[1]], r_len + 1, eos_id=999, pad_id=0,
+                                              row_keys=keys + [0], budgets=[r_len + 1] * rows + [r_len],
+                                              stop_after=1, carry_kv=True) if isinstance(s, PartialSample)]
         assert len(stopped) == rows and all(len(s.response_ids) == r_len for s in stopped)
         inputs = [list(s.prompt_ids) + list(s.response_ids) for s in stopped]
         kw = dict(eos_id=999, pad_id=0, row_keys=keys, budgets=[1] * rows, resumed=[r_len] * rows)

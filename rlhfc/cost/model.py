@@ -74,6 +74,13 @@ DEFAULT_OTHER_COMPUTE = (1e-4, 1e-8)
 TOOL_CALL_S = 0.003
 
 
+#: one crossing of a process boundary through Ray's object store (pickled, stored, read, unpickled): a fixed part
+#: and a rate, measured with ``benchmarks/rlhfuse.py --move`` on a 2-vCPU EPYC VM (0.8-134 MB of KV caches: ~2 ms
+#: plus ~0.55 GB/s); what a migrated tail's KV caches pay twice (rank to driver, driver to rank)
+STORE_CROSSING_S = 2e-3
+STORE_CROSSING_BW = 0.55e9
+
+
 @dataclass
 class CostConfig:
     """Knobs of the cost model.
@@ -465,13 +472,38 @@ class CostModel:
         f = plan.fused(stage)
         return f.gain if f is not None and f.gain > 1.0 and not self.spec.is_cpu else None
 
+    def tail_phases(self, gen: Stage, ranks: int, below: int) -> tuple[float, float]:
+        """The two phases of a migrated generate (the ``tail_migrate`` pass), in seconds: each of the ``ranks``
+        processes decodes its own share of the rows until fewer than ``below`` of them decode (a generate of
+        that share priced on its own — every process pays the whole per-step overhead, so on an overhead-bound
+        CPU the split saves little and takes a core per rank), then one process decodes the rows left: the
+        whole batch's decode after all but ``ranks · (below − 1)`` of its rows have finished, plus moving them
+        there (:meth:`tail_move`, by the plan's ``move``)."""
+        layout = self.layout(gen)
+        B = gen.outputs[0].type.batch or 1
+        per = -(-B // max(ranks, 1))
+        inp = self.price_inputs(gen, [layout])
+        work = self._decode_work(self.response_lengths(gen), self.prompt_lengths(gen), per, 0, 1, self.continuous)
+        work.update(self._torch_extras(gen, self.module.models[gen.target], work))
+        share = {k: float(np.asarray(v).reshape(-1)[0])
+                 for k, v in price(np, replace(inp, work=work), self.dispatch).items()}
+        head = self._finish_offsets(share, work)[min(per - 1, max(0, per - below))]
+        whole = self.stage_cost(gen)
+        offsets = whole.finish_offsets or (whole.time_s - self.dispatch,)
+        left = min(len(offsets) - 1, ranks * (below - 1))
+        tail = max(whole.time_s - self.dispatch - offsets[len(offsets) - 1 - left], 0.0)
+        t = plan.tail(gen)
+        move = self.tail_move(gen, ranks, below)[t.move if t is not None else "prefill"]
+        return head, tail + move
+
     def tail_move(self, gen: Stage, ranks: int, below: int) -> dict[str, float]:
         """What continuing a migrated tail on one rank costs (the ``tail_migrate`` pass's ``move``): about
         ``ranks · (below − 1)`` rows, each of the expected prompt plus the tokens the length law gives a rank's
         ``(rows − below + 1)``-th finisher, either re-prefilled (a forward of those tokens: matrix products and
         attention at the device's inference rate, plus a per-layer overhead) or moved with their KV caches (their
-        bytes across host memory twice — rank to driver to rank, Ray's object store — and a forward of each row's
-        last token over its cache). The seconds of both and the rows and tokens they price."""
+        bytes through Ray's object store twice — rank to driver to rank, :data:`STORE_CROSSING_S` and
+        :data:`STORE_CROSSING_BW` each, plus the host link both ways on a GPU — and a forward of each row's last
+        token over its cache). The seconds of both and the rows and tokens they price."""
         model = self.module.models[gen.target]
         arch, spec = arch_numbers(model), self.spec
         per = -(-(gen.outputs[0].type.batch or 1) // max(ranks, 1))
@@ -484,9 +516,10 @@ class CostModel:
         step = (2.0 * arch["mm"] * rows + 4.0 * arch["L"] * arch["h"] * rows * tokens) / rate \
             + arch["L"] * spec.layer_overhead
         nbytes = arch["kv_tok"] * spec.bytes_per_param * rows * tokens
-        link = spec.host_mem_bw if spec.is_cpu else spec.host_bw * spec.net_eff
-        return {"rows": rows, "tokens": tokens, "kv_bytes": nbytes, "prefill": prefill,
-                "kv": 2.0 * (spec.latency + nbytes / link) + step}
+        crossing = STORE_CROSSING_S + nbytes / STORE_CROSSING_BW
+        if not spec.is_cpu:   # off the device and back on over its host link
+            crossing += spec.latency + nbytes / (spec.host_bw * spec.net_eff)
+        return {"rows": rows, "tokens": tokens, "kv_bytes": nbytes, "prefill": prefill, "kv": 2.0 * crossing + step}
 
     def _driver_cost(self, stage: Stage, rows: float | None) -> StageCost:
         op = stage.op

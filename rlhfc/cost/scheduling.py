@@ -492,12 +492,15 @@ def _cpu_job(ctx: _Context, s: Stage, k: int, workers: dict, threads_of: dict, j
     phases = None
     split = tail_split(cm.module, s, cost) if cores else None
     if src is None and split is not None:
-        # a migrated tail (the tail_migrate pass): every rank until its tail starts, then one rank, the other
-        # ranks' cores free for the forwards of the finished chunks
-        start = split[0] + d
-        rest = max(cost.time_s + extra + ctx.sync_time.get(s.name, 0.0) - start, 0.0)
-        units = [[start, sigma(cost), None, None, cm.stage_speedup(s), d], [rest, sigma(cost), None, None, None, 0.0]]
-        phases = [(cores, max(1, int(threads))), (frozenset({min(cores)}), 1)]
+        # a migrated tail (the tail_migrate pass): every rank decodes its share in a process of its own until its
+        # tail starts (a core each: independent processes, linear in the cores they get), then one rank decodes
+        # the rows left, the other ranks' cores free for the forwards of the finished chunks
+        ranks = split[1]
+        head, rest = cm.tail_phases(s, ranks, plan.tail(s).below)
+        rest += extra + ctx.sync_time.get(s.name, 0.0)
+        units = [[head + d, 0.0, None, None, tuple(float(n) for n in range(1, len(cores) + 1)), d],
+                 [rest, sigma(cost), None, None, None, 0.0]]
+        phases = [(cores, min(ranks, len(cores))), (frozenset({min(cores)}), 1)]
     elif src is None:
         duration = cost.time_s + extra + ctx.sync_time.get(s.name, 0.0)
         units = [[duration, sigma(cost), None, None, cm.stage_speedup(s) if cores else None, d]]

@@ -21,7 +21,8 @@ one decode step over the row's last token and decodes on (the engine's ``kv_move
 ``move = prefill`` re-prefills the row's prompt and tokens so far there. ``auto`` (the default) takes the cheaper
 as the cost model prices them (:meth:`rlhfc.cost.model.CostModel.tail_move`: the cache's bytes across host memory
 twice, rank to driver to rank, against a forward of the rows' tokens). Measured on a 2-core CPU
-(``benchmarks/rlhfuse.py --move``, docs/benchmarks.md) the KV move is the cheaper at every shape tried.
+(``benchmarks/rlhfuse.py --move``, docs/benchmarks.md): about even at 2 layers x 128, the KV move 1.7-3.5x
+cheaper from 4 layers x 512 up.
 
 Exact up to float rounding: the torch engine samples each row from its own random stream keyed by the row and the
 token position (:func:`rlhfc.runtime.rollout.decoding.decode_stream`), so a moved row samples the tokens it would

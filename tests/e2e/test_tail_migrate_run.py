@@ -33,10 +33,11 @@ def _spans(trace: dict, name: str, step: int) -> list[tuple[float, float, int]]:
 
 def test_the_tail_moves_to_one_rank_freeing_the_other_and_the_job_trains_as_without(tmp_path):
     runs = {}
-    for name, passes in (("moved", PASSES[:6] + ["tail_migrate"] + PASSES[6:]), ("kept", PASSES)):
+    for name, passes in (("moved", PASSES[:6] + ["tail_migrate{move=kv}"] + PASSES[6:]), ("kept", PASSES)):
         job = compile_job(PROGRAM, str(tmp_path / f"job_{name}"), level=None, passes=passes)
         code = open(os.path.join(job, "main.py")).read()
-        # moved with their KV caches (the cheaper as priced; re-prefilled tails: tests/runtime/test_tail.py)
+        # moved with their KV caches through the driver (at this shape a re-prefill is priced the cheaper, and
+        # move=auto takes it: tests/test_tail_migrate.py; re-prefilled tails: tests/runtime/test_tail.py)
         assert ("tail={'ranks': w.actor.ranks, 'below': 4, 'move': 'kv'}" in code) == (name == "moved")
         samples: list = []
         rows = run_job(job, recording(job_step(job), samples), out=str(tmp_path / f"run_{name}"), progress=False,

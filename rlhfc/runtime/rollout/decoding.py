@@ -70,13 +70,13 @@ class PartialSample:
 
 
 def row_state(cache, mask: torch.Tensor, slot: int, logprobs: Sequence[float]) -> dict:
-    """A live row's decode state: its KV cache (per layer, keys and values ``[heads, L, head_dim]`` over its L
-    attended positions, on the CPU) and the log-probs of its tokens so far. The cache holds every token but the
-    last sampled one, which the continuing call feeds through the model first (:func:`_resume_rows`)."""
+    """A live row's decode state: its KV cache as one tensor ``[layers, 2 (keys, values), heads, L, head_dim]``
+    over its L attended positions, on the CPU (one tensor a row: what crosses processes pickles fast), and the
+    log-probs of its tokens so far. The cache holds every token but the last sampled one, which the continuing
+    call feeds through the model first (:func:`_resume_rows`)."""
     cols = torch.nonzero(mask[slot]).flatten()
-    return {"kv": [(la.keys[slot][:, cols].cpu().clone(), la.values[slot][:, cols].cpu().clone())
-                   for la in cache.layers],
-            "logprobs": list(logprobs)}
+    kv = torch.stack([torch.stack([la.keys[slot][:, cols], la.values[slot][:, cols]]) for la in cache.layers])
+    return {"kv": kv.cpu(), "logprobs": list(logprobs)}
 
 
 def _resume_rows(model, states: list[dict], pending: list[int], device):
@@ -85,20 +85,18 @@ def _resume_rows(model, states: list[dict], pending: list[int], device):
     last positions), as a prefill returns them."""
     from transformers import DynamicCache
 
-    width = max(st["kv"][0][0].shape[1] for st in states)
+    lengths = [st["kv"].shape[3] for st in states]
+    width = max(lengths)
+    # [rows, layers, 2, heads, width, head_dim], each row's positions at the right (left padding)
+    kv = torch.stack([torch.nn.functional.pad(st["kv"], (0, 0, width - n, 0)) for st, n in zip(states, lengths)])
+    kv = kv.to(device)
     cache = DynamicCache()
-    for layer in range(len(states[0]["kv"])):
-        keys, values = [], []
-        for st in states:
-            k, v = st["kv"][layer]
-            n = width - k.shape[1]
-            keys.append(torch.nn.functional.pad(k, (0, 0, n, 0)))
-            values.append(torch.nn.functional.pad(v, (0, 0, n, 0)))
-        cache.update(torch.stack(keys).to(device), torch.stack(values).to(device), layer)
+    for layer in range(kv.shape[1]):
+        cache.update(kv[:, layer, 0].contiguous(), kv[:, layer, 1].contiguous(), layer)
     mask = torch.zeros((len(states), width + 1), dtype=torch.long, device=device)
-    for k, st in enumerate(states):
-        mask[k, width - st["kv"][0][0].shape[1]:] = 1
-    positions = torch.tensor([[st["kv"][0][0].shape[1]] for st in states], dtype=torch.long, device=device)
+    for k, n in enumerate(lengths):
+        mask[k, width - n:] = 1
+    positions = torch.tensor([[n] for n in lengths], dtype=torch.long, device=device)
     token = torch.tensor([[t] for t in pending], dtype=torch.long, device=device)
     logits, cache = model.decode_step(token, mask, positions, cache)
     return logits[:, -1], cache, mask, positions[:, -1]
