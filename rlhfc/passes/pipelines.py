@@ -20,10 +20,10 @@ from .base import Pass, parse_pipeline
 PIPELINES: dict[str, list[str]] = {
     "O0": [],
     "O1": ["dce"],
-    "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "tail_migrate", "fuse_training",
+    "O2": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "placement", "tail_migrate{when=faster}", "fuse_training",
            "recompute", "offload", "realloc", "threads"],
     "O3": ["dce", "unpad", "reuse_logprobs", "parallelize", "stream", "overcommit{when=faster}",
-           "async_rollout{when=faster}", "placement", "tail_migrate", "fuse_training", "recompute", "offload", "realloc",
+           "async_rollout{when=faster}", "placement", "tail_migrate{when=faster}", "fuse_training", "recompute", "offload", "realloc",
            "threads"],
 }
 assert tuple(PIPELINES) == OPT_LEVELS, "every -O level of rlhfc.ir.plan.OPT_LEVELS has a pipeline, in order"

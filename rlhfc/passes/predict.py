@@ -2,7 +2,8 @@
 (:func:`rlhfc.cost.simulate` over :data:`rlhfc.cost.simulator.STEADY_STEPS` steps) and the gain a change
 that alters training must promise before an automatic choice takes it (:data:`AUTO_GAIN`).
 
-Used by ``overcommit{when=faster}`` and ``async_rollout{when=faster}`` (-O3) and by ``async_rollout``'s
+Used by ``overcommit{when=faster}`` and ``async_rollout{when=faster}`` (-O3), ``tail_migrate{when=faster}``
+(-O2 and -O3, at :data:`EXACT_GAIN`) and by ``async_rollout``'s
 ``proximal = auto``: a change that trains on other samples, or on an approximated loss, is taken only where
 the cost model predicts it pays, since a gain within the model's error is not worth a change of what the
 job learns from.
@@ -16,6 +17,10 @@ from rlhfc.ir import Module
 
 #: a change that alters training is taken automatically only when its step is predicted this much faster
 AUTO_GAIN = 0.05
+#: an exact change that moves work between processes (``tail_migrate{when=faster}``, -O2) is taken only when its
+#: step is predicted this much faster: below it the prediction cannot tell it from no change, and on an
+#: overhead-bound CPU job the split it makes measured slower (docs/benchmarks.md, RLHFuse)
+EXACT_GAIN = 0.01
 
 
 def steady_step(module: Module) -> float:
@@ -24,11 +29,13 @@ def steady_step(module: Module) -> float:
 
 
 class Faster:
-    """``faster(candidate, base)``: is ``candidate``'s step predicted at least :data:`AUTO_GAIN` shorter than
-    ``base``'s? Each module is simulated once (the modules must not change between calls)."""
+    """``faster(candidate, base)``: is ``candidate``'s step predicted at least ``gain`` (default
+    :data:`AUTO_GAIN`) shorter than ``base``'s? Each module is simulated once (the modules must not change between
+    calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gain: float = AUTO_GAIN) -> None:
         self._steps: dict[int, tuple[Module, float]] = {}
+        self.gain = gain
 
     def step(self, module: Module) -> float:
         if id(module) not in self._steps:
@@ -36,4 +43,4 @@ class Faster:
         return self._steps[id(module)][1]
 
     def __call__(self, candidate: Module, base: Module) -> bool:
-        return self.step(candidate) < (1.0 - AUTO_GAIN) * self.step(base)
+        return self.step(candidate) < (1.0 - self.gain) * self.step(base)

@@ -34,8 +34,15 @@ generates alone (the engine's ``row_streams`` trait).
 
 Where it does nothing (a documented no-op, not an error: -O2 runs it on every program): a generate on one rank,
 one that is not streamed (no consumers to run beside the tail), a multi-turn, overcommitted or asynchronous
-generate, or an engine without ``row_streams``. ``explain`` shows the annotation (``tail = {below = K}``) and
-the runtime's trace shows each rank's generate ending at its tail and the first rank's continuation.
+generate, or an engine without ``row_streams``. ``explain`` shows the annotation (``tail = {below = K, move =
+M}``) and the runtime's trace shows each rank's generate ending at its tail and the first rank's continuation.
+
+-O2 and -O3 run it as ``tail_migrate{when=faster}``: the marks stay only where the simulator predicts the step at
+least 1 % faster with them (:data:`rlhfc.passes.predict.EXACT_GAIN`). Splitting a generate over its ranks pays
+where a decode step's cost grows with its rows; on a small model on CPU a step of half the rows costs nearly
+what a full one does (2 layers x 128: 2.8 against 3.4 ms), every rank's process pays the whole per-step overhead
+on a core the forwards also want, and the job measured 12 % slower with the pass (docs/benchmarks.md). Named
+alone (``tail_migrate``, as the tests do) it marks every generate it can.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from rlhfc.contract.engines import rollout_traits
 from rlhfc.cost import CostModel
 from rlhfc.ir import Module, plan
 from rlhfc.ir.diagnostics import error
+
+from .predict import EXACT_GAIN, Faster
 
 from .base import Pass, register_pass
 
@@ -67,6 +76,9 @@ class TailMigrate(Pass):
     rounding = True     # a moved row decodes in another batch (or from a prefill instead of its KV cache)
     threshold: str = field(default="auto", metadata={"doc": "auto, or the fraction of a rank's rows below which "
                                                             "they move (0 < f <= 1)"})
+    when: str = field(default="always", metadata={
+        "doc": "always: every generate it can migrate; faster (-O2, -O3): only where the step is predicted at "
+               "least 1 % faster than without"})
     move: str = field(default="auto", metadata={"doc": "how the tail moves: kv (its KV caches), prefill "
                                                        "(re-prefilled on the rank that takes it), or auto: the "
                                                        "cheaper as priced, kv only on an engine that moves KV"})
@@ -81,6 +93,9 @@ class TailMigrate(Pass):
                 raise error(f"pass tail_migrate: threshold must be auto or a fraction in (0, 1], got "
                             f"{self.threshold!r}", None, "write tail_migrate{threshold=auto} or "
                             "tail_migrate{threshold=0.25}")
+        if self.when not in ("always", "faster"):
+            raise error(f"pass tail_migrate: when must be always or faster, got {self.when!r}", None,
+                        "write tail_migrate{when=faster}")
         if self.move not in ("auto", *plan.Tail.moves):
             raise error(f"pass tail_migrate: move must be auto, kv or prefill, got {self.move!r}", None,
                         "write tail_migrate{move=kv}")
@@ -96,6 +111,15 @@ class TailMigrate(Pass):
         return "kv" if price["kv"] < price["prefill"] else "prefill"
 
     def run(self, module: Module) -> Module:
+        if self.when == "always":
+            return self._migrate(module)
+        candidate = self._migrate(module.clone())
+        if not any(plan.tail(s) for s in candidate.graph.stages):
+            return candidate   # its own marks cleared
+        base = self._migrate(module.clone(), mark=False)
+        return candidate if Faster(EXACT_GAIN)(candidate, base) else base
+
+    def _migrate(self, module: Module, mark: bool = True) -> Module:
         for gen in [s for s in module.graph.stages if s.op == "generate"]:
             plan.set_tail(gen, None)   # idempotent: its own mark only
             if plan.stream_chunk(gen) is None or plan.overcommit(gen) is not None or plan.multi_turn(gen) \
@@ -108,5 +132,6 @@ class TailMigrate(Pass):
             if ranks < 2 or rows < 2 * ranks:
                 continue
             below = tail_below(-(-rows // ranks), ranks, self.threshold)
-            plan.set_tail(gen, plan.Tail(below, self._move(module, gen, ranks, below)))
+            if mark:
+                plan.set_tail(gen, plan.Tail(below, self._move(module, gen, ranks, below)))
         return module

@@ -60,11 +60,12 @@ def _bitwise(a: dict, b: dict) -> bool:
 
 
 def test_O2_without_unpad_trains_bitwise_identically_to_O0(tmp_path):
-    assert all(get_pass(n).exact for n in PIPELINES["O2"])
-    bitwise = [n for n in PIPELINES["O2"] if not get_pass(n).rounding or n == "stream"]
+    assert all(get_pass(n.split("{")[0]).exact for n in PIPELINES["O2"])
+    bitwise = [n for n in PIPELINES["O2"] if not get_pass(n.split("{")[0]).rounding or n == "stream"]
     # threads: a call on fewer torch threads may sum in another order (and without a profile it does nothing);
-    # tail_migrate: a moved row's logits come from a prefill (and on this one-rank generate it does nothing)
-    assert bitwise == [n for n in PIPELINES["O2"] if n not in ("unpad", "reuse_logprobs", "threads", "tail_migrate")]
+    # tail_migrate: a moved row decodes in another batch (and on this one-rank generate it does nothing)
+    assert bitwise == [n for n in PIPELINES["O2"]
+                       if n not in ("unpad", "reuse_logprobs", "threads", "tail_migrate{when=faster}")]
     # recompute would keep everything on this tiny program (it fits): force Megatron's selective policy so the
     # trainers really recompute (a selective checkpoint of each block) and show it changes nothing; the chunk
     # given, so the placement search keeps the streaming (it prices it as slower on this tiny batch)
