@@ -75,7 +75,7 @@ TOOL_CALL_S = 0.003
 
 
 #: one crossing of a process boundary through Ray's object store (pickled, stored, read, unpickled): a fixed part
-#: and a rate, measured with ``benchmarks/rlhfuse.py --move`` on a 2-vCPU EPYC VM (0.8-134 MB of KV caches: ~2 ms
+#: and a rate, measured with ``benchmarks/rlhfuse.py --move`` on a 2-vCPU Intel Xeon VM (0.8-134 MB of KV caches: ~2 ms
 #: plus ~0.55 GB/s); what a migrated tail's KV caches pay twice (rank to driver, driver to rank)
 STORE_CROSSING_S = 2e-3
 STORE_CROSSING_BW = 0.55e9
