@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from rlhfc.contract.rules import DECODE_COMPACT_FRACTION
 from rlhfc.runtime.models.build import PolicyModel, position_ids_from_mask
@@ -83,8 +84,6 @@ def _resume_rows(model, states: list[dict], pending: list[int], device):
     """The decode batch of rows continued from their states (:func:`row_state`): their caches left-padded to the
     longest, then one decode step over each row's last sampled token; (next-token logits, cache, mask,
     last positions), as a prefill returns them."""
-    from transformers import DynamicCache
-
     lengths = [st["kv"].shape[3] for st in states]
     width = max(lengths)
     # [rows, layers, 2, heads, width, head_dim], each row's positions at the right (left padding)
@@ -250,7 +249,7 @@ def generate_stream(
         if moved:
             groups.append(moved)
 
-        def first(g):
+        def start_group(g):
             if g is not moved:
                 return prefill(g)
             for i in g:
@@ -258,9 +257,9 @@ def generate_stream(
                 charged[i] += 1
             return _resume_rows(model, [kept[i] for i in g], [prompts[i][-1] for i in g], device)
 
-        logits, kv, m, pos = first(groups[0])
+        logits, kv, m, pos = start_group(groups[0])
         for g in groups[1:]:
-            more_logits, more_kv, more_m, more_pos = first(g)
+            more_logits, more_kv, more_m, more_pos = start_group(g)
             kv, m = _join_caches(kv, m, more_kv, more_m)
             logits, pos = torch.cat([logits, more_logits]), torch.cat([pos, more_pos])
         return state([i for g in groups for i in g]), (logits, kv, m, pos)
