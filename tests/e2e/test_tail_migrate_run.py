@@ -59,3 +59,42 @@ def test_the_tail_moves_to_one_rank_freeing_the_other_and_the_job_trains_as_with
             assert min(b0, b1) < b2 - 1e3                     # one rank's process was free while the tail ran
             moved += 1
     assert moved >= 1
+
+
+def test_the_rank_taking_the_tail_dying_stops_the_job_naming_the_stage_and_keeps_the_run(tmp_path):
+    """Fault injection: the first rank dies as the driver hands it the other ranks' tails (step 1). The job stops
+    at once with an error naming the generate and the death, and the run folder keeps the step it finished (the
+    hint says where; resuming after a dead rank: tests/e2e/test_parallel_run.py)."""
+    import ray
+
+    from rlhfc.runtime.errors import JobError
+
+    job = compile_job(PROGRAM, str(tmp_path / "job"), level=None,
+                      passes=PASSES[:6] + ["tail_migrate{move=kv}"] + PASSES[6:])
+    step = job_step(job)
+    handed: list = []
+
+    def killing(job_, w):
+        if job_.step == 1:
+            stream = job_.stream
+
+            def migrating(stage, launch, *args, **kwargs):
+                def launching(prompts, carry, **more):
+                    if carry:   # the continuation of every rank's tail: its rank dies first
+                        handed.append(len(carry))
+                        ray.kill(w.actor.ranks[0], no_restart=True)
+                    return launch(prompts, carry, **more)
+                return stream(stage, launching, *args, **kwargs)
+
+            job_.stream = migrating
+        return step(job_, w)
+
+    out = tmp_path / "run"
+    with pytest.raises(JobError) as exc:
+        run_job(job, killing, out=str(out), progress=False)
+    assert handed and handed[0] > 0
+    assert "roll" in exc.value.message and "died" in exc.value.message, exc.value.message
+    # no checkpoint yet (every 2 steps): the hint says so and where the metrics are
+    assert "no checkpoint was written yet" in exc.value.hint and str(out) in exc.value.hint, exc.value.hint
+    with open(out / "metrics.jsonl") as fh:
+        assert [json.loads(line)["step"] for line in fh] == [0]

@@ -254,8 +254,6 @@ class ModelWorker(TracedWorker):
         envs = self._env(env) if env else None
         loop = AgentLoop({spec["name"]: self._tool(spec) for spec in tools}, max_turns, turn_tokens,
                          env=envs.new if envs else None, env_name=env["name"] if env else "", format=fmt)
-        states = [c.get("state") for c in mine] if keyed and any(c.get("state") for c in mine) else None
-        moving = {"carry_kv": True} if kv else {}
         kw = dict(eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, temperature=temperature, top_p=top_p,
                   logprob_temperature=temperature if logprobs else None, slots=slots)
 
