@@ -223,7 +223,7 @@ class Job:
         or re-prefilled (:meth:`_stream_tail`).
         """
         ray = _ray()
-        from rlhfc.runtime.data.values import CarryOver, merge_parts, merge_rollouts
+        from rlhfc.runtime.data.values import CarryOver
 
         consumers = consumers or {}
         if tail is not None:
@@ -252,12 +252,19 @@ class Job:
                         parts[name].append(start(ref))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
-        self._timed(stage, t_start, ref=ref)
-        roll = merge_rollouts(chunks)
-        results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
+        roll, results = self._merged(stage, t_start, ref, chunks, parts)
         if overcommit is not None:
             self._adapt_overcommit(stage, overcommit, roll, carry)
         return [roll, *results]
+
+    def _merged(self, stage: str, t_start: float, ref, chunks: list, parts: dict) -> tuple[Any, list]:
+        """A streamed generate's end: its time recorded (up to ``ref``, its last item), its chunks merged into one
+        rollout in batch order, and each consumer's per-chunk results fetched and joined the same way."""
+        from rlhfc.runtime.data.values import merge_parts, merge_rollouts
+
+        self._timed(stage, t_start, ref=ref)
+        roll = merge_rollouts(chunks)
+        return roll, [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
 
     def _stream_tail(self, stage: str, launch: Callable, prompts: list[str], consumers: dict[str, Callable],
                      ranks: list, below: int, kv: bool = False) -> list[Any]:
@@ -272,7 +279,7 @@ class Job:
         import threading
 
         ray = _ray()
-        from rlhfc.runtime.data.values import CarryOver, merge_parts, merge_rollouts
+        from rlhfc.runtime.data.values import CarryOver
 
         self.current_stage = stage
         t_start = time.perf_counter()
@@ -318,9 +325,7 @@ class Job:
                     take(r, ray.get(r))
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise self._ray_failure(stage, exc) from None
-        self._timed(stage, t_start, ref=ref)
-        roll = merge_rollouts(chunks)
-        results = [merge_parts([self.get(self._stage_of(n), r) for r in refs], chunks) for n, refs in parts.items()]
+        roll, results = self._merged(stage, t_start, ref, chunks, parts)
         return [roll, *results]
 
     def fused(self, role: int, orders: list[str]) -> dict:
