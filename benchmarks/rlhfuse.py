@@ -1,5 +1,6 @@
-"""RLHFuse benchmark (issue #39), the part built so far: the fused actor/critic training schedule at RLHFuse's
-model sizes, predicted.
+"""RLHFuse benchmark (issue #39): the fused actor/critic training schedule at RLHFuse's model sizes, predicted
+(the default); both passes measured on this CPU (``--cpu``); a migrated tail's KV move against a re-prefill
+(``--move``).
 
 For each LLaMA actor/critic pair of RLHFuse's evaluation sizes (13B, 33B, 65B), both trained with an 8-stage
 pipeline on the same 8 A100-80GB GPUs (tensor parallelism inside a node is left out: it scales both models'

@@ -7,7 +7,8 @@ stragglers. RLHFuse (NSDI '25, arXiv 2409.13221) moves those stragglers onto few
 ones the next stages of the finished samples. Here: each rank streams its finished rows to the forwards in chunks
 (the generate must be streamed: the ``stream`` pass) and stops once fewer than ``below`` of its rows are still
 decoding; the unfinished rows of every rank, with their tokens so far and their random-stream keys, continue
-together on the first rank — with their KV caches, or re-prefilled from their tokens (``move``, below). The other ranks' processes are free meanwhile (on a CPU cluster their
+together on the first rank — with their KV caches, or re-prefilled from their tokens (``move``, below). The
+other ranks' processes are free meanwhile (on a CPU cluster their
 cores run the forwards of the finished chunks beside the tail), and the group's generation makes one tail, not
 one per rank.
 
@@ -19,8 +20,8 @@ start. ``threshold = f`` (0 < f <= 1) moves them below ``f`` of a rank's rows.
 Move: ``move = kv`` hands each row's KV cache (and its tokens' log-probs) to the rank that continues it, which runs
 one decode step over the row's last token and decodes on (the engine's ``kv_moves`` trait: the torch engine);
 ``move = prefill`` re-prefills the row's prompt and tokens so far there. ``auto`` (the default) takes the cheaper
-as the cost model prices them (:meth:`rlhfc.cost.model.CostModel.tail_move`: the cache's bytes across host memory
-twice, rank to driver to rank, against a forward of the rows' tokens). Measured on a 2-core CPU
+as the cost model prices them (:meth:`rlhfc.cost.model.CostModel.tail_move`: the caches' bytes through Ray's object
+store twice, rank to driver to rank, against a forward of the rows' tokens). Measured on a 2-core CPU
 (``benchmarks/rlhfuse.py --move``, docs/benchmarks.md): about even at 2 layers x 128, the KV move 1.7-3.5x
 cheaper from 4 layers x 512 up.
 
@@ -116,10 +117,12 @@ class TailMigrate(Pass):
         candidate = self._migrate(module.clone())
         if not any(plan.tail(s) for s in candidate.graph.stages):
             return candidate   # its own marks cleared
-        base = self._migrate(module.clone(), mark=False)
+        base = module.clone()
+        for s in base.graph.stages:
+            plan.set_tail(s, None)
         return candidate if Faster(EXACT_GAIN)(candidate, base) else base
 
-    def _migrate(self, module: Module, mark: bool = True) -> Module:
+    def _migrate(self, module: Module) -> Module:
         for gen in [s for s in module.graph.stages if s.op == "generate"]:
             plan.set_tail(gen, None)   # idempotent: its own mark only
             if plan.stream_chunk(gen) is None or plan.overcommit(gen) is not None or plan.multi_turn(gen) \
@@ -132,6 +135,5 @@ class TailMigrate(Pass):
             if ranks < 2 or rows < 2 * ranks:
                 continue
             below = tail_below(-(-rows // ranks), ranks, self.threshold)
-            if mark:
-                plan.set_tail(gen, plan.Tail(below, self._move(module, gen, ranks, below)))
+            plan.set_tail(gen, plan.Tail(below, self._move(module, gen, ranks, below)))
         return module

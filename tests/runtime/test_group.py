@@ -198,11 +198,16 @@ def test_the_gather_actor_is_one_per_ray_session(monkeypatch):
 
         def remote(self, **options):
             assert options["num_cpus"] == 0 and options["max_concurrency"] > 100
-            return lambda cls: type("A", (), {"remote": staticmethod(lambda: made.append(cls) or len(made))})
+            def wrap(cls):
+                def start():
+                    made.append(cls)
+                    return type("Handle", (), {"gather": len(made)})()
+                return type("A", (), {"remote": staticmethod(start)})
+            return wrap
 
     monkeypatch.setattr(grp, "_GATHERERS", {})
     ray = FakeRay()
-    first = grp._gather(ray).actor
-    assert grp._gather(ray).actor == first and len(made) == 1
+    first = grp._gather(ray)
+    assert grp._gather(ray) == first and len(made) == 1
     FakeRay.node = "n2"   # ray.shutdown(); ray.init(): the same job id on a new node
-    assert grp._gather(ray).actor != first and len(made) == 2 and made[-1] is grp._Gatherer
+    assert grp._gather(ray) != first and len(made) == 2 and made[-1] is grp._Gatherer

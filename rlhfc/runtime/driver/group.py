@@ -135,20 +135,13 @@ class _Gatherer:
         return results[0]
 
 
-class _GatherCall:
-    def __init__(self, actor):
-        self.actor = actor
-
-    def remote(self, group: str, rule: str, refs: list):
-        # the refs travel inside a list, so the actor gets them unresolved and fails as soon as one rank fails
-        return self.actor.gather.remote(group, rule, refs)
-
-
 def _gather(ray):
-    """What answers for a group's call (:class:`_Gatherer`), started at the first call of this Ray session."""
+    """What answers for a group's call: the ``gather`` method of this Ray session's :class:`_Gatherer`, started at
+    its first call (the refs travel inside a list, so the actor gets them unresolved and fails as soon as one rank
+    fails)."""
     context = ray.get_runtime_context()
     session = (context.get_node_id(), context.get_job_id())   # a Ray started again in this process: another node
     if session not in _GATHERERS:
         _GATHERERS.clear()   # an earlier session's actor went with its Ray
         _GATHERERS[session] = ray.remote(num_cpus=0, max_concurrency=1024)(_Gatherer).remote()
-    return _GatherCall(_GATHERERS[session])
+    return _GATHERERS[session].gather
